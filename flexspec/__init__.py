@@ -1,0 +1,42 @@
+"""flexspec: describe attention variants in a tiny language, get the fastest correct kernel.
+
+>>> import flexspec
+>>> spec = flexspec.parse("causal & window(128) + alibi")
+>>> str(spec)
+'causal & window(128) + alibi'
+"""
+
+from __future__ import annotations
+
+from .errors import (BindingError, RegistryError, SpecCheckError, SpecError, SpecSyntaxError)
+from .library import Library, load
+from .registry import Pattern, registry
+from .spec import Spec
+
+__version__ = "0.1.0"
+
+
+def parse(text, *, library: Library | None = None) -> Spec:
+    """Parse and check a spec expression; names resolve in ``library`` first, then the registry."""
+    from .checker import check_spec
+    from .parser import parse_spec
+
+    if isinstance(text, Spec):
+        return text
+    scope = library.scope if library is not None else registry().scope
+    node = parse_spec(text)
+    return Spec(node, check_spec(node, scope))
+
+
+def patterns() -> list[Pattern]:
+    """Every pattern of the registry, sorted by name."""
+    return sorted(registry().patterns.values(), key=lambda p: p.name)
+
+
+def pattern(name: str) -> Pattern:
+    """One pattern by name or alias; an unknown name raises :class:`RegistryError`."""
+    return registry().get(name)
+
+
+__all__ = ["BindingError", "Library", "Pattern", "RegistryError", "Spec", "SpecCheckError",
+           "SpecError", "SpecSyntaxError", "load", "parse", "pattern", "patterns"]

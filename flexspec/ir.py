@@ -1,0 +1,377 @@
+"""The intermediate representation every later stage consumes.
+
+After name resolution a spec is two expressions over the same small vocabulary:
+
+* ``mask``: a boolean expression that says whether query ``q`` may attend to key ``kv``;
+* ``score``: a numeric expression of ``Var("score")`` (the raw logit) that says how it is changed.
+
+Leaves are constants, variables (indices ``b h q kv``, sizes ``B H Q_LEN KV_LEN`` and ``score``),
+symbolic parameters (only while a definition is checked on its own) and tensor lookups. Inner nodes
+are unary and binary operators, n-ary ``And``/``Or`` and calls of a fixed set of functions.
+
+Nodes are frozen dataclasses, so an IR value is its own cache key. This module is pure Python.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Union
+
+INDEX_VARS = ("b", "h", "q", "kv")
+SIZE_VARS = ("B", "H", "Q_LEN", "KV_LEN")
+SCORE_VAR = "score"
+ALL_VARS = INDEX_VARS + SIZE_VARS + (SCORE_VAR,)
+
+SCALAR_TYPES = ("bool", "int", "float")
+
+ARITH_OPS = ("+", "-", "*", "/", "//", "%")
+COMPARE_OPS = ("<", "<=", ">", ">=", "==", "!=")
+UNARY_OPS = ("neg", "not")
+
+# name -> (number of arguments, result type rule). "num" joins the argument types (int stays
+# int); "float" always gives a float; "int" always an int.
+FUNCTIONS: dict[str, tuple[int, str]] = {
+    "abs": (1, "num"),
+    "sign": (1, "num"),
+    "min": (2, "num"),
+    "max": (2, "num"),
+    "clamp": (3, "num"),
+    "where": (3, "where"),
+    "floor": (1, "int"),
+    "ceil": (1, "int"),
+    "tanh": (1, "float"),
+    "exp": (1, "float"),
+    "exp2": (1, "float"),
+    "log": (1, "float"),
+    "log2": (1, "float"),
+    "sqrt": (1, "float"),
+    "sigmoid": (1, "float"),
+}
+
+
+class Expr:
+    """Base class of IR nodes."""
+
+    @property
+    def type(self) -> str:
+        return type_of(self)
+
+    def __str__(self) -> str:
+        return to_text(self)
+
+
+@dataclass(frozen=True)
+class Const(Expr):
+    value: Union[bool, int, float]
+
+    def __post_init__(self):
+        if isinstance(self.value, float) and math.isnan(self.value):
+            raise ValueError("NaN is not a flexspec constant")
+
+    def __eq__(self, other):
+        # bool is a subclass of int in Python: keep True and 1 (and 1 and 1.0) apart.
+        return (isinstance(other, Const) and type(self.value) is type(other.value)
+                and self.value == other.value)
+
+    def __hash__(self):
+        return hash((Const, type(self.value), self.value))
+
+
+@dataclass(frozen=True)
+class Var(Expr):
+    name: str
+
+    def __post_init__(self):
+        if self.name not in ALL_VARS:
+            raise ValueError(f"unknown IR variable {self.name!r}")
+
+
+@dataclass(frozen=True)
+class Param(Expr):
+    """A parameter left symbolic: only while a definition is checked without arguments."""
+
+    name: str
+    param_type: str
+    shape: tuple = ()
+
+
+@dataclass(frozen=True)
+class Tensor(Expr):
+    """A tensor the expression reads from.
+
+    ``origin`` is ``"binding"`` (given at call time under ``name``), ``"builtin"`` (computed from
+    sizes by the built-in function ``builtin`` with ``args``, e.g. ``alibi_slopes(H)``) or
+    ``"learnable"`` (a parameter of the model, initialised by ``init``). ``shape`` holds one
+    expression of sizes and constants per dimension; ``dtype`` is the element type.
+    """
+
+    name: str
+    shape: tuple
+    dtype: str = "float"
+    origin: str = "binding"
+    builtin: str = ""
+    args: tuple = ()
+    init: str = ""
+
+
+@dataclass(frozen=True)
+class Lookup(Expr):
+    tensor: Union[Tensor, Param]
+    index: tuple
+
+
+@dataclass(frozen=True)
+class Unary(Expr):
+    op: str
+    operand: Expr
+
+
+@dataclass(frozen=True)
+class Binary(Expr):
+    op: str
+    left: Expr
+    right: Expr
+
+
+@dataclass(frozen=True)
+class And(Expr):
+    args: tuple
+
+
+@dataclass(frozen=True)
+class Or(Expr):
+    args: tuple
+
+
+@dataclass(frozen=True)
+class Call(Expr):
+    fn: str
+    args: tuple
+
+
+TRUE = Const(True)
+FALSE = Const(False)
+SCORE = Var(SCORE_VAR)
+
+
+@dataclass(frozen=True)
+class AttentionIR:
+    """A resolved spec: the mask (bool) and the score pipeline (numeric, of ``Var('score')``)."""
+
+    mask: Expr = TRUE
+    score: Expr = SCORE
+    # learnable and builtin tensors get stable names; bindings are named by the user.
+    notes: tuple = field(default=(), compare=False)
+
+    @property
+    def has_mask(self) -> bool:
+        return self.mask != TRUE
+
+    @property
+    def has_score(self) -> bool:
+        return self.score != SCORE
+
+    def tensors(self) -> list[Tensor]:
+        """Every distinct tensor the spec reads, in first-use order (mask first)."""
+        seen: dict[Tensor, None] = {}
+        for root in (self.mask, self.score):
+            for node in walk(root):
+                if isinstance(node, Tensor):
+                    seen.setdefault(node, None)
+        return list(seen)
+
+    def bindings(self) -> list[Tensor]:
+        """The tensors that must be passed at call time, by name."""
+        return [t for t in self.tensors() if t.origin == "binding"]
+
+    def __str__(self) -> str:
+        return f"mask:  {to_text(self.mask)}\nscore: {to_text(self.score)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Traversal
+
+
+def children(node: Expr) -> tuple:
+    if isinstance(node, (Unary,)):
+        return (node.operand,)
+    if isinstance(node, Binary):
+        return (node.left, node.right)
+    if isinstance(node, (And, Or, Call)):
+        return node.args
+    if isinstance(node, Lookup):
+        return (node.tensor,) + tuple(node.index)
+    if isinstance(node, Tensor):
+        return tuple(node.shape) + tuple(node.args)
+    return ()
+
+
+def walk(node: Expr) -> Iterator[Expr]:
+    """Every node of the tree, parents before children."""
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        yield current
+        stack.extend(reversed(children(current)))
+
+
+def rebuild(node: Expr, new_children: tuple) -> Expr:
+    """``node`` with its children replaced (same order as :func:`children`)."""
+    if isinstance(node, Unary):
+        return Unary(node.op, new_children[0])
+    if isinstance(node, Binary):
+        return Binary(node.op, new_children[0], new_children[1])
+    if isinstance(node, And):
+        return And(tuple(new_children))
+    if isinstance(node, Or):
+        return Or(tuple(new_children))
+    if isinstance(node, Call):
+        return Call(node.fn, tuple(new_children))
+    if isinstance(node, Lookup):
+        return Lookup(new_children[0], tuple(new_children[1:]))
+    if isinstance(node, Tensor):
+        n = len(node.shape)
+        return Tensor(node.name, tuple(new_children[:n]), node.dtype, node.origin, node.builtin,
+                      tuple(new_children[n:]), node.init)
+    return node
+
+
+def transform(node: Expr, fn: Callable[[Expr], Expr]) -> Expr:
+    """Bottom-up rewrite: ``fn`` sees each node after its children were rewritten."""
+    kids = children(node)
+    if kids:
+        new = tuple(transform(child, fn) for child in kids)
+        if new != kids:
+            node = rebuild(node, new)
+    return fn(node)
+
+
+def substitute(node: Expr, mapping: dict) -> Expr:
+    """Replace ``Var`` and ``Param`` leaves by name (``mapping``: name -> Expr)."""
+    def replace(n: Expr) -> Expr:
+        if isinstance(n, (Var, Param)) and n.name in mapping:
+            return mapping[n.name]
+        return n
+    return transform(node, replace)
+
+
+def free_vars(node: Expr) -> frozenset:
+    """Names of the variables an expression reads (tensor shapes included)."""
+    return frozenset(n.name for n in walk(node) if isinstance(n, Var))
+
+
+def depends_on(node: Expr, name: str) -> bool:
+    return name in free_vars(node)
+
+
+# ---------------------------------------------------------------------------------------------
+# Types
+
+
+def join_numeric(types) -> str:
+    return "float" if "float" in types else "int"
+
+
+def type_of(node: Expr) -> str:
+    """``bool``, ``int``, ``float`` or ``tensor`` (for a bare tensor). Assumes a checked tree."""
+    if isinstance(node, Const):
+        return "bool" if isinstance(node.value, bool) else (
+            "int" if isinstance(node.value, int) else "float")
+    if isinstance(node, Var):
+        return "float" if node.name == SCORE_VAR else "int"
+    if isinstance(node, Param):
+        return "tensor" if node.shape else node.param_type
+    if isinstance(node, Tensor):
+        return "tensor"
+    if isinstance(node, Lookup):
+        tensor = node.tensor
+        return tensor.dtype if isinstance(tensor, Tensor) else tensor.param_type
+    if isinstance(node, Unary):
+        return "bool" if node.op == "not" else type_of(node.operand)
+    if isinstance(node, Binary):
+        if node.op in COMPARE_OPS:
+            return "bool"
+        if node.op == "/":
+            return "float"
+        return join_numeric((type_of(node.left), type_of(node.right)))
+    if isinstance(node, (And, Or)):
+        return "bool"
+    if isinstance(node, Call):
+        rule = FUNCTIONS[node.fn][1]
+        if rule == "where":
+            branch = (type_of(node.args[1]), type_of(node.args[2]))
+            return "bool" if branch == ("bool", "bool") else join_numeric(branch)
+        if rule == "num":
+            return join_numeric(tuple(type_of(a) for a in node.args))
+        return rule
+    raise TypeError(f"not an IR node: {node!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Text: the IR printed in the definition language (what `flexspec explain` shows).
+
+# Binding strength, loosest first; mirrors grammar/flexspec.lark.
+_PRECEDENCE = {"or": 1, "and": 2, "not": 3, "cmp": 4, "+": 5, "-": 5, "*": 6, "/": 6, "//": 6,
+               "%": 6, "neg": 7, "atom": 8}
+
+
+def format_number(value) -> str:
+    """Canonical text of a constant: ``true``, ``3``, ``0.5``, ``inf``, ``-inf``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    return str(value)
+
+
+def _prec(node: Expr) -> int:
+    if isinstance(node, Or):
+        return _PRECEDENCE["or"]
+    if isinstance(node, And):
+        return _PRECEDENCE["and"]
+    if isinstance(node, Unary):
+        return _PRECEDENCE["not" if node.op == "not" else "neg"]
+    if isinstance(node, Binary):
+        return _PRECEDENCE["cmp" if node.op in COMPARE_OPS else node.op]
+    if isinstance(node, Const) and not isinstance(node.value, bool) and node.value < 0:
+        return _PRECEDENCE["neg"]
+    return _PRECEDENCE["atom"]
+
+
+def to_text(node: Expr) -> str:
+    """Readable text for an IR expression, in the definition language's syntax."""
+    def wrap(child: Expr, minimum: int) -> str:
+        text = to_text(child)
+        return f"({text})" if _prec(child) < minimum else text
+
+    if isinstance(node, Const):
+        return format_number(node.value)
+    if isinstance(node, (Var, Param)):
+        return node.name
+    if isinstance(node, Tensor):
+        if node.origin == "builtin":
+            return f"{node.builtin}({', '.join(to_text(a) for a in node.args)})"
+        return node.name
+    if isinstance(node, Lookup):
+        return f"{to_text(node.tensor)}[{', '.join(to_text(i) for i in node.index)}]"
+    if isinstance(node, Unary):
+        if node.op == "not":
+            return "~" + wrap(node.operand, _PRECEDENCE["not"])
+        return "-" + wrap(node.operand, _PRECEDENCE["neg"] + 1)
+    if isinstance(node, Binary):
+        p = _prec(node)
+        if node.op in COMPARE_OPS:
+            return f"{wrap(node.left, p + 1)} {node.op} {wrap(node.right, p + 1)}"
+        return f"{wrap(node.left, p)} {node.op} {wrap(node.right, p + 1)}"
+    if isinstance(node, (And, Or)):
+        p = _prec(node)
+        joiner = " & " if isinstance(node, And) else " | "
+        if not node.args:
+            return "true" if isinstance(node, And) else "false"
+        return joiner.join(wrap(a, p + 1) for a in node.args)
+    if isinstance(node, Call):
+        return f"{node.fn}({', '.join(to_text(a) for a in node.args)})"
+    raise TypeError(f"not an IR node: {node!r}")
