@@ -28,6 +28,13 @@ def parse(text, *, library: Library | None = None) -> Spec:
     return Spec(node, check_spec(node, scope))
 
 
+def compile(spec, *, library: Library | None = None, backend: str = "auto", block_size=128):
+    """Compile a spec (text or :class:`Spec`) into an :class:`~flexspec.runtime.Attention`."""
+    from .runtime import Attention
+
+    return Attention(parse(spec, library=library), backend=backend, block_size=block_size)
+
+
 def patterns() -> list[Pattern]:
     """Every pattern of the registry, sorted by name."""
     return sorted(registry().patterns.values(), key=lambda p: p.name)
@@ -38,5 +45,16 @@ def pattern(name: str) -> Pattern:
     return registry().get(name)
 
 
-__all__ = ["BindingError", "Library", "Pattern", "RegistryError", "Spec", "SpecCheckError",
-           "SpecError", "SpecSyntaxError", "load", "parse", "pattern", "patterns"]
+
+
+def __getattr__(name):
+    # torch is imported on first use of the runtime, not by `import flexspec`.
+    if name in ("Attention", "SpecAttention"):
+        from . import runtime
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'flexspec' has no attribute {name!r}")
+
+
+__all__ = ["Attention", "BindingError", "Library", "Pattern", "RegistryError", "Spec",
+           "SpecAttention", "SpecCheckError", "SpecError", "SpecSyntaxError", "compile", "load",
+           "parse", "pattern", "patterns"]

@@ -329,7 +329,7 @@ class Checker:
         if len(shape) != len(dims):
             raise SpecCheckError(f"learnable() gives {len(shape)} dims but '{param.name}' "
                                  f"declares {len(dims)}", node.span)
-        return ir.Tensor(f"{definition.name}.{param.name}", shape, param.type, "learnable",
+        return ir.Tensor(f"{definition.name}_{param.name}", shape, param.type, "learnable",
                          init=init)
 
     # ------------------------------------------------------------------------------------------

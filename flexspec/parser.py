@@ -45,9 +45,24 @@ def grammar_path() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def build_parser(strict: bool = False) -> lark.Lark:
-    """The LALR parser; ``strict=True`` (used by the tests) also rejects terminal collisions."""
+    """The LALR parser; ``strict=True`` (used by the tests) also rejects terminal collisions.
+
+    ``cache=True`` keeps lark's parse tables in a temporary file between runs (building them
+    takes most of a second); the comments seen by the lexer go to :data:`_comment_sink`.
+    """
     return lark.Lark(grammar_path().read_text(), parser="lalr", start=list(START_SYMBOLS),
-                     propagate_positions=True, maybe_placeholders=True, strict=strict)
+                     propagate_positions=True, maybe_placeholders=True, strict=strict,
+                     cache=not strict, lexer_callbacks={"COMMENT": _collect_comment})
+
+
+# Comments are ignored by the grammar; the lexer hands them here so the formatter can keep them.
+_comment_sink: list | None = None
+
+
+def _collect_comment(token):
+    if _comment_sink is not None:
+        _comment_sink.append((token.line, str(token)))
+    return token
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,10 +284,12 @@ def parse_type(source: Source) -> ast.TypeExpr:
     return _parse(source.text, "type_expr", source)
 
 
-def file_comments(text: str) -> list[tuple[int, str]]:
+def file_comments(text: str, source_name: str = "<file>") -> list[tuple[int, str]]:
     """The ``#`` comments of a file as (line, text), for the formatter to keep them."""
-    comments: list[tuple[int, str]] = []
-    parser = lark.Lark(grammar_path().read_text(), parser="lalr", start="file",
-                       lexer_callbacks={"COMMENT": lambda tok: comments.append((tok.line, str(tok)))})
-    parser.parse(text)
-    return comments
+    global _comment_sink
+    _comment_sink = []
+    try:
+        parse_file(text, source_name)
+        return _comment_sink
+    finally:
+        _comment_sink = None
