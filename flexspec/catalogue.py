@@ -8,6 +8,15 @@ from __future__ import annotations
 
 from .registry import Pattern, registry
 
+PICTURE_SIZE = 12  # each pattern's example is drawn at Q_LEN = KV_LEN = 12
+
+
+def _picture(pattern: Pattern) -> list[str]:
+    from .render import render_example
+
+    text = render_example(pattern.example, PICTURE_SIZE)
+    return ["```text", *text.rstrip("\n").splitlines(), "```", ""]
+
 
 def _param_rows(pattern: Pattern) -> list[str]:
     if not pattern.params:
@@ -31,6 +40,7 @@ def render_pattern(pattern: Pattern) -> str:
     if pattern.description:
         lines += [pattern.description, ""]
     lines += [f"Example: `{pattern.example}`", ""]
+    lines += _picture(pattern)
     if pattern.tags:
         lines += ["Tags: " + ", ".join(pattern.tags) + ".", ""]
     lines += ["References:", ""]

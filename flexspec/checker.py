@@ -228,6 +228,8 @@ class Checker:
                         and not value.shape:
                     value = self._binding(param, value.name, bound, definition)
                 self._check_argument(definition, param, value, node)
+                if param.type == "float" and not param.is_tensor and value.type == "int":
+                    value = _to_float(value)
             elif param.default is not None:
                 value = self._default(definition, param, bound)
             elif param.is_tensor:
@@ -294,8 +296,8 @@ class Checker:
         if param.is_tensor and isinstance(node, ast.Call) and node.func in ("alibi_slopes", "learnable"):
             return self._tensor_builtin(definition, param, node, bound)
         value = self.expr(node, dict(bound), definition)
-        if param.type == "float" and isinstance(value, ir.Const) and value.type == "int":
-            value = ir.Const(float(value.value))
+        if param.type == "float" and value.type == "int":
+            value = _to_float(value)
         return value
 
     def _dim(self, node: ast.Node, env: dict, definition: Definition) -> ir.Expr:
@@ -464,14 +466,24 @@ class Checker:
         return ir.Binary(op, left, right)
 
 
+def _to_float(value: ir.Expr) -> ir.Expr:
+    """An int argument of a float parameter, as a float (``softcap(30)`` is ``softcap(30.0)``)."""
+    if isinstance(value, ir.Const):
+        return ir.Const(float(value.value))
+    return ir.Binary("*", value, ir.Const(1.0))
+
+
 def _example_literal(type_name: str) -> str:
     return {"int": "128", "float": "30.0", "bool": "true"}.get(type_name, "a value")
 
 
 def check_spec(node: ast.Node, scope: Scope) -> ir.AttentionIR:
     """Resolve a spec expression into its IR (simplified), raising :class:`SpecCheckError`."""
-    value = Checker(scope).spec(node)
-    result = ir.AttentionIR(mask=simplify(value.mask), score=simplify(value.score))
+    try:
+        value = Checker(scope).spec(node)
+        result = ir.AttentionIR(mask=simplify(value.mask), score=simplify(value.score))
+    except RecursionError:
+        raise SpecCheckError(_TOO_DEEP, node.span) from None
     _check_bindings_agree(result, node)
     return result
 
@@ -493,4 +505,11 @@ def _tensor_text(tensor: ir.Tensor) -> str:
 
 
 def check_definition(definition: Definition, scope: Scope) -> None:
-    Checker(scope).check_definition(definition)
+    try:
+        Checker(scope).check_definition(definition)
+    except RecursionError:
+        raise SpecCheckError(_TOO_DEEP, definition.body.span) from None
+
+
+_TOO_DEEP = ("the expression is nested too deeply (or its definitions inline each other too "
+             "deeply) to check")

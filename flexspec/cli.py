@@ -1,4 +1,4 @@
-"""The ``flexspec`` command line: list, show, check, fmt, explain.
+"""The ``flexspec`` command line: list, show, check, fmt, explain, render.
 
 Every subcommand is one ``_add_NAME(subparsers)`` function that declares its arguments and one
 ``cmd_NAME(args) -> int`` that runs it; :data:`COMMANDS` lists them in the order ``--help`` shows.
@@ -103,15 +103,22 @@ def _add_show(subparsers) -> None:
                               description="Show a pattern: parameters, definition, documentation, "
                                           "references and an example.")
     p.add_argument("name", metavar="NAME", help="a pattern name or alias")
+    p.add_argument("--no-picture", action="store_true",
+                   help="leave out the picture of the example (skips loading torch)")
+
+
+PICTURE_SIZE = 16  # `show` draws the example at Q_LEN = KV_LEN = 16
 
 
 def _picture(pattern) -> str | None:
-    """HOOK: the example's mask drawn with Unicode blocks, or None when there is no picture.
+    """The example's mask (and score heat) drawn with Unicode blocks at 16x16, with demo values
+    for the runtime tensors it reads; a line saying why when it cannot be drawn."""
+    from .render import render_example
 
-    Not drawn yet (a later step renders ``pattern.example`` at a small size); ``show`` prints
-    whatever this returns when it is not None.
-    """
-    return None
+    try:
+        return "picture of the example:\n" + render_example(pattern.example, PICTURE_SIZE)
+    except SpecError as err:
+        return f"(no picture of the example: {err.message})"
 
 
 def _indent(text: str, prefix: str = "  ") -> str:
@@ -158,7 +165,7 @@ def cmd_show(args) -> int:
     out.append("")
     out.append("example:")
     out.append(f"  {p.example}")
-    picture = _picture(p)
+    picture = None if args.no_picture else _picture(p)
     if picture is not None:
         out.append("")
         out.append(_indent(picture))
@@ -281,6 +288,198 @@ def cmd_explain(args) -> int:
     return EXIT_OK
 
 
+# ---- render ------------------------------------------------------------------------------------
+
+
+def _add_render(subparsers) -> None:
+    p = subparsers.add_parser(
+        "render", help="draw a spec's mask (and score bias) in the terminal",
+        description="Draw the mask of a spec for one batch and head with Unicode blocks (queries "
+                    "downwards, keys rightwards), the score its modifiers add to a zero logit, "
+                    "and the density. Runtime tensors the spec reads get demo values unless "
+                    "given with --bind.",
+        epilog="--bind values are comma-separated ints, floats or booleans (true/false); V*N "
+               "repeats V N times, e.g. --bind doc_ids=0*6,1*6,2*4. Give one value per "
+               "position of the tensor's last dimension (doc_ids: KV_LEN values), all its "
+               "values in order, or a single value to fill it.")
+    p.add_argument("spec", metavar="SPEC",
+                   help="a spec expression, e.g. 'causal & window(3)', or the name of a spec in "
+                        "--file")
+    p.add_argument("--q", type=int, default=16, metavar="N", help="query length (default 16)")
+    p.add_argument("--kv", type=int, metavar="N", help="key/value length (default: --q)")
+    p.add_argument("--batch", type=int, default=0, metavar="I", help="batch index drawn (default 0)")
+    p.add_argument("--head", type=int, default=0, metavar="J", help="head index drawn (default 0)")
+    p.add_argument("--heads", type=int, metavar="H",
+                   help="number of heads H the spec sees (default: from a --bind with an H "
+                        "dimension, else 8 when the spec depends on heads, else --head + 1)")
+    p.add_argument("--bind", action="append", default=[], metavar="NAME=VALUES",
+                   help="a runtime tensor's values (repeatable)")
+    p.add_argument("--file", "-f", metavar="F.attn",
+                   help="an .attn file whose definitions and specs the spec may use")
+    p.add_argument("--png", metavar="FILE", help="also write the picture to a PNG (needs "
+                                                 "matplotlib: pip install 'flexspec[plot]')")
+    p.add_argument("--width", type=int, metavar="N",
+                   help="widest mask in characters before blocks are downsampled (default 128, "
+                        "or the terminal's width)")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                   help="colour the score heat (auto: when writing to a terminal)")
+
+
+_TRUE, _FALSE = ("true", "1"), ("false", "0")
+
+
+def _bind_scalar(text: str, dtype: str, name: str):
+    word = text.strip()
+    try:
+        if dtype == "bool":
+            if word.lower() in _TRUE + _FALSE:
+                return word.lower() in _TRUE
+            raise ValueError
+        if dtype == "int":
+            return int(word)
+        return float(word)
+    except ValueError:
+        kind = {"bool": "booleans (true, false)", "int": "ints", "float": "numbers"}[dtype]
+        raise SpecError(f"--bind {name}: '{word}' is not a valid value; '{name}' holds "
+                        f"{kind}") from None
+
+
+def _bind_values(text: str, dtype: str, name: str) -> list:
+    values = []
+    for item in text.split(","):
+        value, star, count = item.partition("*")
+        repeat = 1
+        if star:
+            try:
+                repeat = int(count)
+            except ValueError:
+                repeat = 0
+            if repeat < 1:
+                raise SpecError(f"--bind {name}: '{item.strip()}' repeats a value a positive "
+                                "number of times, like 0*4")
+        if not value.strip():
+            raise SpecError(f"--bind {name}: an empty value in '{text}'")
+        values += [_bind_scalar(value, dtype, name)] * repeat
+    return values
+
+
+def _parse_binds(attn, binds: list[str]) -> dict:
+    """``--bind NAME=VALUES`` options as flat tensors of each tensor's declared dtype."""
+    import torch
+
+    from .tensors import torch_dtype
+
+    tensors = {t.name: t for t in attn.ir.tensors() if t.origin != "builtin"}
+    result = {}
+    for bind in binds:
+        name, equals, text = bind.partition("=")
+        name = name.strip()
+        if not equals or not name:
+            raise SpecError(f"--bind expects NAME=VALUES, got '{bind}'")
+        if name not in tensors:
+            if not tensors:
+                raise SpecError(f"--bind {name}: this spec reads no runtime tensors")
+            raise SpecError(f"--bind {name}: the spec reads no tensor '{name}'."
+                            f"{did_you_mean(name, tensors)} It reads: {', '.join(tensors)}")
+        if name in result:
+            raise SpecError(f"--bind {name} is given twice")
+        tensor = tensors[name]
+        result[name] = torch.tensor(_bind_values(text, tensor.dtype, name),
+                                    dtype=torch_dtype(tensor))
+    return result
+
+
+def _shape_binds(attn, flat: dict, sizes: dict) -> dict:
+    """Each flat ``--bind`` value shaped for its tensor: one value per position of the last
+    dimension (leading dimensions broadcast), every value in order, or one value filling it."""
+    import math
+
+    from . import ir
+    from .tensors import declared_shape
+
+    tensors = {t.name: t for t in attn.ir.tensors()}
+    shaped = {}
+    for name, value in flat.items():
+        tensor = tensors[name]
+        declared = declared_shape(tensor, sizes)
+        # B never has to be spelled out: a batch dimension of 1 broadcasts
+        full = [1 if isinstance(d, ir.Var) and d.name == "B" else n
+                for d, n in zip(tensor.shape, declared)]
+        n = value.numel()
+        if not declared:
+            if n != 1:
+                raise SpecError(f"--bind {name}: one value expected, got {n}")
+            shaped[name] = value.reshape(())
+        elif n == 1:
+            shaped[name] = value.reshape([1] * len(full)).expand(full).clone()
+        elif n == math.prod(full):
+            shaped[name] = value.reshape(full)
+        elif n == declared[-1]:
+            shaped[name] = value
+        else:
+            dims = ", ".join(str(d) for d in tensor.shape)
+            counts = sorted({declared[-1], math.prod(full)})
+            need = " or ".join(str(c) for c in counts)
+            raise SpecError(f"--bind {name}: {n} values given, but {tensor.dtype}[{dims}] = "
+                            f"[{', '.join(str(d) for d in declared)}] needs {need} (or 1 to "
+                            "fill it)")
+    return shaped
+
+
+def cmd_render(args) -> int:
+    from . import compile as compile_spec, load, parse
+    from .render import DEFAULT_WIDTH, demo_bindings, render_png, render_text, resolve_heads
+
+    kv = args.q if args.kv is None else args.kv
+    for option, value in (("--q", args.q), ("--kv", kv)):
+        if value < 1:
+            raise SpecError(f"{option} must be at least 1, got {value}")
+    for option, value in (("--batch", args.batch), ("--head", args.head)):
+        if value < 0:
+            raise SpecError(f"{option} must be 0 or more, got {value}")
+    if args.heads is not None and args.heads < 1:
+        raise SpecError(f"--heads must be at least 1, got {args.heads}")
+    if args.heads is not None and args.head >= args.heads:
+        raise SpecError(f"--head {args.head} does not exist with --heads {args.heads}")
+    if args.width is not None and args.width < 2:
+        raise SpecError(f"--width must be at least 2, got {args.width}")
+
+    library = load(args.file) if args.file is not None else None
+    if library is not None and args.spec.strip() in library:
+        spec = library[args.spec.strip()]
+    else:
+        spec = parse(args.spec, library=library)
+    attn = compile_spec(spec)
+
+    flat = _parse_binds(attn, args.bind)
+    heads = resolve_heads(attn, args.head, args.heads, flat)
+    sizes = {"B": args.batch + 1, "H": heads, "Q_LEN": args.q, "KV_LEN": kv}
+    given = _shape_binds(attn, flat, sizes)
+    demo, notes = demo_bindings(attn, args.q, kv, batch=args.batch, heads=heads, given=given)
+
+    tty = sys.stdout.isatty()
+    width = args.width
+    if width is None:
+        width = DEFAULT_WIDTH
+        if tty:
+            width = max(16, min(width, shutil.get_terminal_size().columns - 10))
+    color = args.color == "always" or (args.color == "auto" and tty
+                                       and not os.environ.get("NO_COLOR"))
+    bindings = {**demo, **given}
+    text = render_text(attn, args.q, kv, batch=args.batch, head=args.head, heads=heads,
+                       width_limit=width, color=color, **bindings)
+    out = [text.rstrip("\n")]
+    if notes:
+        out += ["", "not given with --bind, so drawn with demo values:"]
+        out += [f"  {note}" for note in notes]
+    _out("\n".join(out))
+    if args.png is not None:
+        render_png(attn, args.png, args.q, kv, batch=args.batch, head=args.head, heads=heads,
+                   **bindings)
+        _out(f"wrote {args.png}")
+    return EXIT_OK
+
+
 # ---- the parser and main -------------------------------------------------------------------------
 
 # name -> (adds the subparser, runs the command); help lists them in this order.
@@ -290,6 +489,7 @@ COMMANDS = {
     "check": (_add_check, cmd_check),
     "fmt": (_add_fmt, cmd_fmt),
     "explain": (_add_explain, cmd_explain),
+    "render": (_add_render, cmd_render),
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import ast
-from .checker import check_definition, check_spec
+from .checker import RESERVED, check_definition, check_spec
 from .definitions import SCALAR_TYPES, Definition, ParamSpec, Scope
 from .errors import Source, Span, SpecCheckError, SpecError, did_you_mean
 from .parser import parse_file
@@ -93,6 +93,12 @@ def _check_module(module: ast.Module, name: str, parent: Scope | None) -> list[S
                                          statement.name_span))
             continue
         seen[statement.name] = statement
+        if statement.name in RESERVED:
+            # in a definition the name would mean the index, size or function, not this
+            errors.append(SpecCheckError(f"'{statement.name}' is a built-in name of the language "
+                                         "(an index, size or function); choose another name",
+                                         statement.name_span))
+            continue
         try:
             definitions.append(_definition(statement, name))
         except SpecError as err:
@@ -106,8 +112,9 @@ def _check_module(module: ast.Module, name: str, parent: Scope | None) -> list[S
                 check_definition(definition, scope)
         except SpecError as err:
             errors.append(err)
-    errors.sort(key=lambda e: (e.line or 0, e.column or 0))
-    return errors
+    # an error inside one definition is met again by every definition that inlines it: once
+    unique = {(e.line, e.column, e.message): e for e in reversed(errors)}
+    return sorted(unique.values(), key=lambda e: (e.line or 0, e.column or 0))
 
 
 def check_text(text: str, name: str = "<file>") -> list[SpecError]:

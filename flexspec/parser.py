@@ -15,7 +15,8 @@ from pathlib import Path
 
 import lark
 from lark import Transformer, v_args
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+from lark.exceptions import (UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken,
+                             VisitError)
 
 from . import ast
 from .errors import Source, Span, SpecSyntaxError
@@ -231,8 +232,11 @@ def _syntax_error(err: UnexpectedInput, source: Source) -> SpecSyntaxError:
     if isinstance(err, UnexpectedToken) and err.accepts:
         expected = err.accepts
     if at_end:
-        end = len(text.rstrip())
-        # the caret goes just after the last character, not on the last token
+        # the caret goes just after the last character, not on the last token; lark's $END
+        # token borrows the last real token's position, so a trailing comment is not counted
+        end = getattr(token, "end_pos", None) if token is not None else None
+        if not isinstance(end, int) or token.value != "":
+            end = len(text.rstrip())
         return SpecSyntaxError("unexpected end of input" + _describe_expected(expected),
                                Span(source, end, end + 1))
     message = f"unexpected {str(token)!r}"
@@ -256,6 +260,12 @@ def _parse(text: str, start: str, source: Source):
         return _ToAst(source).transform(tree)
     except RecursionError:
         raise SpecSyntaxError("the text is nested too deeply", Span(source, 0, 1)) from None
+    except VisitError as err:
+        # lark wraps an exception raised inside a transformer callback (a RecursionError that
+        # strikes there) in VisitError
+        if isinstance(err.orig_exc, RecursionError):
+            raise SpecSyntaxError("the text is nested too deeply", Span(source, 0, 1)) from None
+        raise
 
 
 def parse_spec(text: str, source_name: str = "<spec>") -> ast.Node:

@@ -89,7 +89,10 @@ class _Evaluator:
 
     def _const(self, node: ir.Const) -> torch.Tensor:
         value = node.value
-        dtype = torch.bool if isinstance(value, bool) else _INT if isinstance(value, int) else _FLOAT
+        if isinstance(value, bool):
+            dtype = torch.bool
+        else:
+            dtype = _INT if isinstance(value, int) else _FLOAT
         return torch.tensor(value, dtype=dtype, device=self.device)
 
     def _var(self, node: ir.Var) -> torch.Tensor:

@@ -98,15 +98,18 @@ def _run_compiled(lowered: Lowered, *args):
 # Input checks
 
 
-def _check_qkv(q, k, v) -> dict:
+def _check_qkv(q, k, v, *, allow_float64: bool = False) -> dict:
+    dtypes = FLOAT_DTYPES + ((torch.float64,) if allow_float64 else ())
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise BindingError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise BindingError(f"{name} must have 4 dimensions (B, H, S, D), got shape "
                                f"{list(t.shape)}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise BindingError(f"{name} has dtype {t.dtype}; use float32, float16 or bfloat16")
+        if t.dtype not in dtypes:
+            extra = ", float64 (reference backend only)" if not allow_float64 else ", float64"
+            raise BindingError(f"{name} has dtype {t.dtype}; use float32, float16, bfloat16"
+                               f"{extra}")
     if not (q.dtype == k.dtype == v.dtype):
         raise BindingError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -149,7 +152,7 @@ def _check_binding(tensor: ir.Tensor, value, sizes: dict, device) -> torch.Tenso
     if not _DTYPE_OK[tensor.dtype](value.dtype):
         raise BindingError(f"binding '{name}' has dtype {value.dtype}, but {tensor.dtype} "
                            f"elements are declared ({expected})")
-    if value.device != torch.device(device):
+    if value.device != device:
         raise BindingError(f"binding '{name}' is on {value.device}, but q is on {device}; "
                            f"move it with .to('{device}')")
     shape = declared_shape(tensor, sizes)
@@ -249,7 +252,7 @@ class Attention:
         free = ir.free_vars(spec.mask)
         batch = sizes["B"] if "b" in free else 1
         heads = sizes["H"] if "h" in free else 1
-        identity = tuple((key, id(v), v._version) for key, v in sorted(values.items())
+        identity = tuple((key, _identity(v)) for key, v in sorted(values.items())
                          if _reads(spec.mask, key))
         key = (spec, batch, heads, sizes["Q_LEN"], sizes["KV_LEN"], str(device), identity)
         cached = self._block_masks.get(key)
@@ -272,14 +275,16 @@ class Attention:
         compiled CPU kernel gave wrong results (NaN, or differing run to run) with
         ``block_mask=None`` and a score_mod, so flexspec always passes one."""
         sizes = _sizes(q_len, kv_len, batch, heads)
-        values, spec = self._tensors(sizes, bindings, torch.device(device))
-        return self._block_mask(spec, sizes, values, torch.device(device))
+        device = _device(device)
+        values, spec = self._tensors(sizes, bindings, device)
+        return self._block_mask(spec, sizes, values, device)
 
     def dense_mask(self, q_len: int, kv_len: int, *, batch: int | None = None,
                    heads: int | None = None, device="cpu", **bindings) -> torch.Tensor:
         """The mask from the reference semantics: bool ``[B or 1, H or 1, Q_LEN, KV_LEN]``."""
         sizes = _sizes(q_len, kv_len, batch, heads)
-        values, spec = self._tensors(sizes, bindings, torch.device(device))
+        device = _device(device)
+        values, spec = self._tensors(sizes, bindings, device)
         free = ir.free_vars(spec.mask)
         b = sizes["B"] if "b" in free else 1
         h = sizes["H"] if "h" in free else 1
@@ -289,13 +294,14 @@ class Attention:
              **bindings) -> tuple:
         """``(mask_mod, score_mod)`` for raw ``flex_attention`` (``None`` for a missing half)."""
         sizes = _sizes(q_len, kv_len, batch, heads)
-        values, spec = self._tensors(sizes, bindings, torch.device(device))
+        device = _device(device)
+        values, spec = self._tensors(sizes, bindings, device)
         return lower(spec).make_mods(sizes, values)
 
     # ---- attention
     def reference(self, q, k, v, *, scale=None, **bindings) -> torch.Tensor:
         """The dense float64 reference result (in q's dtype)."""
-        sizes = _check_qkv(q, k, v)
+        sizes = _check_qkv(q, k, v, allow_float64=True)
         values, spec = self._tensors(sizes, bindings, q.device)
         return reference_attention(spec, q, k, v, scale=scale, tensors=values)
 
@@ -303,14 +309,17 @@ class Attention:
         return self._call(q, k, v, scale, bindings, None)
 
     def _call(self, q, k, v, scale, bindings, learnables):
-        sizes = _check_qkv(q, k, v)
+        sizes = _check_qkv(q, k, v, allow_float64=self.backend == "reference")
         values, spec = self._tensors(sizes, bindings, q.device, learnables)
         backend = self._choose_backend(q, k, v, values)
         if backend == "reference":
             return reference_attention(spec, q, k, v, scale=scale, tensors=values)
         lowered = lower(spec)
         block_mask = self._block_mask(spec, sizes, values, q.device)
-        _, score_mod = lowered.make_mods(sizes, values)
+        # the kernel computes scores in float32: a float64 table would turn them into float64
+        kernel_values = {key: value.float() if value.dtype == torch.float64 else value
+                         for key, value in values.items()}
+        _, score_mod = lowered.make_mods(sizes, kernel_values)
         enable_gqa = k.shape[1] != q.shape[1]
         return _run_compiled(lowered, q, k, v, score_mod, block_mask, scale, enable_gqa)
 
@@ -329,8 +338,25 @@ class Attention:
         return "flex"
 
 
+def _identity(value: torch.Tensor) -> tuple:
+    """What identifies a tensor's contents for the block-mask cache: its memory, layout and
+    version counter. Not ``id()``: bindings arrive as fresh views (leading dimensions added), so
+    their ids never repeat. The cache keeps its values alive, so no other tensor can reuse their
+    memory while an entry exists; an in-place change bumps the version shared by all views."""
+    return (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
+            tuple(value.stride()), value._version)
+
+
 def _reads(expr: ir.Expr, key: str) -> bool:
     return any(isinstance(n, ir.Tensor) and tensor_key(n) == key for n in ir.walk(expr))
+
+
+def _device(device) -> torch.device:
+    """A device as tensors report it ("cuda" becomes "cuda:0"), so comparisons are exact."""
+    try:
+        return torch.empty(0, device=device).device
+    except (RuntimeError, TypeError) as err:
+        raise BindingError(f"cannot use device {device!r}: {err}") from None
 
 
 def _sizes(q_len, kv_len, batch, heads) -> dict:

@@ -8,8 +8,8 @@ The passes run in the order of :data:`PASSES`, bottom-up, until nothing changes:
   (``causal & causal`` -> ``causal``);
 * ``boolean_identities``: ``true & x`` -> ``x``, ``false | x`` -> ``x``, ``~~x`` -> ``x``,
   ``x | ~x`` -> ``true``, ``x & ~x`` -> ``false``, ``~(a < b)`` -> ``a >= b``;
-* ``arithmetic_identities``: ``x + 0``, ``x - 0``, ``x * 1``, ``x / 1`` -> ``x`` (never ``x * 0``,
-  which is not 0 when x is infinite);
+* ``arithmetic_identities``: ``x + 0``, ``x - 0``, ``x * 1``, ``x / 1`` -> ``x``, and for ints
+  ``x // 1`` -> ``x``, ``x % 1`` -> ``0`` (never ``x * 0``, which is not 0 when x is infinite);
 
 >>> from flexspec.ir import Var, Const, And, Binary
 >>> causal = Binary(">=", Var("q"), Var("kv"))
@@ -76,10 +76,10 @@ def fold_constants(node: Expr) -> Expr:
             if node.op in ("/", "//", "%") and b == 0:
                 return node  # left for the device to decide (inf / error), not folded here
             return _const(_ARITH[node.op](a, b), type_of(node)) or node
+        if isinstance(node, Call) and node.fn == "where" and isinstance(node.args[0], Const):
+            return node.args[1] if node.args[0].value else node.args[2]
         if isinstance(node, Call) and all(isinstance(a, Const) for a in node.args):
             values = [a.value for a in node.args]
-            if node.fn == "where":
-                return node.args[1] if values[0] else node.args[2]
             return _const(_FUNCTIONS[node.fn](*values), type_of(node)) or node
     except (ArithmeticError, ValueError):
         return node
@@ -158,6 +158,8 @@ def arithmetic_identities(node: Expr) -> Expr:
         return same_type(left)
     if op == "//" and is_const(right, 1) and keep_type == "int":
         return left
+    if op == "%" and is_const(right, 1) and keep_type == "int":
+        return Const(0)
     return node
 
 

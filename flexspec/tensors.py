@@ -64,7 +64,8 @@ def _eval_size(expr: ir.Expr, sizes: dict):
         return expr.value
     if isinstance(expr, ir.Var):
         if expr.name not in sizes:
-            raise SpecError(f"a shape may only use the sizes B, H, Q_LEN, KV_LEN, not '{expr.name}'")
+            raise SpecError(f"a shape may only use the sizes B, H, Q_LEN, KV_LEN, "
+                            f"not '{expr.name}'")
         return int(sizes[expr.name])
     if isinstance(expr, ir.Unary) and expr.op == "neg":
         return -_eval_size(expr.operand, sizes)

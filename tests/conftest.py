@@ -1,4 +1,4 @@
-"""Shared pytest configuration: the ``slow`` and ``gpu`` markers.
+"""Shared pytest configuration: when the ``slow`` and ``gpu`` markers (pyproject.toml) skip.
 
 ``slow`` tests (torch.compile runs of 20+ s on a small CPU) are skipped unless selected with
 ``-m slow`` or ``--run-slow``; ``gpu`` tests are skipped where no CUDA device is present.
@@ -9,11 +9,6 @@ import pytest
 
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: takes long (torch.compile); run with --run-slow")
-    config.addinivalue_line("markers", "gpu: needs a CUDA device")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -302,6 +302,104 @@ def test_explain_errors(capsys, write, tmp_path):
     assert code == 1 and f"{bad}:1:" in err
 
 
+# ---- render and the picture in show -------------------------------------------------------------
+
+
+def picture_rows(out: str) -> list[str]:
+    """The rows of the first framed picture of an output."""
+    lines = out.splitlines()
+    top = next(i for i, line in enumerate(lines) if "┌" in line)
+    bottom = next(i for i, line in enumerate(lines) if "└" in line and i > top)
+    return [line[line.index("│") + 1: line.rindex("│")] for line in lines[top + 1: bottom]]
+
+
+def test_render_help(capsys):
+    code, out, _ = run(capsys, "render", "--help")
+    assert code == 0 and "usage: flexspec render" in out and "--bind NAME=VALUES" in out
+
+
+def test_render(capsys):
+    code, out, err = run(capsys, "render", "causal & window(3)", "--q", "12", "--kv", "12")
+    assert code == 0 and err == ""
+    assert out.startswith("causal & window(3)    Q_LEN=12 KV_LEN=12\n")
+    assert picture_rows(out) == ["█▄          ", "███▄        ", " ▀███▄      ", "   ▀███▄    ",
+                                 "     ▀███▄  ", "       ▀███▄"]
+    assert "density 0.292 (42/144 visible)" in out
+    assert "score at a zero logit" not in out and "demo" not in out and "\x1b[" not in out
+
+
+def test_render_kv_defaults_to_q_and_png(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "alibi.png"
+    code, out, err = run(capsys, "render", "alibi", "--q", "8", "--png", str(png))
+    assert code == 0 and err == ""
+    assert "Q_LEN=8 KV_LEN=8, head 0 of H=8" in out
+    assert "score at a zero logit: min -3.5, max 0" in out
+    assert out.rstrip().endswith(f"wrote {png}")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_render_demo_and_given_bindings(capsys):
+    code, out, _ = run(capsys, "render", "causal & document", "--q", "6")
+    assert code == 0
+    assert "not given with --bind, so drawn with demo values:" in out
+    assert "doc_ids: demo value, 3 equal documents (0 0 1 1 2 2)" in out
+    code, out, _ = run(capsys, "render", "causal & document", "--q", "6",
+                       "--bind", "doc_ids=0*2,1*4")
+    assert code == 0 and "demo" not in out
+    assert picture_rows(out) == ["█▄    ", "  █▄  ", "  ███▄"]
+    assert "density 0.361 (13/36 visible)" in out  # 3 + 10
+    code, out, _ = run(capsys, "render", "causal + head_bias", "--q", "4", "--head", "1",
+                       "--bind", "bias=0.5,-2")
+    assert code == 0 and "head 1 of H=2" in out and "-2 at every visible pair" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["causal", "--q", "0"], "--q must be at least 1, got 0"),
+    (["causal", "--kv", "-2"], "--kv must be at least 1, got -2"),
+    (["causal", "--head", "4", "--heads", "4"], "--head 4 does not exist with --heads 4"),
+    (["causal & windw(3)"], "<spec>:1:10: unknown pattern 'windw'. Did you mean 'window'?"),
+    (["causal & document", "--q", "4", "--bind", "doc_ids=0,1"],
+     "--bind doc_ids: 2 values given, but int[B, KV_LEN] = [1, 4] needs 4 (or 1 to fill it)"),
+    (["causal & document", "--bind", "doc_id=1"], "Did you mean 'doc_ids'?"),
+    (["causal & document", "--bind", "doc_ids=0,x"], "'x' is not a valid value"),
+    (["causal & document", "--bind", "doc_ids"], "--bind expects NAME=VALUES"),
+    (["causal", "--bind", "doc_ids=1"], "this spec reads no runtime tensors"),
+    (["causal & document", "--q", "8", "--kv", "4"], "'doc_ids' is indexed by q"),
+    (["causal", "--q", "100000"], "the dense reference would need"),
+])
+def test_render_errors(capsys, argv, message):
+    code, out, err = run(capsys, "render", *argv)
+    assert code == 1 and out == ""
+    assert message in err and "Traceback" not in err
+
+
+def test_render_png_without_matplotlib(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    code, out, err = run(capsys, "render", "causal", "--q", "4", "--png", str(tmp_path / "x.png"))
+    assert code == 1 and "density" in out
+    assert "pip install 'flexspec[plot]'" in err and "Traceback" not in err
+
+
+def test_render_usage_error(capsys):
+    code, _, err = run(capsys, "render")
+    assert code == 2 and "usage:" in err
+
+
+def test_show_draws_the_example(capsys):
+    code, out, _ = run(capsys, "show", "sliding_window")
+    assert code == 0
+    assert "picture of the example:" in out
+    assert "sliding_window(3)    Q_LEN=16 KV_LEN=16" in out
+    rows = picture_rows(out)
+    assert len(rows) == 8 and all(len(row) == 16 for row in rows)
+    assert rows[0] == "█▄" + " " * 14
+    code, out, _ = run(capsys, "show", "document")
+    assert "doc_ids: demo value, 3 equal documents" in out
+    code, out, _ = run(capsys, "show", "sliding_window", "--no-picture")
+    assert code == 0 and "picture" not in out and "┌" not in out
+
+
 # ---- the installed entry point -----------------------------------------------------------------
 
 

@@ -323,7 +323,8 @@ def test_alibi_default_slopes(heads):
 
 @pytest.mark.parametrize("num_buckets, max_distance, bidirectional",
                          [(32, 128, True), (32, 128, False), (8, 12, True), (16, 100, False),
-                          (64, 256, True), (6, 10, True), (128, 128, True), (7, 20, False)])
+                          (64, 256, True), (6, 10, True), (128, 128, True), (7, 20, False),
+                          (4, 8, True), (4, 3, False)])
 def test_t5_buckets_over_long_distances(num_buckets, max_distance, bidirectional):
     """The bucket itself, over distances up to 2.5 * max_distance in both directions: a table
     holding its own column index turns the bias into the bucket number."""

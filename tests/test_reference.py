@@ -10,7 +10,7 @@ from flexspec.errors import SpecError
 from flexspec.reference import (MAX_BYTES, dense_mask, evaluate, index_grid,
                                 reference_attention)
 from flexspec.tensors import builtin_tensor
-from ir_examples import (ALIBI, CAUSAL, CAUSAL_BR, DILATED, DOC_IDS, DOCUMENT, KV_LEN, LENGTHS,
+from ir_examples import (ALIBI, CAUSAL, CAUSAL_BR, DILATED, DOC_IDS, DOCUMENT, KV_LEN,
                          PADDING, Q_LEN, SCORE, SLOPES, C, b, call, h, kv, lookup, op, q,
                          sliding_window, softcap, spec, window)
 

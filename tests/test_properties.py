@@ -1,0 +1,270 @@
+"""Property tests: every stage agrees with the reference semantics on random specs.
+
+Random specs, shapes and bindings come from :mod:`flexspec.testing` (so new registry patterns are
+covered as soon as they exist). The fast share runs without ``torch.compile``: FlexAttention's
+``create_mask`` and an explicit ``vmap`` evaluate the lowered mods eagerly, and eager
+``flex_attention`` runs them end to end. Compiled runs (about 10-25 s per new spec on a small
+CPU) are one fixed case by default and a random sweep under ``@pytest.mark.slow``.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import create_mask, flex_attention, noop_mask
+
+import flexspec
+from flexspec import ir
+from flexspec.checker import Checker
+from flexspec.reference import dense_mask, dense_scores
+from flexspec.simplify import simplify
+from flexspec.tensors import prepare
+from flexspec.testing import (KINDS, Shape, bindings, cases, lookups_fit, shapes, spec_texts,
+                              specs, tensor_values)
+
+# Eager flex_attention warns that it is not compiled: here that is the point.
+pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
+
+# Example counts keep the default run fast on a 2-core CPU; the slow sweeps repeat the costly
+# properties with many more examples.
+FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FEW = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MANY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+ALL_KINDS = {"kinds": KINDS}
+
+
+def full_mask(attn, shape: Shape, values: dict) -> torch.Tensor:
+    """The reference mask expanded to ``[B, Hq, Q_LEN, KV_LEN]``."""
+    mask = attn.dense_mask(shape.Q_LEN, shape.KV_LEN, batch=shape.B, heads=shape.Hq, **values)
+    return mask.expand(shape.B, shape.Hq, shape.Q_LEN, shape.KV_LEN)
+
+
+def vmapped_scores(score_mod, scores: torch.Tensor) -> torch.Tensor:
+    """``score_mod`` at every position, vmapped over b, h, q, kv the way FlexAttention does."""
+    batch, heads, q_len, kv_len = scores.shape
+    fn = score_mod
+    for dim in (4, 3, 2, 1):  # kv innermost, b outermost
+        in_dims = [0, None, None, None, None]
+        in_dims[dim] = 0
+        fn = torch.vmap(fn, in_dims=tuple(in_dims))
+    index = lambda n: torch.arange(n, dtype=torch.int32)  # noqa: E731 - FlexAttention's dtype
+    return fn(scores, index(batch), index(heads), index(q_len), index(kv_len))
+
+
+def reference_values(spec, shape: Shape, values: dict) -> dict:
+    """Every tensor the spec reads, keyed by tensor_key (bindings and learnables from ``values``)."""
+    return prepare(spec.ir, shape.sizes, values, learnables=values)
+
+
+# --- the strategies themselves ------------------------------------------------------------
+
+
+@FAST
+@given(spec_texts(**ALL_KINDS))
+def test_drawn_texts_are_valid_and_round_trip(text):
+    spec = flexspec.parse(text)
+    assert flexspec.parse(str(spec)) == spec
+    assert str(flexspec.parse(str(spec))) == str(spec)
+
+
+@settings(max_examples=200, deadline=None)
+@given(spec_texts(**ALL_KINDS))
+def test_canonical_printing_round_trips(text):
+    spec = flexspec.parse(text)
+    again = flexspec.parse(str(spec))
+    assert again == spec
+    assert again.ir == spec.ir
+    assert str(again) == str(spec)
+
+
+@FAST
+@given(st.data())
+def test_shapes_fit_the_spec(data):
+    spec = data.draw(specs(**ALL_KINDS))
+    shape = data.draw(shapes(spec=spec))
+    assert shape.Hq % shape.Hkv == 0
+    assert shape.Q_LEN % 128 and shape.KV_LEN % 128
+    assert lookups_fit(spec, shape)
+    values = data.draw(bindings(spec, shape, learnables=True))
+    assert set(spec.bindings) <= set(values)
+
+
+# --- lowering == reference, evaluated eagerly on full grids ---------------------------------
+
+
+def check_mask(case):
+    attn, shape = case.attention(), case.shape
+    mask_mod, _ = attn.mods(q_len=shape.Q_LEN, kv_len=shape.KV_LEN, batch=shape.B,
+                            heads=shape.Hq, **case.bindings)
+    lowered = create_mask(mask_mod or noop_mask, shape.B, shape.Hq, shape.Q_LEN, shape.KV_LEN,
+                          device="cpu")
+    assert torch.equal(lowered, full_mask(attn, shape, case.bindings)), str(case.spec)
+
+
+def check_score(case, seed):
+    attn, shape = case.attention(), case.shape
+    _, score_mod = attn.mods(q_len=shape.Q_LEN, kv_len=shape.KV_LEN, batch=shape.B,
+                             heads=shape.Hq, **case.bindings)
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(shape.B, shape.Hq, shape.Q_LEN, shape.KV_LEN, generator=gen) * 4
+    expected = dense_scores(case.spec.ir, logits.double(),
+                            reference_values(case.spec, shape, case.bindings))
+    got = logits if score_mod is None else vmapped_scores(score_mod, logits)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4,
+                               msg=lambda m: f"{case.spec}: {m}")
+
+
+def check_block_mask(case):
+    """Every visible position lies in a listed block; a block listed as full is all visible."""
+    attn, shape = case.attention(), case.shape
+    block_mask = attn.block_mask(shape.Q_LEN, shape.KV_LEN, batch=shape.B, heads=shape.Hq,
+                                 **case.bindings)
+    dense = full_mask(attn, shape, case.bindings)
+    bq, bkv = block_mask.BLOCK_SIZE
+    nq, nkv = math.ceil(shape.Q_LEN / bq), math.ceil(shape.KV_LEN / bkv)
+    pad = torch.zeros(shape.B, shape.Hq, nq * bq, nkv * bkv, dtype=torch.bool)
+    pad[..., :shape.Q_LEN, :shape.KV_LEN] = dense
+    blocks = pad.reshape(shape.B, shape.Hq, nq, bq, nkv, bkv)
+    any_visible = blocks.any(dim=(3, 5))
+    listed = block_mask.to_dense()[..., :nq, :nkv].bool()
+    listed = listed.expand(shape.B, shape.Hq, nq, nkv)
+    assert not (any_visible & ~listed).any(), f"{case.spec}: a visible position is skipped"
+    if block_mask.full_kv_num_blocks is not None:
+        full = torch.zeros(block_mask.full_kv_num_blocks.shape + (nkv,), dtype=torch.bool)
+        counts, indices = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
+        for position in itertools.product(*map(range, counts.shape)):
+            full[position][indices[position][:counts[position]].long()] = True
+        full = full[..., :nq, :].expand(shape.B, shape.Hq, nq, nkv)
+        # Positions past the ends count as visible: the kernel masks a partial last block itself.
+        all_visible = (pad | _padding(shape, nq * bq, nkv * bkv)).reshape(
+            shape.B, shape.Hq, nq, bq, nkv, bkv).all(dim=(3, 5))
+        assert not (full & ~all_visible).any(), f"{case.spec}: a full block has masked positions"
+
+
+@FAST
+@given(cases(**ALL_KINDS))
+def test_lowered_mask_matches_the_reference(case):
+    check_mask(case)
+
+
+@FAST
+@given(cases(**ALL_KINDS), st.integers(0, 2**31 - 1))
+def test_lowered_score_matches_the_reference(case, seed):
+    check_score(case, seed)
+
+
+@FAST
+@given(cases(**ALL_KINDS))
+def test_block_mask_covers_the_reference_mask(case):
+    check_block_mask(case)
+
+
+def _padding(shape: Shape, q_pad: int, kv_pad: int) -> torch.Tensor:
+    pad = torch.ones(1, 1, q_pad, kv_pad, dtype=torch.bool)
+    pad[..., :shape.Q_LEN, :shape.KV_LEN] = False
+    return pad
+
+
+def check_eager_flex_attention(case, seed):
+    attn, shape = case.attention(), case.shape
+    q, k, v = shape.qkv(seed)
+    _, score_mod = attn.mods(q_len=shape.Q_LEN, kv_len=shape.KV_LEN, batch=shape.B,
+                             heads=shape.Hq, **case.bindings)
+    block_mask = attn.block_mask(shape.Q_LEN, shape.KV_LEN, batch=shape.B, heads=shape.Hq,
+                                 **case.bindings)
+    out = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                         enable_gqa=shape.Hq != shape.Hkv)
+    expected = attn.reference(q, k, v, **case.bindings)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4,
+                               msg=lambda m: f"{case.spec} {shape}: {m}")
+
+
+# Eager flex_attention still traces each new score_mod with dynamo (about 1 s per spec here).
+@FEW
+@given(cases(max_len=200, **ALL_KINDS), st.integers(0, 2**31 - 1))
+def test_eager_flex_attention_matches_the_reference(case, seed):
+    check_eager_flex_attention(case, seed)
+
+
+@pytest.mark.slow
+@MANY
+@given(cases(**ALL_KINDS), st.integers(0, 2**31 - 1))
+def test_eager_flex_attention_matches_the_reference_sweep(case, seed):
+    check_eager_flex_attention(case, seed)
+
+
+@pytest.mark.slow
+@MANY
+@given(cases(**ALL_KINDS), st.integers(0, 2**31 - 1))
+def test_lowered_mods_match_the_reference_sweep(case, seed):
+    check_mask(case)
+    check_score(case, seed)
+    check_block_mask(case)
+
+
+# --- simplification preserves the reference semantics ---------------------------------------
+
+
+@FAST
+@given(st.data())
+def test_simplification_preserves_mask_and_scores(data):
+    spec = data.draw(specs(**ALL_KINDS))
+    value = Checker(flexspec.registry().scope).spec(spec.expr)
+    raw = ir.AttentionIR(value.mask, value.score)
+    assert spec.ir == ir.AttentionIR(simplify(raw.mask), simplify(raw.score))
+    shape = data.draw(shapes(max_len=150, spec=raw))
+    values = data.draw(tensor_values(raw, shape))
+    sizes = (shape.B, shape.Hq, shape.Q_LEN, shape.KV_LEN)
+    assert torch.equal(dense_mask(raw, *sizes, values), dense_mask(spec.ir, *sizes, values)), \
+        f"{spec}: {ir.to_text(raw.mask)} -> {ir.to_text(spec.ir.mask)}"
+    logits = torch.randn(*sizes, dtype=torch.float64) * 4
+    torch.testing.assert_close(dense_scores(spec.ir, logits, values),
+                               dense_scores(raw, logits, values), rtol=1e-9, atol=1e-9,
+                               msg=lambda m: f"{spec}: {ir.to_text(raw.score)}: {m}")
+
+
+@FAST
+@given(specs(**ALL_KINDS))
+def test_simplification_is_a_fixed_point(spec):
+    assert simplify(spec.ir.mask) == spec.ir.mask
+    assert simplify(spec.ir.score) == spec.ir.score
+
+
+# --- compiled FlexAttention == reference ------------------------------------------------------
+
+# One rich case in the default run (one compile, ~10-25 s on a 2-core CPU): GQA, lengths that are
+# not multiples of 128, Q_LEN != KV_LEN, a per-batch binding, a head bias, a learnable table.
+COMPILED_CASE = ("causal & (window(40) | global_tokens) & ~strided(7) + head_bias "
+                 "+ rel_bias(max_distance=9) + softcap(8.0)",
+                 Shape(B=2, Hq=4, Hkv=2, Q_LEN=150, KV_LEN=190, D=16))
+
+
+def _check_compiled(spec, shape: Shape, values: dict, seed: int = 0):
+    attn = flexspec.compile(spec)
+    q, k, v = shape.qkv(seed)
+    with torch.no_grad():
+        out = attn(q, k, v, **values)
+        expected = attn.reference(q, k, v, **values)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4,
+                               msg=lambda m: f"{spec} {shape}: {m}")
+
+
+def test_compiled_flex_attention_matches_the_reference():
+    text, shape = COMPILED_CASE
+    gen = torch.Generator().manual_seed(1)
+    values = {"is_global": torch.rand(shape.B, shape.KV_LEN, generator=gen) < 0.05,
+              "bias": torch.randn(shape.Hq, generator=gen),
+              "rel_bias_table": torch.randn(shape.Hq, 19, generator=gen)}
+    _check_compiled(text, shape, values)
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(cases(max_len=260, **ALL_KINDS), st.integers(0, 2**31 - 1))
+def test_compiled_flex_attention_matches_the_reference_random(case, seed):
+    _check_compiled(case.spec, case.shape, case.bindings, seed)
+
