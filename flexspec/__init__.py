@@ -28,11 +28,18 @@ def parse(text, *, library: Library | None = None) -> Spec:
     return Spec(node, check_spec(node, scope))
 
 
-def compile(spec, *, library: Library | None = None, backend: str = "auto", block_size=128):
-    """Compile a spec (text or :class:`Spec`) into an :class:`~flexspec.runtime.Attention`."""
+def compile(spec, *, library: Library | None = None, backend: str = "auto", block_size=128,
+            block_masks: str = "exact"):
+    """Compile a spec (text or :class:`Spec`) into an :class:`~flexspec.runtime.Attention`.
+
+    ``block_size`` is an int or a (q, kv) pair; ``block_masks`` picks how block masks are built:
+    ``"exact"`` (interval analysis refined inside partial tiles; the default), ``"intervals"``
+    (the analysis alone) or ``"dense"`` (torch's ``create_block_mask``).
+    """
     from .runtime import Attention
 
-    return Attention(parse(spec, library=library), backend=backend, block_size=block_size)
+    return Attention(parse(spec, library=library), backend=backend, block_size=block_size,
+                     block_masks=block_masks)
 
 
 def patterns() -> list[Pattern]:

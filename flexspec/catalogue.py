@@ -1,20 +1,27 @@
 """The pattern catalogue: ``docs/patterns.md``, generated from the registry.
 
 Run ``python -m flexspec.catalogue > docs/patterns.md`` after changing a pattern file; a test fails
-while the committed page differs from what this module renders.
+while the committed page differs from what this module renders. Each pattern's example is drawn
+by :mod:`flexspec.render` (a small text picture of its mask and score bias).
 """
 
 from __future__ import annotations
 
+from .errors import SpecError
 from .registry import Pattern, registry
 
 PICTURE_SIZE = 12  # each pattern's example is drawn at Q_LEN = KV_LEN = 12
 
 
 def _picture(pattern: Pattern) -> list[str]:
+    """The example drawn at :data:`PICTURE_SIZE` in a ``text`` block (demo values for tensors)."""
     from .render import render_example
 
-    text = render_example(pattern.example, PICTURE_SIZE)
+    try:
+        text = render_example(pattern.example, PICTURE_SIZE)
+    except SpecError as err:
+        raise SpecError(f"pattern '{pattern.name}': cannot draw its example "
+                        f"'{pattern.example}': {err.message}") from None
     return ["```text", *text.rstrip("\n").splitlines(), "```", ""]
 
 
@@ -69,4 +76,11 @@ def render_catalogue() -> str:
 
 
 if __name__ == "__main__":
-    print(render_catalogue(), end="")
+    import sys
+
+    try:
+        page = render_catalogue()
+    except SpecError as err:
+        print(f"flexspec.catalogue: {err}", file=sys.stderr)
+        sys.exit(1)
+    print(page, end="")

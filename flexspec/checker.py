@@ -75,11 +75,14 @@ class Checker:
         value = self.spec(node)
         if value.kind != "mask":
             op = {"&": "'&'", "|": "'|'"}.get(getattr(parent, "op", ""), "'~'")
+            if value.kind == "score":
+                hint = f"e.g. 'causal + {_describe(node)}'"
+            else:  # `(causal + alibi) & window(3)`: the masks go first, the scores after them
+                hint = "after the masks, e.g. 'causal & window(128) + alibi'"
             what = "a score modifier" if value.kind == "score" else "a spec with score modifiers"
             raise SpecCheckError(
                 f"'{_describe(node)}' is {what}, so it cannot be combined with {op}; "
-                f"score modifiers join a spec with '+', e.g. 'causal + {_describe(node)}'",
-                node.span)
+                f"score modifiers join a spec with '+', {hint}", node.span)
         return value.mask
 
     def _chain(self, node: ast.Chain) -> SpecValue:
@@ -213,7 +216,8 @@ class Checker:
                     takes = "no arguments" if count == 0 else (
                         f"{count} argument{'s' if count != 1 else ''}: {definition.signature()}")
                     raise SpecCheckError(f"'{definition.name}' takes {takes}, but "
-                                         f"{len(args)} were given", arg.span)
+                                         f"{len(args)} {'was' if len(args) == 1 else 'were'} "
+                                         "given", arg.span)
                 param, value_node = params[position], arg
                 if param.name in given:
                     raise SpecCheckError(f"argument '{param.name}' given twice", arg.span)

@@ -307,7 +307,8 @@ def _add_render(subparsers) -> None:
                         "--file")
     p.add_argument("--q", type=int, default=16, metavar="N", help="query length (default 16)")
     p.add_argument("--kv", type=int, metavar="N", help="key/value length (default: --q)")
-    p.add_argument("--batch", type=int, default=0, metavar="I", help="batch index drawn (default 0)")
+    p.add_argument("--batch", type=int, default=0, metavar="I",
+                   help="batch index drawn (default 0)")
     p.add_argument("--head", type=int, default=0, metavar="J", help="head index drawn (default 0)")
     p.add_argument("--heads", type=int, metavar="H",
                    help="number of heads H the spec sees (default: from a --bind with an H "

@@ -1,14 +1,21 @@
-"""Interval bounds of IR expressions: the smallest and largest value a node can take when each
-variable ranges over an interval. Pure Python.
+"""Interval analysis of IR expressions. Pure Python; array libraries plug in through ``ops``.
 
-Used by the runtime to prove that every tensor lookup stays inside its tensor (``doc_ids[b, q]``
-needs ``Q_LEN <= KV_LEN``). The rules follow tinygrad's ``vmin``/``vmax``: for ``a - b`` the range
-is ``[a.lo - b.hi, a.hi - b.lo]``. Bounds are sound (every value lies inside) but not always tight;
-``None`` means "unknown".
+Given a range ``[lo, hi]`` for every variable, each node gets sound bounds:
+
+* a numeric node gets ``(lo, hi)``: every value it can take lies inside;
+* a boolean node gets ``(must, may)``: ``must`` means true everywhere in the ranges, ``may``
+  means true somewhere. A mask tile is FULL when ``must``, EMPTY when ``not may``, else PARTIAL.
+
+The rules follow tinygrad's ``vmin``/``vmax``: for ``a - b`` the range is
+``[a.lo - b.hi, a.hi - b.lo]``; a comparison ``a < b`` must hold when ``a.hi < b.lo`` and may
+hold when ``a.lo < b.hi``. Bounds are floats (``inf`` means unbounded), exact for integers up to
+2**53. The same rules run on Python numbers (:class:`ScalarOps`, used by the runtime to prove that
+lookups stay inside their tensors) and, vectorised over every tile of a block mask at once, on
+torch tensors (:mod:`flexspec.blocks` passes its own ops).
 
 >>> from flexspec.ir import Binary, Var
 >>> bounds(Binary("-", Var("q"), Var("kv")), {"q": (0, 9), "kv": (0, 4)})
-(-4, 9)
+(-4.0, 9.0)
 """
 
 from __future__ import annotations
@@ -17,84 +24,245 @@ import math
 
 from . import ir
 
-Interval = tuple  # (lo, hi)
+INF = math.inf
 
 
-def _corners(op, a: Interval, b: Interval) -> Interval | None:
-    try:
-        values = [op(x, y) for x in a for y in b]
-    except (ArithmeticError, ValueError):
+class ScalarOps:
+    """Interval arithmetic on Python floats and bools."""
+
+    @staticmethod
+    def const(value):
+        return value
+
+    minimum = staticmethod(min)
+    maximum = staticmethod(max)
+
+    @staticmethod
+    def where(cond, a, b):
+        return a if cond else b
+
+    @staticmethod
+    def all(*values):
+        return all(values)
+
+    @staticmethod
+    def any(*values):
+        return any(values)
+
+    @staticmethod
+    def logical_not(value):
+        return not value
+
+    @staticmethod
+    def fix_nan(value, replacement):
+        return replacement if isinstance(value, float) and math.isnan(value) else value
+
+    @staticmethod
+    def floor(value):
+        return float(math.floor(value)) if math.isfinite(value) else value
+
+    @staticmethod
+    def ceil(value):
+        return float(math.ceil(value)) if math.isfinite(value) else value
+
+    @staticmethod
+    def apply(fn: str, value):
+        try:
+            return _SCALAR_FUNCTIONS[fn](value)
+        except (ValueError, OverflowError):
+            return math.nan if fn in ("log", "log2", "sqrt") else INF
+
+    @staticmethod
+    def lookup(node, index_bounds):
         return None
-    if any(isinstance(v, float) and math.isnan(v) for v in values):
-        return None
-    return min(values), max(values)
 
 
-def bounds(expr: ir.Expr, ranges: dict) -> Interval | None:
-    """``(lo, hi)`` of a numeric expression given ``ranges`` (name -> (lo, hi)) for variables
-    (indices and sizes); ``None`` where no bound is known (tensor values, scores, divisions by
-    intervals containing zero)."""
-    if isinstance(expr, ir.Const):
-        return None if isinstance(expr.value, bool) else (expr.value, expr.value)
-    if isinstance(expr, ir.Var):
-        return ranges.get(expr.name)
-    if isinstance(expr, ir.Unary) and expr.op == "neg":
-        inner = bounds(expr.operand, ranges)
-        return None if inner is None else (-inner[1], -inner[0])
-    if isinstance(expr, ir.Binary) and expr.op in ir.ARITH_OPS:
-        a, b = bounds(expr.left, ranges), bounds(expr.right, ranges)
-        if a is None or b is None:
-            return None
-        if expr.op == "+":
-            return a[0] + b[0], a[1] + b[1]
-        if expr.op == "-":
-            return a[0] - b[1], a[1] - b[0]
-        if expr.op == "*":
-            return _corners(lambda x, y: x * y, a, b)
-        if b[0] <= 0 <= b[1]:
-            if expr.op == "%" and b[0] == b[1] == 0:
-                return None
-            if expr.op == "%" and b[0] >= 0:
-                return 0, b[1] - 1
-            return None
-        if expr.op == "/":
-            return _corners(lambda x, y: x / y, a, b)
-        if expr.op == "//":
-            return _corners(lambda x, y: x // y, a, b)
-        # Python modulo by a positive divisor lies in [0, divisor - 1], and is exact when the
-        # dividend stays inside one period.
-        if b[0] > 0:
-            if b[0] == b[1] and a[0] // b[0] == a[1] // b[0]:
-                return a[0] % b[0], a[1] % b[0]
-            return 0, b[1] - 1
-        return b[0] + 1, 0
-    if isinstance(expr, ir.Call):
-        args = [bounds(arg, ranges) for arg in expr.args] if expr.fn != "where" else None
-        if args is not None and any(arg is None for arg in args):
-            return None
-        if expr.fn == "abs":
+def _sigmoid(x):
+    return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0
+
+
+_SCALAR_FUNCTIONS = {
+    "tanh": math.tanh, "exp": math.exp, "exp2": lambda x: 2.0 ** x, "log": math.log,
+    "log2": math.log2, "sqrt": math.sqrt, "sigmoid": _sigmoid,
+    "sign": lambda x: float((x > 0) - (x < 0)),
+}
+
+_INCREASING = ("tanh", "exp", "exp2", "log", "log2", "sqrt", "sigmoid", "sign")
+
+
+class Analyzer:
+    """Computes bounds of IR nodes for the variable ranges in ``ranges`` (name -> (lo, hi)).
+
+    ``ops`` supplies the array operations (see :class:`ScalarOps`); its ``lookup(node, index)``
+    bounds a tensor lookup from the bounds of its indices, or returns ``None`` for "unknown".
+    An unknown numeric bound is ``(-inf, inf)``; an unknown boolean is ``(False, True)``.
+    """
+
+    def __init__(self, ops, ranges: dict):
+        self.ops = ops
+        self.ranges = ranges
+
+    # ---- numbers
+    def number(self, node: ir.Expr):
+        ops = self.ops
+        if isinstance(node, ir.Const):
+            value = ops.const(float(node.value))
+            return value, value
+        if isinstance(node, ir.Var):
+            if node.name in self.ranges:
+                lo, hi = self.ranges[node.name]
+                return ops.const(lo), ops.const(hi)
+            return ops.const(-INF), ops.const(INF)
+        if isinstance(node, ir.Unary) and node.op == "neg":
+            lo, hi = self.number(node.operand)
+            return -hi, -lo
+        if isinstance(node, ir.Binary):
+            return self._arith(node.op, self.number(node.left), self.number(node.right))
+        if isinstance(node, ir.Call):
+            return self._call(node)
+        if isinstance(node, ir.Lookup):
+            found = ops.lookup(node, [self.number(i) for i in node.index])
+            return found if found is not None else (ops.const(-INF), ops.const(INF))
+        return ops.const(-INF), ops.const(INF)
+
+    def _corners(self, values):
+        ops = self.ops
+        values = [ops.fix_nan(v, 0.0) for v in values]  # 0 * inf: the bound is 0 at that corner
+        lo, hi = values[0], values[0]
+        for v in values[1:]:
+            lo, hi = ops.minimum(lo, v), ops.maximum(hi, v)
+        return lo, hi
+
+    def _arith(self, op: str, a, b):
+        ops = self.ops
+        (alo, ahi), (blo, bhi) = a, b
+        if op == "+":
+            return alo + blo, ahi + bhi
+        if op == "-":
+            return alo - bhi, ahi - blo
+        if op == "*":
+            return self._corners([alo * blo, alo * bhi, ahi * blo, ahi * bhi])
+        spans_zero = ops.all(blo <= 0, bhi >= 0)
+        unbounded = ops.const(-INF), ops.const(INF)
+        # a divisor interval that contains 0: replace it by 1 to compute, then discard
+        safe_lo = ops.where(spans_zero, ops.const(1.0), blo)
+        safe_hi = ops.where(spans_zero, ops.const(1.0), bhi)
+        if op in ("/", "//"):
+            quotients = [alo / safe_lo, alo / safe_hi, ahi / safe_lo, ahi / safe_hi]
+            lo, hi = self._corners(quotients)
+            if op == "//":
+                lo, hi = ops.floor(lo), ops.floor(hi)
+            return ops.where(spans_zero, unbounded[0], lo), ops.where(spans_zero, unbounded[1], hi)
+        if op == "%":
+            # Python's modulo by a positive divisor lies in [0, divisor - 1]; it is exact (and
+            # monotone) while the dividend stays inside one period of a fixed divisor.
+            exact = ops.all(blo == bhi, blo > 0)
+            same_period = ops.all(exact, ops.floor(alo / safe_lo) == ops.floor(ahi / safe_lo))
+            period_lo = alo - ops.floor(alo / safe_lo) * safe_lo
+            period_hi = ahi - ops.floor(ahi / safe_lo) * safe_lo
+            positive = blo > 0
+            lo = ops.where(same_period, period_lo, ops.where(positive, ops.const(0.0), blo + 1))
+            hi = ops.where(same_period, period_hi, ops.where(positive, bhi - 1, ops.const(0.0)))
+            return ops.where(spans_zero, unbounded[0], lo), ops.where(spans_zero, unbounded[1], hi)
+        raise ValueError(f"not an arithmetic operator: {op}")
+
+    def _call(self, node: ir.Call):
+        ops = self.ops
+        fn = node.fn
+        if fn == "where":
+            must, may = self.boolean(node.args[0])
+            (alo, ahi), (blo, bhi) = self.number(node.args[1]), self.number(node.args[2])
+            lo = ops.where(must, alo, ops.where(ops.logical_not(may), blo, ops.minimum(alo, blo)))
+            hi = ops.where(must, ahi, ops.where(ops.logical_not(may), bhi, ops.maximum(ahi, bhi)))
+            return lo, hi
+        args = [self.number(a) for a in node.args]
+        if fn == "abs":
             lo, hi = args[0]
-            if lo >= 0:
-                return lo, hi
-            if hi <= 0:
-                return -hi, -lo
-            return 0, max(-lo, hi)
-        if expr.fn in ("min", "max"):
-            pick = min if expr.fn == "min" else max
+            low = ops.where(lo >= 0, lo, ops.where(hi <= 0, -hi, ops.const(0.0)))
+            high = ops.maximum(-lo, hi)
+            return low, high
+        if fn in ("min", "max"):
+            pick = ops.minimum if fn == "min" else ops.maximum
             return pick(args[0][0], args[1][0]), pick(args[0][1], args[1][1])
-        if expr.fn == "clamp":  # min(max(x, lo), hi)
-            x, low, high = args
-            raised = max(x[0], low[0]), max(x[1], low[1])
-            return min(raised[0], high[0]), min(raised[1], high[1])
-        if expr.fn in ("floor", "ceil", "sign"):
-            fn = {"floor": math.floor, "ceil": math.ceil, "sign": lambda x: (x > 0) - (x < 0)}[expr.fn]
-            return fn(args[0][0]), fn(args[0][1])
-        if expr.fn == "where":
-            a, b = bounds(expr.args[1], ranges), bounds(expr.args[2], ranges)
-            if a is None or b is None:
-                return None
-            return min(a[0], b[0]), max(a[1], b[1])
-    return None
+        if fn == "clamp":  # min(max(x, lo), hi)
+            (xlo, xhi), (llo, lhi), (hlo, hhi) = args
+            raised = ops.maximum(xlo, llo), ops.maximum(xhi, lhi)
+            return ops.minimum(raised[0], hlo), ops.minimum(raised[1], hhi)
+        if fn == "floor":
+            return ops.floor(args[0][0]), ops.floor(args[0][1])
+        if fn == "ceil":
+            return ops.ceil(args[0][0]), ops.ceil(args[0][1])
+        if fn in _INCREASING:
+            lo, hi = args[0]
+            return (ops.fix_nan(ops.apply(fn, lo), -INF), ops.fix_nan(ops.apply(fn, hi), INF))
+        return ops.const(-INF), ops.const(INF)
+
+    # ---- booleans
+    def boolean(self, node: ir.Expr):
+        ops = self.ops
+        if isinstance(node, ir.Const):
+            value = ops.const(bool(node.value))
+            return value, value
+        if isinstance(node, ir.Unary) and node.op == "not":
+            must, may = self.boolean(node.operand)
+            return ops.logical_not(may), ops.logical_not(must)
+        if isinstance(node, (ir.And, ir.Or)):
+            parts = [self.boolean(a) for a in node.args]
+            combine = ops.all if isinstance(node, ir.And) else ops.any
+            return combine(*[p[0] for p in parts]), combine(*[p[1] for p in parts])
+        if isinstance(node, ir.Binary) and node.op in ir.COMPARE_OPS:
+            if node.left.type == "bool":
+                return self._bool_equality(node)
+            return self._compare(node.op, self.number(node.left), self.number(node.right))
+        if isinstance(node, ir.Call) and node.fn == "where":
+            cond = self.boolean(node.args[0])
+            a, b = self.boolean(node.args[1]), self.boolean(node.args[2])
+            pick = [ops.where(cond[0], a[i], ops.where(ops.logical_not(cond[1]), b[i],
+                                                        (ops.all if i == 0 else ops.any)(a[i], b[i])))
+                    for i in (0, 1)]
+            return pick[0], pick[1]
+        if isinstance(node, ir.Lookup):
+            found = ops.lookup(node, [self.number(i) for i in node.index])
+            if found is not None:
+                lo, hi = found
+                return lo >= 1, hi >= 1
+        return ops.const(False), ops.const(True)
+
+    def _compare(self, op: str, a, b):
+        ops = self.ops
+        (alo, ahi), (blo, bhi) = a, b
+        if op == "<":
+            return ahi < blo, alo < bhi
+        if op == "<=":
+            return ahi <= blo, alo <= bhi
+        if op == ">":
+            return alo > bhi, ahi > blo
+        if op == ">=":
+            return alo >= bhi, ahi >= blo
+        equal_must = ops.all(alo == ahi, blo == bhi, alo == blo)
+        equal_may = ops.all(alo <= bhi, blo <= ahi)
+        if op == "==":
+            return equal_must, equal_may
+        return ops.logical_not(equal_may), ops.logical_not(equal_must)
+
+    def _bool_equality(self, node: ir.Binary):
+        ops = self.ops
+        (am, ay), (bm, by) = self.boolean(node.left), self.boolean(node.right)
+        not_ay, not_by = ops.logical_not(ay), ops.logical_not(by)
+        equal_must = ops.any(ops.all(am, bm), ops.all(not_ay, not_by))
+        differ_must = ops.any(ops.all(am, not_by), ops.all(not_ay, bm))
+        equal_may = ops.logical_not(differ_must)
+        if node.op == "==":
+            return equal_must, equal_may
+        return differ_must, ops.logical_not(equal_must)
+
+
+def bounds(expr: ir.Expr, ranges: dict):
+    """``(lo, hi)`` of a numeric expression over Python ranges, or ``None`` when unbounded."""
+    lo, hi = Analyzer(ScalarOps, ranges).number(expr)
+    if lo == -INF and hi == INF:
+        return None
+    return lo, hi
 
 
 def lookup_ranges(spec: ir.AttentionIR, sizes: dict) -> list:

@@ -143,10 +143,9 @@ def picture(attn_or_spec, q_len: int, kv_len: int, *, batch: int = 0, head: int 
 
     ``attn_or_spec`` is an :class:`~flexspec.runtime.Attention`, a :class:`~flexspec.Spec` or
     spec text. The spec sees ``H = heads`` (default: :func:`resolve_heads`) and ``B = batch + 1``,
-    or the batch size of a binding with a ``B`` dimension when that is larger.
-    Bindings are checked as
-    ``Attention.dense_mask`` checks them; a learnable tensor that is not bound is drawn at its
-    initial value.
+    or the batch size of a binding with a ``B`` dimension when that is larger. Bindings are
+    checked as ``Attention.dense_mask`` checks them; a learnable tensor that is not bound is
+    drawn at its initial value.
     """
     attn = _attention(attn_or_spec)
     q_len = _check_length("q_len", q_len)

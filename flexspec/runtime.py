@@ -33,6 +33,7 @@ from torch.nn.attention.flex_attention import (BlockMask, create_block_mask, fle
 
 from . import ir
 from .errors import BindingError, SpecError, did_you_mean
+from .blocks import build_block_mask
 from .intervals import lookup_ranges
 from .lower import Lowered, lower
 from .reference import dense_mask, reference_attention
@@ -41,6 +42,9 @@ from .tensors import (add_leading_dims, builtin_tensor, declared_shape, init_lea
                       specialize_ir, tensor_key)
 
 BACKENDS = ("auto", "flex", "reference")
+# How block masks are built: interval analysis refined inside partial tiles (equal to
+# create_block_mask), interval analysis alone, or torch's create_block_mask (S^2 evaluations).
+BLOCK_MASK_MODES = ("exact", "intervals", "dense")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_MASK_CACHE_SIZE = 32
 
@@ -185,10 +189,15 @@ def _check_lookups(spec: ir.AttentionIR, sizes: dict, values: dict) -> None:
 class Attention:
     """A compiled spec. Call it like ``attn(q, k, v, doc_ids=ids)``; see the module docstring."""
 
-    def __init__(self, spec: Spec, *, backend: str = "auto", block_size=128):
+    def __init__(self, spec: Spec, *, backend: str = "auto", block_size=128,
+                 block_masks: str = "exact"):
         if backend not in BACKENDS:
             raise SpecError(f"unknown backend '{backend}'.{did_you_mean(backend, BACKENDS)} "
                             f"Backends: {', '.join(BACKENDS)}")
+        if block_masks not in BLOCK_MASK_MODES:
+            raise SpecError(f"unknown block_masks mode '{block_masks}'."
+                            f"{did_you_mean(block_masks, BLOCK_MASK_MODES)} Modes: "
+                            f"{', '.join(BLOCK_MASK_MODES)}")
         sizes = block_size if isinstance(block_size, tuple) else (block_size, block_size)
         if len(sizes) != 2 or not all(isinstance(s, int) and s > 0 and s % 16 == 0 for s in sizes):
             raise SpecError(f"block_size must be a positive multiple of 16 or a pair of them, got "
@@ -197,6 +206,7 @@ class Attention:
         self.ir = spec.ir
         self.backend = backend
         self.block_size = sizes
+        self.block_masks = block_masks
         self._block_masks: collections.OrderedDict = collections.OrderedDict()
         self._learnables: dict = {}
 
@@ -260,8 +270,14 @@ class Attention:
             self._block_masks.move_to_end(key)
             return cached[0]
         mask_mod, _ = lower(spec).make_mods(sizes, values)
-        block_mask = create_block_mask(mask_mod or noop_mask, batch, heads, sizes["Q_LEN"], sizes["KV_LEN"],
-                                       device=device, BLOCK_SIZE=self.block_size)
+        if self.block_masks == "dense":
+            block_mask = create_block_mask(mask_mod or noop_mask, batch, heads, sizes["Q_LEN"],
+                                           sizes["KV_LEN"], device=device,
+                                           BLOCK_SIZE=self.block_size)
+        else:
+            block_mask = build_block_mask(spec.mask, sizes, self.block_size, values, device,
+                                          batch=batch, heads=heads, mask_mod=mask_mod,
+                                          exact=self.block_masks == "exact")
         # the values are kept alive with the mask so that their id() cannot be reused
         self._block_masks[key] = (block_mask, values)
         if len(self._block_masks) > BLOCK_MASK_CACHE_SIZE:
@@ -377,12 +393,12 @@ class SpecAttention(nn.Module):
     ``nn.Parameter``s. ``num_heads`` fixes the ``H`` their shapes use."""
 
     def __init__(self, spec, *, num_heads: int, library=None, backend: str = "auto",
-                 block_size=128, device=None, dtype=torch.float32):
+                 block_size=128, block_masks: str = "exact", device=None, dtype=torch.float32):
         super().__init__()
         from . import compile as compile_spec
 
         self.attention = compile_spec(spec, library=library, backend=backend,
-                                      block_size=block_size)
+                                      block_size=block_size, block_masks=block_masks)
         self.num_heads = num_heads
         self.tables = nn.ParameterDict()
         self._keys: dict[str, str] = {}

@@ -77,7 +77,11 @@ def fold_constants(node: Expr) -> Expr:
                 return node  # left for the device to decide (inf / error), not folded here
             return _const(_ARITH[node.op](a, b), type_of(node)) or node
         if isinstance(node, Call) and node.fn == "where" and isinstance(node.args[0], Const):
-            return node.args[1] if node.args[0].value else node.args[2]
+            # the chosen branch, with the type of the where (where(true, 1, 2.5) is 1.0)
+            chosen = node.args[1] if node.args[0].value else node.args[2]
+            if type_of(chosen) == type_of(node):
+                return chosen
+            return (_const(chosen.value, type_of(node)) or node) if isinstance(chosen, Const) else node
         if isinstance(node, Call) and all(isinstance(a, Const) for a in node.args):
             values = [a.value for a in node.args]
             return _const(_FUNCTIONS[node.fn](*values), type_of(node)) or node

@@ -381,19 +381,31 @@ def _as_ir(spec) -> ir.AttentionIR:
     return parse(spec).ir
 
 
-def lookups_fit(spec, shape: Shape) -> bool:
-    """Whether every tensor lookup of ``spec`` stays inside the tensor's declared shape for these
-    sizes, as far as interval analysis can tell (what the runtime checks before a call)."""
+def lookups_fit(spec, shape: Shape, *, exact: bool = True) -> bool:
+    """Whether every tensor lookup of ``spec`` stays inside the tensor's declared shape at these
+    sizes.
+
+    With ``exact`` (the default) each index expression is evaluated at every position with the
+    reference evaluator (what the semantics require); an index that reads another tensor or the
+    score falls back to interval analysis. With ``exact=False`` only interval analysis is used,
+    which is what the runtime checks before a call: sound, but it may refuse shapes that fit.
+    """
     from .intervals import lookup_ranges
+    from .reference import evaluate, index_grid
     from .tensors import declared_shape
 
     spec_ir = _as_ir(spec)
     sizes = shape.sizes
-    for tensor, dim, _index, span in lookup_ranges(spec_ir, sizes):
-        if span is None:
-            continue
+    grid = index_grid(shape.B, shape.Hq, shape.Q_LEN, shape.KV_LEN) if exact else None
+    for tensor, dim, index, span in lookup_ranges(spec_ir, sizes):
         size = declared_shape(tensor, sizes)[dim]
-        if span[0] < 0 or span[1] >= size:
+        plain = not any(isinstance(n, ir.Lookup) or (isinstance(n, ir.Var) and n.name == "score")
+                        for n in ir.walk(index))
+        if exact and plain:
+            values = evaluate(index, grid, {})
+            if values.min().item() < 0 or values.max().item() >= size:
+                return False
+        elif span is not None and (span[0] < 0 or span[1] >= size):
             return False
     return True
 

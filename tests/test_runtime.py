@@ -395,6 +395,16 @@ def test_requires_grad_on_cpu_falls_back_to_the_reference_with_one_warning(fresh
         assert t.grad is not None and t.grad.abs().sum() > 0
 
 
+def test_gradients_reach_a_bound_float_tensor(fresh_warnings):
+    attn = flexspec.compile("causal + head_bias")
+    q, k, v = Shape(1, 2, 1, 17, 17, 8).qkv(seed=3)
+    bias = torch.tensor([0.5, -1.0], requires_grad=True)
+    with pytest.warns(UserWarning, match="no backward"):
+        out = attn(q, k, v, bias=bias)
+    (out * torch.randn_like(out)).sum().backward()
+    assert bias.grad is not None and bias.grad.abs().sum() > 0
+
+
 def test_spec_attention_parameters_and_gradients(fresh_warnings):
     module = flexspec.SpecAttention("causal + rel_bias(max_distance=4)", num_heads=4)
     params = dict(module.named_parameters())
@@ -438,10 +448,22 @@ def test_learnable_tables_start_at_zero_and_can_be_passed_by_name():
 @pytest.mark.xfail(reason="two uses of one learnable pattern share the table name "
                           "'rel_bias_table' (tensor_key is the name), so tables of different "
                           "shapes collide; t5_bias's docs say each use has its own table",
-                   strict=False)
+                   strict=True)
 def test_two_learnable_tables_of_one_pattern():
     module = flexspec.SpecAttention("rel_bias(max_distance=3) + rel_bias(max_distance=2)",
                                     num_heads=2)
     assert len(list(module.parameters())) == 2
     q = torch.randn(1, 2, 9, 8)
     module.attention.reference(q, q, q)
+
+
+@pytest.mark.xfail(reason="the runtime's interval check bounds t5_bias's bucket index by "
+                          "where(...)'s two branches without the condition, so it refuses every "
+                          "length beyond the exact buckets (even the default causal + t5_bias "
+                          "at 20 tokens)", strict=True, raises=BindingError)
+def test_t5_bias_beyond_its_exact_buckets():
+    attn = flexspec.compile("causal + t5_bias")
+    q = torch.randn(1, 2, 40, 8)
+    table = torch.randn(2, 32)
+    out = attn.reference(q, q, q, t5_bias_table=table)
+    assert out.shape == q.shape

@@ -1,0 +1,318 @@
+"""Block masks from the spec's structure: interval analysis per tile, exact refinement inside
+partial tiles, and BlockMask tables built directly.
+
+``create_block_mask`` evaluates the mask on all Q_LEN x KV_LEN positions. Here every
+(q-block, kv-block) tile is classified at once from the mask's formula: each IR node gets bounds
+over the tile's index ranges (:mod:`flexspec.intervals`, vectorised with torch over all tiles), so
+a tile is EMPTY (no visible pair), FULL (all visible) or PARTIAL. By default the mask is then
+evaluated element by element inside the PARTIAL tiles only, which gives exactly the partial and
+full blocks that ``create_block_mask`` finds, at a cost that grows with the number of partial
+tiles rather than with Q_LEN * KV_LEN. Like ``create_block_mask``, a tile that runs past the end
+of the sequence is never FULL (its padding counts as masked).
+
+Tensor lookups (``doc_ids[b, q]``) are bounded by the tensor's minimum and maximum over the
+tile's index range: computed per block in one pass when the index is ``q`` or ``kv`` itself, and
+with a sparse table (range-minimum queries) for other index expressions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, noop_mask
+
+from . import ir
+from .intervals import INF, Analyzer
+from .reference import evaluate
+from .tensors import tensor_key
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+# Tiles classified per step: bounds intermediates are float64 tensors of this many elements.
+TILES_PER_CHUNK = 1 << 22
+# Cells evaluated per step when refining partial tiles.
+CELLS_PER_CHUNK = 1 << 23
+
+
+class TorchOps:
+    """:mod:`flexspec.intervals` operations on torch tensors (one element per tile)."""
+
+    def __init__(self, device, lookup):
+        self.device = device
+        self._lookup = lookup
+
+    def const(self, value):
+        if isinstance(value, torch.Tensor):
+            return value
+        dtype = torch.bool if isinstance(value, bool) else torch.float64
+        return torch.tensor(value, dtype=dtype, device=self.device)
+
+    minimum = staticmethod(torch.minimum)
+    maximum = staticmethod(torch.maximum)
+    where = staticmethod(torch.where)
+    logical_not = staticmethod(torch.logical_not)
+    floor = staticmethod(torch.floor)
+    ceil = staticmethod(torch.ceil)
+
+    @staticmethod
+    def all(*values):
+        result = values[0]
+        for value in values[1:]:
+            result = result & value
+        return result
+
+    @staticmethod
+    def any(*values):
+        result = values[0]
+        for value in values[1:]:
+            result = result | value
+        return result
+
+    @staticmethod
+    def fix_nan(value, replacement):
+        return torch.where(torch.isnan(value), torch.full_like(value, replacement), value)
+
+    @staticmethod
+    def apply(fn: str, value):
+        if fn == "exp2":
+            return torch.exp2(value)
+        if fn == "sign":
+            return torch.sign(value)
+        return getattr(torch, fn)(value)
+
+    def lookup(self, node, index_bounds):
+        return self._lookup(node, index_bounds)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor lookups
+
+
+def _block_reduce(values: torch.Tensor, dim: int, block: int):
+    """Per-block (min, max) of ``values`` along ``dim`` (the last block may be short)."""
+    values = values.movedim(dim, -1)
+    length = values.shape[-1]
+    blocks = -(-length // block)
+    pad = blocks * block - length
+    low = torch.nn.functional.pad(values, (0, pad), value=INF).reshape(*values.shape[:-1], blocks, block)
+    high = torch.nn.functional.pad(values, (0, pad), value=-INF).reshape(*values.shape[:-1], blocks, block)
+    return low.amin(-1).movedim(-1, dim), high.amax(-1).movedim(-1, dim)
+
+
+class _SparseTable:
+    """Range minimum and maximum queries along the last dimension in O(1) after O(n log n)."""
+
+    def __init__(self, values: torch.Tensor):
+        self.length = values.shape[-1]
+        levels = max(1, math.floor(math.log2(self.length)) + 1)
+        low, high = [values], [values]
+        for k in range(1, levels):
+            step = 1 << (k - 1)
+            prev_low, prev_high = low[-1], high[-1]
+            nxt_low = torch.minimum(prev_low[..., :-step], prev_low[..., step:])
+            nxt_high = torch.maximum(prev_high[..., :-step], prev_high[..., step:])
+            pad = self.length - nxt_low.shape[-1]
+            low.append(torch.nn.functional.pad(nxt_low, (0, pad), value=INF))
+            high.append(torch.nn.functional.pad(nxt_high, (0, pad), value=-INF))
+        self.low = torch.stack(low)     # [levels, ..., n]
+        self.high = torch.stack(high)
+
+    def query(self, prefix: tuple, lo: torch.Tensor, hi: torch.Tensor):
+        """min and max over [lo, hi] (int64 tensors, inclusive) of the rows picked by ``prefix``
+        (index tensors for the leading dimensions)."""
+        span = (hi - lo + 1).clamp_min(1)
+        k = torch.floor(torch.log2(span.double())).long()
+        right = (hi - (1 << k) + 1).clamp_min(0)
+        low = torch.minimum(self.low[(k,) + prefix + (lo,)], self.low[(k,) + prefix + (right,)])
+        high = torch.maximum(self.high[(k,) + prefix + (lo,)], self.high[(k,) + prefix + (right,)])
+        return low, high
+
+
+class _Lookups:
+    """Bounds of tensor lookups over tiles, with per-tensor caches."""
+
+    def __init__(self, tensors: dict, block: tuple, tile_index: dict):
+        self.tensors = tensors
+        self.block = block            # (q block, kv block)
+        self.tile_index = tile_index  # "q"/"kv" -> int64 tile numbers, broadcastable
+        self._reduced: dict = {}
+        self._tables: dict = {}
+
+    def __call__(self, node: ir.Lookup, index_bounds):
+        if not isinstance(node.tensor, ir.Tensor):
+            return None
+        key = tensor_key(node.tensor)
+        value = self.tensors[key]
+        value = value.reshape((1,) * (len(node.index) - value.dim()) + tuple(value.shape))
+        value = value.to(torch.float64)
+        ranged = [d for d, expr in enumerate(node.index) if ir.free_vars(expr) & {"q", "kv"}]
+        exact = []
+        for d, (lo, _) in enumerate(index_bounds):
+            size = value.shape[d]
+            exact.append(lo.long().clamp(0, size - 1) if size > 1 else torch.zeros_like(lo.long()))
+        if not ranged:
+            found = value[tuple(exact)]
+            return found, found
+        if len(ranged) > 1:
+            return value.min(), value.max()
+        dim = ranged[0]
+        if value.shape[dim] == 1:
+            found = value[tuple(exact)]
+            return found, found
+        expr = node.index[dim]
+        if isinstance(expr, ir.Var) and expr.name in ("q", "kv"):
+            block = self.block[0] if expr.name == "q" else self.block[1]
+            cache = (key, dim, block)
+            if cache not in self._reduced:
+                self._reduced[cache] = _block_reduce(value, dim, block)
+            low, high = self._reduced[cache]
+            picks = list(exact)
+            picks[dim] = self.tile_index[expr.name]
+            return low[tuple(picks)], high[tuple(picks)]
+        cache = (key, dim)
+        if cache not in self._tables:
+            self._tables[cache] = _SparseTable(value.movedim(dim, -1).contiguous())
+        size = value.shape[dim]
+        lo, hi = index_bounds[dim]
+        lo = lo.clamp(0, size - 1).long()
+        hi = hi.clamp(0, size - 1).long()
+        prefix = tuple(e for d, e in enumerate(exact) if d != dim)
+        return self._tables[cache].query(prefix, lo, hi)
+
+
+# ---------------------------------------------------------------------------------------------
+# Classification
+
+
+def _tile_ranges(length: int, block: int, device):
+    starts = torch.arange(0, length, block, device=device, dtype=torch.float64)
+    ends = torch.clamp(starts + block - 1, max=length - 1)
+    return starts, ends
+
+
+def classify(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, device, *,
+             batch: int, heads: int) -> torch.Tensor:
+    """Tile classes (EMPTY, PARTIAL, FULL as int8) of shape ``[batch, heads, NQ, NK]`` from the
+    interval analysis alone (sound, not exact). ``batch``/``heads`` are 1 unless the mask reads
+    ``b``/``h``."""
+    q_block, kv_block = block
+    q_lo, q_hi = _tile_ranges(sizes["Q_LEN"], q_block, device)
+    kv_lo, kv_hi = _tile_ranges(sizes["KV_LEN"], kv_block, device)
+    nq, nk = q_lo.numel(), kv_lo.numel()
+    b = torch.arange(batch, device=device, dtype=torch.float64).reshape(batch, 1, 1, 1)
+    h = torch.arange(heads, device=device, dtype=torch.float64).reshape(1, heads, 1, 1)
+    out = torch.empty(batch, heads, nq, nk, dtype=torch.int8, device=device)
+    rows = max(1, TILES_PER_CHUNK // max(1, batch * heads * nk))
+    kv_tiles = torch.arange(nk, device=device).reshape(1, 1, 1, nk)
+    for start in range(0, nq, rows):
+        stop = min(nq, start + rows)
+        q_tiles = torch.arange(start, stop, device=device).reshape(1, 1, -1, 1)
+        ranges = {
+            "b": (b, b), "h": (h, h),
+            "q": (q_lo[start:stop].reshape(1, 1, -1, 1), q_hi[start:stop].reshape(1, 1, -1, 1)),
+            "kv": (kv_lo.reshape(1, 1, 1, nk), kv_hi.reshape(1, 1, 1, nk)),
+        }
+        ranges.update((name, (float(sizes[name]), float(sizes[name]))) for name in ir.SIZE_VARS)
+        lookups = _Lookups(tensors, block, {"q": q_tiles, "kv": kv_tiles})
+        must, may = Analyzer(TorchOps(device, lookups), ranges).boolean(mask)
+        shape = (batch, heads, stop - start, nk)
+        must, may = must.expand(shape), may.expand(shape)
+        chunk = torch.full(shape, PARTIAL, dtype=torch.int8, device=device)
+        chunk[must] = FULL
+        chunk[~may] = EMPTY
+        out[:, :, start:stop] = chunk
+    return out
+
+
+def _ragged(sizes: dict, block: tuple, device):
+    """Tiles that run past the end of the sequence, as broadcastable bool tensors."""
+    nq = -(-sizes["Q_LEN"] // block[0])
+    nk = -(-sizes["KV_LEN"] // block[1])
+    q_ragged = torch.zeros(nq, dtype=torch.bool, device=device)
+    kv_ragged = torch.zeros(nk, dtype=torch.bool, device=device)
+    q_ragged[-1] = sizes["Q_LEN"] % block[0] != 0
+    kv_ragged[-1] = sizes["KV_LEN"] % block[1] != 0
+    return q_ragged.reshape(1, 1, nq, 1) | kv_ragged.reshape(1, 1, 1, nk)
+
+
+def refine(classes: torch.Tensor, mask: ir.Expr, sizes: dict, block: tuple, tensors: dict,
+           device) -> torch.Tensor:
+    """Exact classes: evaluate the mask element by element inside PARTIAL tiles (a tile running
+    past the end of the sequence is never FULL, as in ``create_block_mask``)."""
+    classes = classes.clone()
+    ragged = _ragged(sizes, block, device).expand_as(classes)
+    classes[(classes == FULL) & ragged] = PARTIAL
+    coords = (classes == PARTIAL).nonzero()
+    if coords.numel() == 0:
+        return classes
+    q_block, kv_block = block
+    q_offsets = torch.arange(q_block, device=device).reshape(1, q_block, 1)
+    kv_offsets = torch.arange(kv_block, device=device).reshape(1, 1, kv_block)
+    per_chunk = max(1, CELLS_PER_CHUNK // (q_block * kv_block))
+    for start in range(0, coords.shape[0], per_chunk):
+        part = coords[start:start + per_chunk]
+        b, h, qi, ki = (part[:, i].reshape(-1, 1, 1) for i in range(4))
+        q = qi * q_block + q_offsets
+        kv = ki * kv_block + kv_offsets
+        valid = (q < sizes["Q_LEN"]) & (kv < sizes["KV_LEN"])
+        grid = {"b": b, "h": h, "q": q.clamp(max=sizes["Q_LEN"] - 1),
+                "kv": kv.clamp(max=sizes["KV_LEN"] - 1)}
+        grid.update((name, sizes[name]) for name in ir.SIZE_VARS)
+        cells = evaluate(mask, grid, tensors).expand(part.shape[0], q_block, kv_block) & valid
+        count = cells.sum(dim=(1, 2))
+        new = torch.full_like(count, PARTIAL, dtype=torch.int8)
+        new[count == 0] = EMPTY
+        new[count == q_block * kv_block] = FULL
+        classes[part[:, 0], part[:, 1], part[:, 2], part[:, 3]] = new
+    return classes
+
+
+# ---------------------------------------------------------------------------------------------
+# BlockMask tables
+
+
+def ordered(dense: torch.Tensor):
+    """``(count, indices)`` per row of a bool matrix: the True columns first, then the others,
+    each in increasing order (what a stable descending argsort gives), in O(n) without a sort."""
+    dense = dense.to(torch.int32)
+    count = dense.sum(-1, dtype=torch.int32)
+    true_rank = torch.cumsum(dense, -1, dtype=torch.int32) - 1
+    false_rank = torch.cumsum(1 - dense, -1, dtype=torch.int32) - 1 + count.unsqueeze(-1)
+    position = torch.where(dense.bool(), true_rank, false_rank).long()
+    columns = torch.arange(dense.shape[-1], device=dense.device, dtype=torch.int32)
+    indices = torch.empty_like(dense)
+    indices.scatter_(-1, position, columns.expand_as(dense).contiguous())
+    return count.contiguous(), indices.contiguous()
+
+
+def to_block_mask(classes: torch.Tensor, sizes: dict, block: tuple, mask_mod=None) -> BlockMask:
+    """A torch BlockMask from tile classes, with the q-side tables built directly."""
+    partial = classes == PARTIAL
+    full = classes == FULL
+    kv_num, kv_idx = ordered(partial)
+    full_kv_num, full_kv_idx = ordered(full)
+    q_num, q_idx = ordered(partial.transpose(-2, -1))
+    full_q_num, full_q_idx = ordered(full.transpose(-2, -1))
+    return BlockMask(
+        seq_lengths=(sizes["Q_LEN"], sizes["KV_LEN"]),
+        kv_num_blocks=kv_num, kv_indices=kv_idx,
+        full_kv_num_blocks=full_kv_num, full_kv_indices=full_kv_idx,
+        q_num_blocks=q_num, q_indices=q_idx,
+        full_q_num_blocks=full_q_num, full_q_indices=full_q_idx,
+        BLOCK_SIZE=tuple(block), mask_mod=mask_mod or noop_mask)
+
+
+def build_block_mask(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, device, *,
+                     batch: int, heads: int, mask_mod=None, exact: bool = True) -> BlockMask:
+    """The BlockMask of ``mask`` (an IR boolean, specialized to the tensors' shapes).
+
+    ``exact=False`` skips the refinement: every tile the intervals cannot decide stays PARTIAL
+    (still correct for attention, since the kernel applies ``mask_mod`` inside partial tiles).
+    """
+    classes = classify(mask, sizes, block, tensors, device, batch=batch, heads=heads)
+    if exact:
+        classes = refine(classes, mask, sizes, block, tensors, device)
+    else:
+        ragged = _ragged(sizes, block, device).expand_as(classes)
+        classes[(classes == FULL) & ragged] = PARTIAL
+    return to_block_mask(classes, sizes, block, mask_mod)
