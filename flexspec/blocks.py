@@ -32,6 +32,10 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 TILES_PER_CHUNK = 1 << 22
 # Cells evaluated per step when refining partial tiles.
 CELLS_PER_CHUNK = 1 << 23
+# Side of the sub-tiles whose intervals decide most partial tiles before any cell is evaluated.
+SUBTILE = 16
+# Rows per tile evaluated first, in search of one visible and one hidden pair.
+SAMPLED_ROWS = 8
 
 
 class TorchOps:
@@ -167,7 +171,8 @@ class _Lookups:
                 self._reduced[cache] = _block_reduce(value, dim, block)
             low, high = self._reduced[cache]
             picks = list(exact)
-            picks[dim] = self.tile_index[expr.name]
+            # sub-tiles past the end of the sequence are discarded by the caller
+            picks[dim] = self.tile_index[expr.name].clamp(max=low.shape[dim] - 1)
             return low[tuple(picks)], high[tuple(picks)]
         cache = (key, dim)
         if cache not in self._tables:
@@ -235,20 +240,82 @@ def _ragged(sizes: dict, block: tuple, device):
     return q_ragged.reshape(1, 1, nq, 1) | kv_ragged.reshape(1, 1, 1, nk)
 
 
+def _subtile_classes(coords: torch.Tensor, mask: ir.Expr, sizes: dict, block: tuple,
+                     tensors: dict, device) -> torch.Tensor:
+    """Decide PARTIAL tiles from their sub-tiles' intervals where possible: a tile with one FULL
+    and one EMPTY sub-tile (padding counts as EMPTY) is PARTIAL for sure; all sub-tiles EMPTY
+    makes it EMPTY; all FULL (and no padding) makes it FULL. Returns the class per tile, or -1
+    where the sub-tiles do not decide."""
+    (q_block, kv_block), sub = block, SUBTILE
+    nsq, nsk = q_block // sub, kv_block // sub
+    b, h, qi, ki = (coords[:, i].reshape(-1, 1, 1) for i in range(4))
+    q_tiles = qi * nsq + torch.arange(nsq, device=device).reshape(1, nsq, 1)
+    kv_tiles = ki * nsk + torch.arange(nsk, device=device).reshape(1, 1, nsk)
+    q_lo, kv_lo = (q_tiles * sub).double(), (kv_tiles * sub).double()
+    q_hi = torch.clamp(q_lo + sub - 1, max=sizes["Q_LEN"] - 1)
+    kv_hi = torch.clamp(kv_lo + sub - 1, max=sizes["KV_LEN"] - 1)
+    ranges = {"b": (b.double(), b.double()), "h": (h.double(), h.double()),
+              "q": (q_lo, q_hi), "kv": (kv_lo, kv_hi)}
+    ranges.update((name, (float(sizes[name]), float(sizes[name]))) for name in ir.SIZE_VARS)
+    lookups = _Lookups(tensors, (sub, sub), {"q": q_tiles, "kv": kv_tiles})
+    must, may = Analyzer(TorchOps(device, lookups), ranges).boolean(mask)
+    shape = (coords.shape[0], nsq, nsk)
+    valid = (q_lo < sizes["Q_LEN"]) & (kv_lo < sizes["KV_LEN"])
+    must, may = must.expand(shape) & valid, may.expand(shape) & valid
+    full_tile = (q_tiles[:, -1:, :] * sub + sub <= sizes["Q_LEN"]).reshape(-1) & \
+        (kv_tiles[:, :, -1:] * sub + sub <= sizes["KV_LEN"]).reshape(-1)
+    has_true = must.flatten(1).any(1)
+    has_false = (~may & valid).flatten(1).any(1) | ~full_tile
+    result = torch.full((coords.shape[0],), -1, dtype=torch.int8, device=device)
+    result[has_true & has_false] = PARTIAL
+    result[~may.flatten(1).any(1)] = EMPTY
+    result[must.flatten(1).all(1) & full_tile] = FULL
+    return result
+
+
 def refine(classes: torch.Tensor, mask: ir.Expr, sizes: dict, block: tuple, tensors: dict,
            device) -> torch.Tensor:
-    """Exact classes: evaluate the mask element by element inside PARTIAL tiles (a tile running
-    past the end of the sequence is never FULL, as in ``create_block_mask``)."""
+    """Exact classes for the tiles the intervals left PARTIAL: first from the intervals of their
+    16 x 16 sub-tiles, then, for the tiles still undecided, by evaluating the mask on every cell
+    (a tile running past the end of the sequence is never FULL, as in ``create_block_mask``)."""
     classes = classes.clone()
     ragged = _ragged(sizes, block, device).expand_as(classes)
     classes[(classes == FULL) & ragged] = PARTIAL
     coords = (classes == PARTIAL).nonzero()
     if coords.numel() == 0:
         return classes
+    decided = _subtile_classes(coords, mask, sizes, block, tensors, device)
+    known = decided >= 0
+    done = coords[known]
+    classes[done[:, 0], done[:, 1], done[:, 2], done[:, 3]] = decided[known]
+    coords = coords[~known]
+    # Cells of a few rows per tile usually show one visible and one hidden pair (a PARTIAL tile
+    # proven); only the tiles without both witnesses are evaluated in full.
+    stride = max(1, block[0] // SAMPLED_ROWS)
+    sampled = _count_cells(coords, torch.arange(0, block[0], stride, device=device), mask,
+                           sizes, block, tensors, device)
+    proven = (sampled[0] > 0) & (sampled[0] < sampled[1])
+    done = coords[proven]
+    classes[done[:, 0], done[:, 1], done[:, 2], done[:, 3]] = PARTIAL
+    coords = coords[~proven]
+    visible, valid = _count_cells(coords, torch.arange(block[0], device=device), mask, sizes,
+                                  block, tensors, device)
+    new = torch.full_like(visible, PARTIAL, dtype=torch.int8)
+    new[visible == 0] = EMPTY
+    new[visible == block[0] * block[1]] = FULL
+    classes[coords[:, 0], coords[:, 1], coords[:, 2], coords[:, 3]] = new
+    return classes
+
+
+def _count_cells(coords: torch.Tensor, rows: torch.Tensor, mask: ir.Expr, sizes: dict,
+                 block: tuple, tensors: dict, device):
+    """(visible pairs, pairs inside the sequence) per tile, over the given rows of each tile."""
     q_block, kv_block = block
-    q_offsets = torch.arange(q_block, device=device).reshape(1, q_block, 1)
+    q_offsets = rows.reshape(1, -1, 1)
     kv_offsets = torch.arange(kv_block, device=device).reshape(1, 1, kv_block)
-    per_chunk = max(1, CELLS_PER_CHUNK // (q_block * kv_block))
+    visible = torch.zeros(coords.shape[0], dtype=torch.int64, device=device)
+    valid_count = torch.zeros_like(visible)
+    per_chunk = max(1, CELLS_PER_CHUNK // (rows.numel() * kv_block))
     for start in range(0, coords.shape[0], per_chunk):
         part = coords[start:start + per_chunk]
         b, h, qi, ki = (part[:, i].reshape(-1, 1, 1) for i in range(4))
@@ -258,13 +325,11 @@ def refine(classes: torch.Tensor, mask: ir.Expr, sizes: dict, block: tuple, tens
         grid = {"b": b, "h": h, "q": q.clamp(max=sizes["Q_LEN"] - 1),
                 "kv": kv.clamp(max=sizes["KV_LEN"] - 1)}
         grid.update((name, sizes[name]) for name in ir.SIZE_VARS)
-        cells = evaluate(mask, grid, tensors).expand(part.shape[0], q_block, kv_block) & valid
-        count = cells.sum(dim=(1, 2))
-        new = torch.full_like(count, PARTIAL, dtype=torch.int8)
-        new[count == 0] = EMPTY
-        new[count == q_block * kv_block] = FULL
-        classes[part[:, 0], part[:, 1], part[:, 2], part[:, 3]] = new
-    return classes
+        shape = (part.shape[0], rows.numel(), kv_block)
+        cells = evaluate(mask, grid, tensors).expand(shape) & valid
+        visible[start:start + per_chunk] = cells.sum(dim=(1, 2))
+        valid_count[start:start + per_chunk] = valid.expand(shape).sum(dim=(1, 2))
+    return visible, valid_count
 
 
 # ---------------------------------------------------------------------------------------------

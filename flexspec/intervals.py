@@ -172,6 +172,8 @@ class Analyzer:
         if fn == "where":
             must, may = self.boolean(node.args[0])
             (alo, ahi), (blo, bhi) = self.number(node.args[1]), self.number(node.args[2])
+            (alo, ahi), (blo, bhi) = self._narrow(node.args[0], node.args[1], (alo, ahi), True), \
+                self._narrow(node.args[0], node.args[2], (blo, bhi), False)
             lo = ops.where(must, alo, ops.where(ops.logical_not(may), blo, ops.minimum(alo, blo)))
             hi = ops.where(must, ahi, ops.where(ops.logical_not(may), bhi, ops.maximum(ahi, bhi)))
             return lo, hi
@@ -196,6 +198,33 @@ class Analyzer:
             lo, hi = args[0]
             return (ops.fix_nan(ops.apply(fn, lo), -INF), ops.fix_nan(ops.apply(fn, hi), INF))
         return ops.const(-INF), ops.const(INF)
+
+    def _narrow(self, cond: ir.Expr, branch: ir.Expr, bounds, taken: bool):
+        """Bounds of a ``where`` branch that the condition itself limits: in
+        ``where(d < 8, d, f(d))`` the first branch is below 8 and the second at least 8."""
+        if not (isinstance(cond, ir.Binary) and cond.op in ("<", "<=", ">", ">=")):
+            return bounds
+        op = cond.op if taken else {"<": ">=", "<=": ">", ">": "<=", ">=": "<"}[cond.op]
+        if cond.right == branch and cond.left != branch:  # flip `y < x` into `x > y`
+            other = cond.left
+            op = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}[op]
+        elif cond.left == branch:
+            other = cond.right
+        else:
+            return bounds
+        lo, hi = bounds
+        olo, ohi = self.number(other)
+        step = 1.0 if branch.type == "int" and other.type == "int" else 0.0
+        ops = self.ops
+        if op == "<":
+            hi = ops.minimum(hi, ohi - step)
+        elif op == "<=":
+            hi = ops.minimum(hi, ohi)
+        elif op == ">":
+            lo = ops.maximum(lo, olo + step)
+        else:
+            lo = ops.maximum(lo, olo)
+        return lo, hi
 
     # ---- booleans
     def boolean(self, node: ir.Expr):

@@ -36,7 +36,7 @@ from .errors import BindingError, SpecError, did_you_mean
 from .blocks import build_block_mask
 from .intervals import lookup_ranges
 from .lower import Lowered, lower
-from .reference import dense_mask, reference_attention
+from .reference import dense_mask, evaluate, index_grid, reference_attention
 from .spec import Spec
 from .tensors import (add_leading_dims, builtin_tensor, declared_shape, init_learnable,
                       specialize_ir, tensor_key)
@@ -171,15 +171,48 @@ def _check_binding(tensor: ir.Tensor, value, sizes: dict, device) -> torch.Tenso
     return value
 
 
-def _check_lookups(spec: ir.AttentionIR, sizes: dict, values: dict) -> None:
-    """Every index of every lookup must stay inside its tensor, or the kernel reads garbage."""
+@functools.lru_cache(maxsize=1024)
+def _unproven_lookups(spec: ir.AttentionIR, sizes: tuple, shapes: tuple) -> tuple:
+    """The (tensor, dim, index) lookups that interval analysis cannot keep inside their tensor."""
+    sizes, shapes = dict(sizes), dict(shapes)
+    unproven = []
     for tensor, dim, index, span in lookup_ranges(spec, sizes):
+        size = shapes[tensor_key(tensor)][dim]
+        if span is None or span[0] < 0 or span[1] >= size:
+            unproven.append((tensor, dim, index))
+    return tuple(unproven)
+
+
+# Index expressions that intervals cannot bound are evaluated exactly up to this many points.
+EXACT_INDEX_CHECK_LIMIT = 1 << 24
+
+
+def _check_lookups(spec: ir.AttentionIR, sizes: dict, values: dict) -> None:
+    """Every index of every lookup must stay inside its tensor, or the kernel reads garbage.
+
+    Interval analysis proves most lookups safe once per spec and shape; an index it cannot
+    bound is evaluated exactly where that is cheap, else a one-time warning says it is unchecked.
+    """
+    shapes = tuple(sorted((key, tuple(value.shape)) for key, value in values.items()))
+    for tensor, dim, index in _unproven_lookups(spec, tuple(sorted(sizes.items())), shapes):
         size = values[tensor_key(tensor)].shape[dim]
-        if span is None or (span[0] >= 0 and span[1] < size):
+        extent = {"b": sizes["B"], "h": sizes["H"], "q": sizes["Q_LEN"], "kv": sizes["KV_LEN"]}
+        used = ir.free_vars(index)
+        points = math.prod(n for name, n in extent.items() if name in used)
+        if points > EXACT_INDEX_CHECK_LIMIT:
+            _warn_once(f"unchecked-{tensor.name}-{dim}",
+                       f"flexspec: cannot prove that '{tensor.name}' stays in range in dimension "
+                       f"{dim} (index {index}); an out-of-range read gives undefined results")
             continue
-        raise BindingError(f"'{tensor.name}' is indexed by {index} in dimension {dim}, which "
-                           f"ranges over {span[0]}..{span[1]} for Q_LEN={sizes['Q_LEN']}, "
-                           f"KV_LEN={sizes['KV_LEN']}, but that dimension has {size} entries")
+        grid = index_grid(*(extent[n] if n in used else 1 for n in ("b", "h", "q", "kv")),
+                          device=values[tensor_key(tensor)].device)
+        found = evaluate(index, grid, values)
+        low, high = int(found.min()), int(found.max())
+        if low < 0 or high >= size:
+            raise BindingError(
+                f"'{tensor.name}' is indexed by {index} in dimension {dim}, which reaches "
+                f"{low}..{high} for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}, but that "
+                f"dimension has {size} entries")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ covered as soon as they exist). The fast share runs without ``torch.compile``: F
 CPU) are one fixed case by default and a random sweep under ``@pytest.mark.slow``.
 """
 
+import inspect
 import itertools
 import math
 
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_mask, flex_attention, noop_mask
 
 import flexspec
-from flexspec import ir
+from flexspec import ir, runtime
 from flexspec.checker import Checker
 from flexspec.reference import dense_mask, dense_scores
 from flexspec.simplify import simplify
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without 
 
 # Example counts keep the default run fast on a 2-core CPU; the slow sweeps repeat the costly
 # properties with many more examples.
+HAS_BLOCK_MASK_MODES = "block_masks" in inspect.signature(runtime.Attention).parameters
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FEW = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MANY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -127,32 +129,57 @@ def check_score(case, seed):
                                msg=lambda m: f"{case.spec}: {m}")
 
 
+def block_table(counts, indices, nq: int, nkv: int) -> torch.Tensor:
+    """A BlockMask's (kv_num_blocks, kv_indices) pair as bool ``[b, h, nq, nkv]``."""
+    table = torch.zeros(tuple(counts.shape) + (nkv,), dtype=torch.bool)
+    for position in itertools.product(*map(range, counts.shape)):
+        table[position][indices[position][:counts[position]].long()] = True
+    return table[..., :nq, :]
+
+
+def block_tables(block_mask, shape: Shape) -> tuple:
+    """(partial, full) block tables of a BlockMask, expanded to ``[B, Hq, nq, nkv]``."""
+    bq, bkv = block_mask.BLOCK_SIZE
+    nq, nkv = math.ceil(shape.Q_LEN / bq), math.ceil(shape.KV_LEN / bkv)
+    size = (shape.B, shape.Hq, nq, nkv)
+    partial = block_table(block_mask.kv_num_blocks, block_mask.kv_indices, nq, nkv)
+    if block_mask.full_kv_num_blocks is None:
+        full = torch.zeros(size, dtype=torch.bool)
+    else:
+        full = block_table(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, nq, nkv)
+    return partial.expand(size), full.expand(size)
+
+
 def check_block_mask(case):
     """Every visible position lies in a listed block; a block listed as full is all visible."""
     runtime_accepts(case)
     attn, shape = case.attention(), case.shape
     block_mask = attn.block_mask(shape.Q_LEN, shape.KV_LEN, batch=shape.B, heads=shape.Hq,
                                  **case.bindings)
+    assert block_mask.shape[2:] == (shape.Q_LEN, shape.KV_LEN)
     dense = full_mask(attn, shape, case.bindings)
     bq, bkv = block_mask.BLOCK_SIZE
     nq, nkv = math.ceil(shape.Q_LEN / bq), math.ceil(shape.KV_LEN / bkv)
     pad = torch.zeros(shape.B, shape.Hq, nq * bq, nkv * bkv, dtype=torch.bool)
     pad[..., :shape.Q_LEN, :shape.KV_LEN] = dense
-    blocks = pad.reshape(shape.B, shape.Hq, nq, bq, nkv, bkv)
-    any_visible = blocks.any(dim=(3, 5))
-    listed = block_mask.to_dense()[..., :nq, :nkv].bool()
-    listed = listed.expand(shape.B, shape.Hq, nq, nkv)
-    assert not (any_visible & ~listed).any(), f"{case.spec}: a visible position is skipped"
-    if block_mask.full_kv_num_blocks is not None:
-        full = torch.zeros(block_mask.full_kv_num_blocks.shape + (nkv,), dtype=torch.bool)
-        counts, indices = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
-        for position in itertools.product(*map(range, counts.shape)):
-            full[position][indices[position][:counts[position]].long()] = True
-        full = full[..., :nq, :].expand(shape.B, shape.Hq, nq, nkv)
-        # Positions past the ends count as visible: the kernel masks a partial last block itself.
-        all_visible = (pad | _padding(shape, nq * bq, nkv * bkv)).reshape(
-            shape.B, shape.Hq, nq, bq, nkv, bkv).all(dim=(3, 5))
-        assert not (full & ~all_visible).any(), f"{case.spec}: a full block has masked positions"
+    any_visible = pad.reshape(shape.B, shape.Hq, nq, bq, nkv, bkv).any(dim=(3, 5))
+    partial, full = block_tables(block_mask, shape)
+    assert not (partial & full).any(), f"{case.spec}: a block is both partial and full"
+    assert not (any_visible & ~(partial | full)).any(), \
+        f"{case.spec}: a visible position lies in a skipped block"
+    # Positions past the ends count as visible: the kernel masks a partial last block itself.
+    all_visible = (pad | _padding(shape, nq * bq, nkv * bkv)).reshape(
+        shape.B, shape.Hq, nq, bq, nkv, bkv).all(dim=(3, 5))
+    assert not (full & ~all_visible).any(), f"{case.spec}: a full block has masked positions"
+    if HAS_BLOCK_MASK_MODES:
+        # The default block masks claim to equal create_block_mask's, tile for tile.
+        dense_attn = runtime.Attention(case.spec, block_masks="dense")
+        expected = dense_attn.block_mask(shape.Q_LEN, shape.KV_LEN, batch=shape.B,
+                                         heads=shape.Hq, **case.bindings)
+        want_partial, want_full = block_tables(expected, shape)
+        assert torch.equal(full, want_full), f"{case.spec}: full blocks differ from torch's"
+        assert torch.equal(partial, want_partial), \
+            f"{case.spec}: partial blocks differ from torch's"
 
 
 @FAST

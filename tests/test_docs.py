@@ -1,0 +1,99 @@
+"""Every example of ``docs/language.md`` does what the page says.
+
+Fenced blocks by language:
+
+* ``flexspec``: one spec per line (``#`` comments allowed); each must parse and check;
+* ``attn``: an ``.attn`` file that must check without errors;
+* ``explain``: a spec on the first line, then exactly what ``spec.explain()`` prints;
+* ``error``: a spec on the first line, then exactly the error it raises, as printed;
+* ``attn-error``: a file, a ``---`` line, then exactly the errors ``check_text(text,
+  "model.attn")`` returns, as printed, one after the other;
+* anything else (``text``, ``python``) is not checked.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import flexspec
+from flexspec.library import check_text, load_text
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "language.md"
+FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```\s*$", re.S | re.M)
+
+
+def blocks(kind: str) -> list[tuple[int, str]]:
+    text = DOC.read_text(encoding="utf-8")
+    found = []
+    for match in FENCE.finditer(text):
+        if match.group(1) == kind:
+            line = text.count("\n", 0, match.start()) + 2
+            found.append((line, match.group(2)))
+    return found
+
+
+def ids(items):
+    return [f"language.md:{line}" for line, _ in items]
+
+
+def registry_or_skip():
+    try:
+        flexspec.registry()
+    except flexspec.SpecError as err:
+        pytest.skip(f"the registry does not load: {err.message}")
+
+
+def test_the_page_has_checked_examples():
+    for kind in ("flexspec", "attn", "explain", "error", "attn-error"):
+        assert blocks(kind), kind
+
+
+SPEC_LINES = [(line + i, spec.split("#")[0].strip())
+              for line, body in blocks("flexspec")
+              for i, spec in enumerate(body.splitlines())
+              if spec.split("#")[0].strip()]
+
+
+@pytest.mark.parametrize("line, text", SPEC_LINES, ids=ids(SPEC_LINES))
+def test_spec_examples_check(line, text):
+    registry_or_skip()
+    spec = flexspec.parse(text)
+    assert flexspec.parse(str(spec)) == spec
+
+
+@pytest.mark.parametrize("line, text", blocks("attn"), ids=ids(blocks("attn")))
+def test_attn_examples_check(line, text):
+    registry_or_skip()
+    errors = check_text(text, f"language.md:{line}")
+    assert errors == [], "\n".join(str(e) for e in errors)
+    library = load_text(text)
+    for name in library:
+        assert flexspec.parse(str(library[name]), library=library) == library[name]
+
+
+@pytest.mark.parametrize("line, body", blocks("explain"), ids=ids(blocks("explain")))
+def test_explain_examples(line, body):
+    registry_or_skip()
+    spec_text, expected = body.split("\n", 1)
+    assert flexspec.parse(spec_text).explain() == expected.rstrip("\n")
+
+
+@pytest.mark.parametrize("line, body", blocks("error"), ids=ids(blocks("error")))
+def test_error_examples(line, body):
+    registry_or_skip()
+    spec_text, expected = body.split("\n", 1)
+    with pytest.raises(flexspec.SpecError) as info:
+        flexspec.parse(spec_text)
+    assert str(info.value) == expected.rstrip("\n")
+
+
+@pytest.mark.parametrize("line, body", blocks("attn-error"), ids=ids(blocks("attn-error")))
+def test_attn_error_examples(line, body):
+    registry_or_skip()
+    text, expected = body.split("\n---\n", 1)
+    errors = check_text(text + "\n", "model.attn")
+    assert errors, "the example is meant to fail"
+    assert "\n".join(str(e) for e in errors) == expected.rstrip("\n")
