@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from .errors import (BindingError, RegistryError, SpecCheckError, SpecError, SpecSyntaxError)
 from .library import Library, load
-from .registry import Pattern, registry
+from .registry import Pattern
+from .registry import registry as _registry
 from .spec import Spec
 
 __version__ = "0.1.0"
@@ -23,7 +24,7 @@ def parse(text, *, library: Library | None = None) -> Spec:
 
     if isinstance(text, Spec):
         return text
-    scope = library.scope if library is not None else registry().scope
+    scope = library.scope if library is not None else _registry().scope
     node = parse_spec(text)
     return Spec(node, check_spec(node, scope))
 
@@ -44,12 +45,12 @@ def compile(spec, *, library: Library | None = None, backend: str = "auto", bloc
 
 def patterns() -> list[Pattern]:
     """Every pattern of the registry, sorted by name."""
-    return sorted(registry().patterns.values(), key=lambda p: p.name)
+    return sorted(_registry().patterns.values(), key=lambda p: p.name)
 
 
 def pattern(name: str) -> Pattern:
     """One pattern by name or alias; an unknown name raises :class:`RegistryError`."""
-    return registry().get(name)
+    return _registry().get(name)
 
 
 

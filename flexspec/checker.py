@@ -54,6 +54,7 @@ class Checker:
     def __init__(self, scope: Scope):
         self.scope = scope
         self.stack: list[str] = []
+        self.learnables: dict[str, int] = {}  # base name -> uses so far
 
     # ------------------------------------------------------------------------------------------
     # spec expressions
@@ -335,8 +336,11 @@ class Checker:
         if len(shape) != len(dims):
             raise SpecCheckError(f"learnable() gives {len(shape)} dims but '{param.name}' "
                                  f"declares {len(dims)}", node.span)
-        return ir.Tensor(f"{definition.name}_{param.name}", shape, param.type, "learnable",
-                         init=init)
+        # every use of a learnable default is its own table: rel_bias_table, rel_bias_table_2...
+        base = f"{definition.name}_{param.name}"
+        self.learnables[base] = self.learnables.get(base, 0) + 1
+        name = base if self.learnables[base] == 1 else f"{base}_{self.learnables[base]}"
+        return ir.Tensor(name, shape, param.type, "learnable", init=init)
 
     # ------------------------------------------------------------------------------------------
     # definition expressions

@@ -110,7 +110,11 @@ class _ToAst(Transformer):
 
     # ---- atoms
     def number(self, meta, token):
-        value = _number_value(token)
+        try:
+            value = _number_value(token)
+        except ValueError:  # Python refuses int() of more than 4300 digits
+            raise SpecSyntaxError(f"the number is too long ({len(token)} digits)",
+                                  self._token_span(token)) from None
         cls = ast.Int if isinstance(value, int) else ast.Float
         return cls(value, span=self._span(meta))
 
@@ -265,6 +269,8 @@ def _parse(text: str, start: str, source: Source):
         # strikes there) in VisitError
         if isinstance(err.orig_exc, RecursionError):
             raise SpecSyntaxError("the text is nested too deeply", Span(source, 0, 1)) from None
+        if isinstance(err.orig_exc, SpecSyntaxError):
+            raise err.orig_exc from None
         raise
 
 

@@ -14,7 +14,8 @@ binding identity and version) and runs the backend:
 * ``reference``: the dense float64 semantics of :mod:`flexspec.reference`.
 
 FlexAttention has no backward on the CPU (or MPS): a call there with inputs that require gradients
-takes the reference path, with a one-time warning.
+takes the reference path, with a one-time warning. Very short sequences on the CPU take it too,
+because torch 2.13's compiled CPU kernel gave wrong results for them.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from .errors import BindingError, SpecError, did_you_mean
 from .blocks import build_block_mask
 from .intervals import lookup_ranges
 from .lower import Lowered, lower
-from .reference import dense_mask, evaluate, index_grid, reference_attention
+from .reference import MAX_BYTES, dense_mask, evaluate, index_grid, reference_attention
 from .spec import Spec
 from .tensors import (add_leading_dims, builtin_tensor, declared_shape, init_learnable,
                       specialize_ir, tensor_key)
@@ -47,6 +48,8 @@ BACKENDS = ("auto", "flex", "reference")
 BLOCK_MASK_MODES = ("exact", "intervals", "dense")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_MASK_CACHE_SIZE = 32
+# On the CPU, sequences this short run on the dense reference (see Attention._choose_backend).
+SHORT_CPU_LENGTH = 64
 
 
 class CompileLimitError(SpecError):
@@ -80,7 +83,7 @@ def _compiled_entry(lowered: Lowered):
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
     namespace = {"flex_attention": flex_attention}
     exec(compile(text, filename, "exec"), namespace)
-    return torch.compile(namespace["run"], fullgraph=True)
+    return torch.compile(namespace["run"], fullgraph=True, dynamic=False)
 
 
 def _run_compiled(lowered: Lowered, *args):
@@ -256,10 +259,16 @@ class Attention:
         return lower(self.ir).source()
 
     # ---- tensors
-    def _tensors(self, sizes: dict, bindings: dict, device, learnables=None) -> tuple:
-        """Checked tensor values (keyed by tensor_key) and the IR specialized to their shapes."""
-        expected = {t.name: t for t in self.ir.bindings()}
-        learnable = {t.name: t for t in self.ir.tensors() if t.origin == "learnable"}
+    def _tensors(self, sizes: dict, bindings: dict, device, learnables=None,
+                 mask_only: bool = False) -> tuple:
+        """Checked tensor values (keyed by tensor_key) and the IR specialized to their shapes.
+        With ``mask_only``, only the tensors the mask reads are required."""
+        spec = ir.AttentionIR(mask=self.ir.mask) if mask_only else self.ir
+        expected = {t.name: t for t in spec.bindings()}
+        learnable = {t.name: t for t in spec.tensors() if t.origin == "learnable"}
+        if mask_only:  # a binding of the score is not needed here, but is not unexpected either
+            bindings = {k: v for k, v in bindings.items()
+                        if k in expected or k in learnable or k not in self._tensor_names()}
         for name in bindings:
             if name not in expected and name not in learnable:
                 known = sorted(expected) + sorted(learnable)
@@ -267,7 +276,7 @@ class Attention:
                 takes = ", ".join(known) if known else "no tensors"
                 raise BindingError(f"unexpected binding '{name}'.{hint} This spec takes {takes}")
         values = {}
-        for tensor in self.ir.tensors():
+        for tensor in spec.tensors():
             key = tensor_key(tensor)
             if tensor.origin == "binding":
                 if tensor.name not in bindings:
@@ -286,9 +295,12 @@ class Attention:
                     self._learnables[cache_key] = init_learnable(tensor, sizes, device)
                 values[key] = self._learnables[cache_key]
         shapes = {key: tuple(value.shape) for key, value in values.items()}
-        specialized = specialize_ir(self.ir, shapes)
+        specialized = specialize_ir(spec, shapes)
         _check_lookups(specialized, sizes, values)
         return values, specialized
+
+    def _tensor_names(self) -> set:
+        return {t.name for t in self.ir.tensors() if t.origin != "builtin"}
 
     # ---- masks
     def _block_mask(self, spec: ir.AttentionIR, sizes: dict, values: dict, device) -> BlockMask:
@@ -325,7 +337,7 @@ class Attention:
         ``block_mask=None`` and a score_mod, so flexspec always passes one."""
         sizes = _sizes(q_len, kv_len, batch, heads)
         device = _device(device)
-        values, spec = self._tensors(sizes, bindings, device)
+        values, spec = self._tensors(sizes, bindings, device, mask_only=True)
         return self._block_mask(spec, sizes, values, device)
 
     def dense_mask(self, q_len: int, kv_len: int, *, batch: int | None = None,
@@ -333,7 +345,7 @@ class Attention:
         """The mask from the reference semantics: bool ``[B or 1, H or 1, Q_LEN, KV_LEN]``."""
         sizes = _sizes(q_len, kv_len, batch, heads)
         device = _device(device)
-        values, spec = self._tensors(sizes, bindings, device)
+        values, spec = self._tensors(sizes, bindings, device, mask_only=True)
         free = ir.free_vars(spec.mask)
         b = sizes["B"] if "b" in free else 1
         h = sizes["H"] if "h" in free else 1
@@ -374,6 +386,11 @@ class Attention:
 
     def _choose_backend(self, q, k, v, values) -> str:
         if self.backend == "reference":
+            return "reference"
+        if q.device.type == "cpu" and min(q.shape[2], k.shape[2]) <= SHORT_CPU_LENGTH and \
+                math.prod(q.shape[:3]) * k.shape[2] * 8 <= MAX_BYTES:
+            # torch 2.13's compiled CPU kernel returned wrong values (NaN, or differing from run
+            # to run) for sequences of 8 to 40 positions; these sizes are cheap to do densely.
             return "reference"
         grads = torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad

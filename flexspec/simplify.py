@@ -58,6 +58,8 @@ def _const(value, like_type: str) -> Expr | None:
             if not math.isfinite(value):
                 return None
             value = int(value)
+        if not -2**63 <= value < 2**63:
+            return None  # beyond the device's int64: not folded (and never a 4300-digit int)
         return Const(int(value))
     value = float(value)
     return None if math.isnan(value) else Const(value)

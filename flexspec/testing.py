@@ -455,7 +455,8 @@ def _tensor_value(draw, tensor: ir.Tensor, sizes: dict, broadcast: bool):
     shape = list(declared_shape(tensor, sizes))
     if broadcast:
         for dim, expr in enumerate(tensor.shape):
-            if isinstance(expr, ir.Var) and expr.name in ("B", "H") and draw(st.integers(0, 3)) == 0:
+            sized_by_b_or_h = isinstance(expr, ir.Var) and expr.name in ("B", "H")
+            if sized_by_b_or_h and draw(st.integers(0, 3)) == 0:
                 shape[dim] = 1
         # Leading size-1 dimensions may be left out: [KV_LEN] for [1, KV_LEN].
         lead = 0

@@ -54,7 +54,7 @@ def one_file_error(text: str) -> flexspec.SpecError:
 def needs(*names):
     """Skip unless the registry has these patterns (it is being filled concurrently)."""
     try:
-        registry = flexspec.registry()
+        registry = flexspec.registry.registry()
     except flexspec.SpecError as err:
         pytest.skip(f"the registry does not load: {err.message}")
     missing = [n for n in names if registry.scope.lookup(n) is None]

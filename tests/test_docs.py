@@ -41,7 +41,7 @@ def ids(items):
 
 def registry_or_skip():
     try:
-        flexspec.registry()
+        flexspec.registry.registry()
     except flexspec.SpecError as err:
         pytest.skip(f"the registry does not load: {err.message}")
 

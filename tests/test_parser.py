@@ -241,6 +241,14 @@ def test_numbers():
     assert isinstance(expr("1"), Int) and isinstance(expr("1.0"), Float)
 
 
+def test_too_long_integer_is_a_syntax_error():
+    # Python refuses int() of more than 4300 digits; that must not escape as a ValueError
+    err = syntax_error(parse_spec, "window(" + "9" * 5000 + ")")
+    assert "too long" in err.message
+    assert err.column == 8
+    assert expr("9" * 4000) == Int(int("9" * 4000))
+
+
 def test_ints_and_floats_are_different_nodes():
     assert expr("1") != expr("1.0")
 

@@ -1,0 +1,53 @@
+"""The wheel carries the grammar, the pattern files and the example: build it, install it in a
+fresh virtual environment outside the checkout, and run the CLI there."""
+
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(args, cwd):
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    work = tmp_path_factory.mktemp("wheel")
+    built = _run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w",
+                  str(work / "dist")], cwd=work)
+    assert built.returncode == 0, built.stderr
+    wheels = list((work / "dist").glob("flexspec-*.whl"))
+    assert len(wheels) == 1
+    env = work / "env"
+    venv.create(env, with_pip=True)
+    python = env / "bin" / "python"
+    # The CLI's list/check/explain need only lark and pyyaml (torch is imported lazily).
+    done = _run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheels[0]), "lark",
+                 "pyyaml"], cwd=work)
+    assert done.returncode == 0, done.stderr
+    return env, work
+
+
+def test_flexspec_list_runs_from_the_wheel(installed):
+    env, work = installed
+    result = _run([str(env / "bin" / "flexspec"), "list"], cwd=work)
+    assert result.returncode == 0, result.stderr
+    for name in ("causal", "sliding_window", "document", "alibi", "t5_bias"):
+        assert name in result.stdout
+
+
+def test_wheel_contains_grammar_patterns_and_example(installed):
+    env, work = installed
+    code = ("import flexspec, flexspec.parser as p, flexspec.registry as r, pathlib;"
+            "print(p.grammar_path()); print(r.patterns_dir());"
+            "print(pathlib.Path(flexspec.__file__).parent.joinpath('examples','model.attn').is_file())")
+    result = _run([str(env / "bin" / "python"), "-c", code], cwd=work)
+    assert result.returncode == 0, result.stderr
+    grammar, patterns, example = result.stdout.split()
+    assert str(env) in grammar and str(env) in patterns  # the installed copies, not the checkout
+    assert example == "True"
