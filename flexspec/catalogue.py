@@ -1,6 +1,7 @@
 """The pattern catalogue: ``docs/patterns.md``, generated from the registry.
 
-Run ``python -m flexspec.catalogue > docs/patterns.md`` after changing a pattern file; a test fails
+Run ``python -m flexspec.catalogue > /tmp/p.md && mv /tmp/p.md docs/patterns.md`` after changing a
+pattern file (not straight into the page: a failing run would empty it); a test fails
 while the committed page differs from what this module renders. Each pattern's example is drawn
 by :mod:`flexspec.render` (a small text picture of its mask and score bias).
 """

@@ -11,6 +11,7 @@ Pure Python; no torch.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from . import ast, ir
@@ -132,20 +133,18 @@ class Checker:
     # ------------------------------------------------------------------------------------------
     # definitions
 
+    @contextlib.contextmanager
     def _inlining(self, definition: Definition, node: ast.Node):
-        checker = self
-
-        class _Frame:
-            def __enter__(self):
-                if definition.name in checker.stack:
-                    cycle = checker.stack[checker.stack.index(definition.name):] + [definition.name]
-                    raise SpecCheckError("definitions refer to each other in a cycle: "
-                                         + " -> ".join(cycle), node.span)
-                checker.stack.append(definition.name)
-
-            def __exit__(self, *exc):
-                checker.stack.pop()
-        return _Frame()
+        """Marks ``definition`` as being inlined; entering it again is a cycle."""
+        if definition.name in self.stack:
+            cycle = self.stack[self.stack.index(definition.name):] + [definition.name]
+            raise SpecCheckError("definitions refer to each other in a cycle: "
+                                 + " -> ".join(cycle), node.span)
+        self.stack.append(definition.name)
+        try:
+            yield
+        finally:
+            self.stack.pop()
 
     def _definition_body(self, definition: Definition, env: dict) -> ir.Expr:
         local = dict(env)

@@ -387,11 +387,6 @@ class Attention:
     def _choose_backend(self, q, k, v, values) -> str:
         if self.backend == "reference":
             return "reference"
-        if q.device.type == "cpu" and min(q.shape[2], k.shape[2]) <= SHORT_CPU_LENGTH and \
-                math.prod(q.shape[:3]) * k.shape[2] * 8 <= MAX_BYTES:
-            # torch 2.13's compiled CPU kernel returned wrong values (NaN, or differing from run
-            # to run) for sequences of 8 to 40 positions; these sizes are cheap to do densely.
-            return "reference"
         grads = torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad
             or any(t.requires_grad for t in values.values()))
@@ -400,6 +395,11 @@ class Attention:
                        f"flexspec: FlexAttention has no backward pass on {q.device.type}; inputs "
                        "that require gradients run on the dense reference path instead (slower, "
                        "memory grows with Q_LEN * KV_LEN)")
+            return "reference"
+        if q.device.type == "cpu" and min(q.shape[2], k.shape[2]) <= SHORT_CPU_LENGTH and \
+                math.prod(q.shape[:3]) * k.shape[2] * 8 <= MAX_BYTES:
+            # torch 2.13's compiled CPU kernel returned wrong values (NaN, or differing from run
+            # to run) for sequences of 8 to 40 positions; these sizes are cheap to do densely.
             return "reference"
         return "flex"
 
