@@ -284,11 +284,12 @@ def refine(classes: torch.Tensor, mask: ir.Expr, sizes: dict, block: tuple, tens
     coords = (classes == PARTIAL).nonzero()
     if coords.numel() == 0:
         return classes
-    decided = _subtile_classes(coords, mask, sizes, block, tensors, device)
-    known = decided >= 0
-    done = coords[known]
-    classes[done[:, 0], done[:, 1], done[:, 2], done[:, 3]] = decided[known]
-    coords = coords[~known]
+    if block[0] % SUBTILE == 0 and block[1] % SUBTILE == 0:  # sub-tiles must tile the block
+        decided = _subtile_classes(coords, mask, sizes, block, tensors, device)
+        known = decided >= 0
+        done = coords[known]
+        classes[done[:, 0], done[:, 1], done[:, 2], done[:, 3]] = decided[known]
+        coords = coords[~known]
     # Cells of a few rows per tile usually show one visible and one hidden pair (a PARTIAL tile
     # proven); only the tiles without both witnesses are evaluated in full.
     stride = max(1, block[0] // SAMPLED_ROWS)

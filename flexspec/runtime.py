@@ -351,11 +351,38 @@ class Attention:
         h = sizes["H"] if "h" in free else 1
         return dense_mask(spec, b, h, q_len, kv_len, values, device)
 
-    def mods(self, *, q_len: int, kv_len: int, batch: int = 1, heads: int = 1, device="cpu",
+    def mods(self, *, q_len: int | None = None, kv_len: int | None = None,
+             batch: int | None = None, heads: int | None = None, device=None,
              **bindings) -> tuple:
-        """``(mask_mod, score_mod)`` for raw ``flex_attention`` (``None`` for a missing half)."""
-        sizes = _sizes(q_len, kv_len, batch, heads)
-        device = _device(device)
+        """``(mask_mod, score_mod)`` for raw ``flex_attention`` (``None`` for a missing half).
+
+        Sizes the generated code or the bindings' shapes need must be known: pass them, or let
+        them be read off the bindings (``doc_ids`` of shape ``[2, 4096]`` gives B=2,
+        KV_LEN=4096). ``device`` defaults to the bindings' device.
+        """
+        given = {"B": batch, "H": heads, "Q_LEN": q_len, "KV_LEN": kv_len}
+        for tensor in self.ir.tensors():
+            value = bindings.get(tensor.name)
+            if not isinstance(value, torch.Tensor):
+                continue
+            dims = tuple(tensor.shape)[len(tensor.shape) - value.dim():] if value.dim() else ()
+            for expr, size in zip(dims, value.shape):
+                if isinstance(expr, ir.Var) and given.get(expr.name) is None and size > 1:
+                    given[expr.name] = size
+            if device is None:
+                device = value.device
+        needed = set(lower(self.ir).size_names)
+        for tensor in self.ir.tensors():
+            sizes_used = ir.free_vars(tensor) & set(ir.SIZE_VARS)
+            # a binding broadcasts over B and H; computed and learnable tensors need their sizes
+            needed |= sizes_used - {"B", "H"} if tensor.origin == "binding" else sizes_used
+        missing = sorted(n for n in needed if given[n] is None)
+        if missing:
+            names = {"B": "batch", "H": "heads", "Q_LEN": "q_len", "KV_LEN": "kv_len"}
+            raise BindingError("this spec needs " + ", ".join(missing) + "; pass "
+                               + ", ".join(f"{names[n]}=..." for n in missing))
+        sizes = _sizes(*(given[n] or 1 for n in ("Q_LEN", "KV_LEN", "B", "H")))
+        device = _device(device or "cpu")
         values, spec = self._tensors(sizes, bindings, device)
         return lower(spec).make_mods(sizes, values)
 

@@ -476,3 +476,17 @@ def test_short_cpu_sequences_run_on_the_reference():
     assert attn._choose_backend(*short, {}) == "reference"
     assert attn._choose_backend(*long, {}) == "flex"
     torch.testing.assert_close(attn(*short), attn.reference(*short))
+
+
+def test_mods_read_sizes_off_the_bindings_and_ask_for_the_rest():
+    mask_mod, score_mod = flexspec.compile("causal").mods()
+    assert score_mod is None and mask_mod is not None
+    ids = torch.tensor([0, 0, 1, 1, 1])
+    mask_mod, _ = flexspec.compile("causal & doc").mods(doc_ids=ids)
+    b, h = torch.tensor(0), torch.tensor(0)
+    assert bool(mask_mod(b, h, torch.tensor(1), torch.tensor(0)))
+    assert not bool(mask_mod(b, h, torch.tensor(2), torch.tensor(1)))  # different documents
+    with pytest.raises(flexspec.BindingError, match="needs KV_LEN, Q_LEN; pass kv_len"):
+        flexspec.compile("causal_bottom_right").mods()
+    with pytest.raises(flexspec.BindingError, match="needs H; pass heads"):
+        flexspec.compile("alibi").mods()
