@@ -34,8 +34,8 @@ TILES_PER_CHUNK = 1 << 22
 CELLS_PER_CHUNK = 1 << 23
 # Side of the sub-tiles whose intervals decide most partial tiles before any cell is evaluated.
 SUBTILE = 16
-# Rows per tile evaluated first, in search of one visible and one hidden pair.
-SAMPLED_ROWS = 8
+# Rows per tile evaluated in the second search for one visible and one hidden pair.
+SAMPLED_ROWS = 16
 
 
 class TorchOps:
@@ -291,15 +291,19 @@ def refine(classes: torch.Tensor, mask: ir.Expr, sizes: dict, block: tuple, tens
         classes[done[:, 0], done[:, 1], done[:, 2], done[:, 3]] = decided[known]
         coords = coords[~known]
     # Cells of a few rows per tile usually show one visible and one hidden pair (a PARTIAL tile
-    # proven); only the tiles without both witnesses are evaluated in full.
-    stride = max(1, block[0] // SAMPLED_ROWS)
-    sampled = _count_cells(coords, torch.arange(0, block[0], stride, device=device), mask,
-                           sizes, block, tensors, device)
-    proven = (sampled[0] > 0) & (sampled[0] < sampled[1])
-    done = coords[proven]
-    classes[done[:, 0], done[:, 1], done[:, 2], done[:, 3]] = PARTIAL
-    coords = coords[~proven]
-    visible, valid = _count_cells(coords, torch.arange(block[0], device=device), mask, sizes,
+    # proven): first the tile's first and last rows, then every sixteenth row; only the tiles
+    # still without both witnesses are evaluated in full.
+    q_block = block[0]
+    for rows in (sorted({0, q_block - 1}), range(0, q_block, max(1, q_block // SAMPLED_ROWS))):
+        if coords.numel() == 0:
+            return classes
+        visible, valid = _count_cells(coords, torch.tensor(list(rows), device=device), mask,
+                                      sizes, block, tensors, device)
+        proven = (visible > 0) & (visible < valid)
+        done = coords[proven]
+        classes[done[:, 0], done[:, 1], done[:, 2], done[:, 3]] = PARTIAL
+        coords = coords[~proven]
+    visible, valid = _count_cells(coords, torch.arange(q_block, device=device), mask, sizes,
                                   block, tensors, device)
     new = torch.full_like(visible, PARTIAL, dtype=torch.int8)
     new[visible == 0] = EMPTY

@@ -323,7 +323,7 @@ class Attention:
             block_mask = build_block_mask(spec.mask, sizes, self.block_size, values, device,
                                           batch=batch, heads=heads, mask_mod=mask_mod,
                                           exact=self.block_masks == "exact")
-        # the values are kept alive with the mask so that their id() cannot be reused
+        # the values stay alive with the mask, so their memory cannot be reused while cached
         self._block_masks[key] = (block_mask, values)
         if len(self._block_masks) > BLOCK_MASK_CACHE_SIZE:
             self._block_masks.popitem(last=False)

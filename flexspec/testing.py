@@ -37,6 +37,7 @@ covered as soon as their YAML file exists:
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 try:
@@ -50,7 +51,16 @@ from . import ast, ir
 from .registry import Pattern, registry
 from .spec import Spec
 
-__all__ = ["KINDS", "Case", "Shape", "bindings", "cases", "pattern_kind", "shapes", "spec_texts",
+
+def slow_examples(count: int) -> int:
+    """How many examples a slow (``@pytest.mark.slow``) sweep draws: ``count``, scaled by the
+    environment variable ``FLEXSPEC_SLOW_FRACTION`` (CI's bounded profile sets 0.1)."""
+    fraction = float(os.environ.get("FLEXSPEC_SLOW_FRACTION", "1"))
+    return max(1, round(count * fraction))
+
+
+__all__ = ["KINDS", "Case", "Shape", "bindings", "cases", "pattern_kind", "shapes", "slow_examples",
+           "spec_texts",
            "specs", "tensor_values"]
 
 #: Pattern categories :func:`spec_texts` can draw from (see :func:`pattern_kind`).

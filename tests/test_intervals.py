@@ -25,21 +25,8 @@ from hypothesis import strategies as st
 import flexspec
 from flexspec import ir
 from flexspec.intervals import INF, Analyzer, ScalarOps, bounds, lookup_ranges
-from flexspec.testing import spec_texts
-
-q, kv, b, h = ir.Var("q"), ir.Var("kv"), ir.Var("b"), ir.Var("h")
-
-
-def C(value):
-    return ir.Const(value)
-
-
-def op(symbol, left, right):
-    return ir.Binary(symbol, left, right)
-
-
-def call(fn, *args):
-    return ir.Call(fn, tuple(args))
+from flexspec.testing import slow_examples, spec_texts
+from ir_examples import C, b, call, h, kv, op, q
 
 
 def neg(x):
@@ -606,7 +593,7 @@ RULES = {
 
 
 @pytest.mark.parametrize("name", list(RULES))
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(ranges=_ranges())
 def test_each_rule_is_sound(name, ranges):
     check_sound(RULES[name], ranges)
@@ -629,7 +616,7 @@ def test_numeric_bounds_are_sound(expr, ranges):
 
 
 @pytest.mark.slow
-@settings(max_examples=1500, deadline=None,
+@settings(max_examples=slow_examples(1500), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(st.one_of(_bool_expr(5), _num_expr(5)), _ranges())
 def test_bounds_are_sound_sweep(expr, ranges):

@@ -23,8 +23,8 @@ from flexspec.checker import Checker
 from flexspec.reference import dense_mask, dense_scores
 from flexspec.simplify import simplify
 from flexspec.tensors import prepare
-from flexspec.testing import (KINDS, Shape, bindings, cases, lookups_fit, shapes, spec_texts,
-                              specs, tensor_values)
+from flexspec.testing import (KINDS, Shape, bindings, cases, lookups_fit, shapes,
+                              slow_examples, spec_texts, specs, tensor_values)
 
 # Eager flex_attention warns that it is not compiled: here that is the point.
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without 
 HAS_BLOCK_MASK_MODES = "block_masks" in inspect.signature(runtime.Attention).parameters
 FAST = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FEW = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-MANY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MANY = settings(max_examples=slow_examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ALL_KINDS = {"kinds": KINDS}
 
 
@@ -294,7 +294,7 @@ def test_compiled_flex_attention_matches_the_reference():
 
 
 @pytest.mark.slow
-@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=slow_examples(8), deadline=None, suppress_health_check=list(HealthCheck))
 @given(cases(max_len=260, **ALL_KINDS), st.integers(0, 2**31 - 1))
 def test_compiled_flex_attention_matches_the_reference_random(case, seed):
     _check_compiled(case.spec, case.shape, case.bindings, seed)
