@@ -163,7 +163,7 @@ def test_qkv_validation(q_shape, k_shape, dtypes, expected):
 def test_q_that_is_not_a_tensor():
     k = torch.zeros(1, 2, 10, 8)
     with pytest.raises(BindingError, match="q must be a torch.Tensor"):
-        flexspec.compile("causal")(k.numpy(), k, k)
+        flexspec.compile("causal")(k.tolist(), k, k)
 
 
 def test_k_and_v_must_agree():
@@ -490,3 +490,16 @@ def test_mods_read_sizes_off_the_bindings_and_ask_for_the_rest():
         flexspec.compile("causal_bottom_right").mods()
     with pytest.raises(flexspec.BindingError, match="needs H; pass heads"):
         flexspec.compile("alibi").mods()
+
+
+@pytest.mark.slow
+def test_reaching_the_recompile_limit_is_a_flexspec_error():
+    # A spec that keeps changing shapes would make dynamo give up and silently fall back to the
+    # unfused kernel (which materialises S^2 scores); flexspec raises instead.
+    attn = flexspec.compile("causal & window(3)")
+    first = Shape(1, 2, 2, 70, 70, 8).qkv(seed=0)
+    second = Shape(1, 2, 2, 90, 90, 8).qkv(seed=0)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        attn(*first)
+        with pytest.raises(flexspec.runtime.CompileLimitError, match="recompile limit"):
+            attn(*second)
