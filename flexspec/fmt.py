@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import SpecError
-from .parser import file_comments, parse_file
+from .parser import parse_file, parse_file_with_comments
 from .printer import format_node
 
 
@@ -45,7 +45,7 @@ class _Item:
 
 def format_attn(text: str, name: str = "<file>") -> str:
     """The canonical text of an ``.attn`` file; a syntax error raises :class:`SpecSyntaxError`."""
-    module = parse_file(text, name)
+    module, comments = parse_file_with_comments(text, name)
     items: list[_Item] = []
     for statement in module.statements:
         source, span = statement.span.source, statement.span
@@ -53,7 +53,7 @@ def format_attn(text: str, name: str = "<file>") -> str:
         last = source.line_col(max(span.start, span.end - 1))[0]
         items.append(_Item(first, last, statement=statement))
     statements = list(items)
-    for line, comment in file_comments(text):
+    for line, comment in comments:
         comment = comment.rstrip()
         # Nothing can follow a comment on its line, so a statement ending on that line ends before
         # the comment: the comment trails it. One that merely spans the line holds the comment.

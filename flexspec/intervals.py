@@ -15,7 +15,7 @@ torch tensors (:mod:`flexspec.blocks` passes its own ops).
 
 >>> from flexspec.ir import Binary, Var
 >>> bounds(Binary("-", Var("q"), Var("kv")), {"q": (0, 9), "kv": (0, 4)})
-(-4.0, 9.0)
+(-4, 9)
 """
 
 from __future__ import annotations
@@ -242,7 +242,12 @@ class Analyzer:
         if isinstance(node, ir.Binary) and node.op in ir.COMPARE_OPS:
             if node.left.type == "bool":
                 return self._bool_equality(node)
-            return self._compare(node.op, self.number(node.left), self.number(node.right))
+            must, may = self._compare(node.op, self.number(node.left), self.number(node.right))
+            nan = self.ops.any(self.may_be_nan(node.left), self.may_be_nan(node.right))
+            # a NaN operand makes every comparison false, except != which it makes true
+            if node.op == "!=":
+                return must, self.ops.any(may, nan)
+            return self.ops.all(must, self.ops.logical_not(nan)), may
         if isinstance(node, ir.Call) and node.fn == "where":
             cond = self.boolean(node.args[0])
             a, b = self.boolean(node.args[1]), self.boolean(node.args[2])
@@ -256,6 +261,33 @@ class Analyzer:
                 lo, hi = found
                 return lo >= 1, hi >= 1
         return ops.const(False), ops.const(True)
+
+    def may_be_nan(self, node: ir.Expr):
+        """Whether a numeric node can be NaN somewhere in the ranges: a square root or logarithm
+        of a range reaching below 0, 0 / 0, inf - inf, 0 * inf, or a NaN operand. Ints never are."""
+        ops = self.ops
+        if node.type != "float":
+            return ops.const(False)
+        if isinstance(node, ir.Unary):
+            return self.may_be_nan(node.operand)
+        if isinstance(node, ir.Binary):
+            nan = ops.any(self.may_be_nan(node.left), self.may_be_nan(node.right))
+            (alo, ahi), (blo, bhi) = self.number(node.left), self.number(node.right)
+            a_zero, b_zero = ops.all(alo <= 0, ahi >= 0), ops.all(blo <= 0, bhi >= 0)
+            a_inf = ops.any(alo == -INF, ahi == INF)
+            b_inf = ops.any(blo == -INF, bhi == INF)
+            if node.op in ("/", "//", "%"):
+                return ops.any(nan, ops.all(a_zero, b_zero), ops.all(a_inf, b_inf))
+            if node.op == "*":
+                return ops.any(nan, ops.all(a_zero, b_inf), ops.all(b_zero, a_inf))
+            return ops.any(nan, ops.all(a_inf, b_inf))  # inf - inf, -inf + inf
+        if isinstance(node, ir.Call):
+            args = [a for a in node.args if a.type != "bool"]
+            nan = ops.any(*[self.may_be_nan(a) for a in args]) if args else ops.const(False)
+            if node.fn in ("sqrt", "log", "log2"):
+                return ops.any(nan, self.number(node.args[0])[0] < 0)
+            return nan
+        return ops.const(False)
 
     def _compare(self, op: str, a, b):
         ops = self.ops

@@ -300,12 +300,14 @@ def parse_type(source: Source) -> ast.TypeExpr:
     return _parse(source.text, "type_expr", source)
 
 
-def file_comments(text: str, source_name: str = "<file>") -> list[tuple[int, str]]:
-    """The ``#`` comments of a file as (line, text), for the formatter to keep them."""
+def parse_file_with_comments(text: str, source_name: str = "<file>"):
+    """``(module, comments)``: the parsed ``.attn`` file and its ``#`` comments as (line, text),
+    for the formatter, which keeps them. Not thread-safe (the lexer reports to a module global)."""
     global _comment_sink
     _comment_sink = []
     try:
-        parse_file(text, source_name)
-        return _comment_sink
+        module = parse_file(text, source_name)
+        return module, _comment_sink
     finally:
         _comment_sink = None
+

@@ -497,8 +497,6 @@ def test_block_sparse_emulation_sees_a_wrong_table():
     assert not torch.allclose(got, case.attn.reference(q, k, v), atol=1e-3)
 
 
-@pytest.mark.xfail(strict=True, reason="flexspec.intervals does not model NaN: a tile where "
-                   "sqrt(q - 2) is NaN (q < 2) is classified FULL")
 def test_nan_rows_are_not_full():
     library = load_text("mask nan_rows = sqrt(q - 2) < 100.0\n", "nan.attn")
     case = Case(flexspec.parse("nan_rows", library=library), Shape(1, 1, 1, 256, 256, 16), {})

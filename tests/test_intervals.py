@@ -8,7 +8,8 @@ the ranges with a plain-Python evaluator written here (independent of the analys
 ``flexspec.reference``), and checks that each value lies inside its node's bounds, that ``must``
 means true everywhere and that ``not may`` means false everywhere. Points where a value is
 undefined (division by zero) or NaN (``sqrt``/``log`` below 0, ``inf - inf``) are left out of
-the property: the analysis does not model NaN, which the two ``xfail`` tests pin down.
+the numeric bounds; comparisons of operands that may be NaN (never "must" hold, as NaN compares
+false) have their own tests below.
 
 Pure Python: no torch.
 """
@@ -269,15 +270,12 @@ def test_bool_equality():
         assert boolean(op(symbol, maybe, maybe), **r) == expect(False, True)
 
 
-@pytest.mark.xfail(strict=True, reason="NaN is not modelled: sqrt/log of a range reaching "
-                   "below 0 still gives 'must' comparisons, though NaN compares false")
 def test_comparisons_of_nan_are_never_certain():
     # sqrt(q - 2) is NaN at q = 0 and 1 (float64, as in the reference), and NaN < 100.0 is
     # false there: the comparison may hold, it need not.
     assert boolean(op("<", call("sqrt", op("-", q, C(2))), C(100.0)), q=(0, 9)) == (False, True)
 
 
-@pytest.mark.xfail(strict=True, reason="NaN is not modelled (see above)")
 def test_nan_does_not_vanish_in_min():
     # min(NaN, 1.0) is NaN in torch (the reference), so the comparison is false at kv = 0..3
     expr = op("<", call("min", call("log", op("-", kv, C(3))), C(1.0)), C(2.0))

@@ -23,7 +23,7 @@ from flexspec.checker import Checker
 from flexspec.reference import dense_mask, dense_scores
 from flexspec.simplify import simplify
 from flexspec.tensors import prepare
-from flexspec.testing import (KINDS, Shape, bindings, cases, lookups_fit, shapes,
+from flexspec.testing import (KINDS, Case, Shape, bindings, cases, lookups_fit, shapes,
                               slow_examples, spec_texts, specs, tensor_values)
 
 # Eager flex_attention warns that it is not compiled: here that is the point.
@@ -299,3 +299,11 @@ def test_compiled_flex_attention_matches_the_reference():
 def test_compiled_flex_attention_matches_the_reference_random(case, seed):
     _check_compiled(case.spec, case.shape, case.bindings, seed)
 
+
+
+def test_t5_bucket_boundaries_floor_like_the_reference():
+    # Found by the sweep: log(8 / 4) / log(128 / 4) * 5 is exactly 1, which float32 floors to 0
+    # and float64 to 1; the lowering now does float math inside floor() in float64.
+    spec = flexspec.parse("t5_bias(num_buckets=18, table=table_1)")
+    table = torch.randn(1, 18, generator=torch.Generator().manual_seed(0))
+    check_score(Case(spec, Shape(1, 1, 1, 9, 9, 8), {"table_1": table}), 0)
