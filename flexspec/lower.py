@@ -71,18 +71,6 @@ class _Emitter:
     def __init__(self, names: dict):
         self.names = names  # tensor_key -> Python identifier
         self.used: set[str] = set()
-        # Inside floor()/ceil() float math runs in float64, as in the reference: a value that is
-        # an integer in exact arithmetic (a T5 bucket boundary) must floor the same way in both.
-        self.wide = False
-
-    def _float(self, code: _Code, node: ir.Expr) -> _Code:
-        """``code`` as a float tensor: float64 inside floor()/ceil(), else float32."""
-        if not code.tensor:
-            return code
-        if ir.type_of(node) == "float" and not (self.wide and isinstance(node, (ir.Lookup, ir.Var))):
-            return code  # already float; computed in float64 when inside floor()/ceil()
-        dtype = "torch.float64" if self.wide else "torch.float32"
-        return _Code(f"{code.at(_ATOM)}.to({dtype})", _ATOM, True)
 
     def emit(self, node: ir.Expr) -> _Code:
         method = getattr(self, "_" + type(node).__name__.lower(), None)
@@ -129,8 +117,6 @@ class _Emitter:
             # Operands one level tighter: Python would chain `a < b < c`.
             return _Code(f"{left.at(_CMP + 1)} {node.op} {right.at(_CMP + 1)}", _CMP, tensor)
         prec = _ARITH_PREC[node.op]
-        if self.wide and ir.type_of(node) == "float":
-            left, right = self._float(left, node.left), self._float(right, node.right)
         return _Code(f"{left.at(prec)} {node.op} {right.at(prec + 1)}", prec, tensor)
 
     def _and(self, node: ir.And) -> _Code:
@@ -151,16 +137,6 @@ class _Emitter:
 
     def _call(self, node: ir.Call) -> _Code:
         fn = node.fn
-        if fn in ("floor", "ceil") and ir.type_of(node.args[0]) == "float":
-            wide, self.wide = self.wide, True
-            try:
-                x = self.emit(node.args[0])
-            finally:
-                self.wide = wide
-            if x.tensor:
-                return _Code(f"torch.{fn}({x.text}).to(torch.int64)", _ATOM, True)
-            self.used.add("math")
-            return _call(f"math.{fn}", x)
         args = [self.emit(a) for a in node.args]
         arg_types = [ir.type_of(a) for a in node.args]
         if fn == "where":
@@ -181,12 +157,19 @@ class _Emitter:
             text = f"({x.at(_CMP + 1)} > 0) - ({x.at(_CMP + 1)} < 0)"
             code = _Code(text, _ADD, False)
             return _call("float", code) if arg_types[0] == "float" else code
-        if fn in ("floor", "ceil"):  # of an int: nothing to do
-            return x
+        if fn in ("floor", "ceil"):
+            if arg_types[0] != "float":
+                return x
+            if x.tensor:
+                return _Code(f"torch.{fn}({x.text}).to(torch.int64)", _ATOM, True)
+            self.used.add("math")
+            return _call(f"math.{fn}", x)
         if fn in _FLOAT_FNS:
             if x.tensor:
-                # Float math needs a float tensor; the indices are ints.
-                return _call(f"torch.{fn}", self._float(x, node.args[0]))
+                if arg_types[0] != "float":
+                    # Float math needs a float tensor; the indices are ints.
+                    x = _Code(f"{x.at(_ATOM)}.to(torch.float32)", _ATOM, True)
+                return _call(f"torch.{fn}", x)
             self.used.add("math")
             if fn == "exp2":
                 return _Code(f"2.0 ** {x.at(_UNARY)}", _POW, False)
