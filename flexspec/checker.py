@@ -179,6 +179,8 @@ class Checker:
             if param.default is not None:
                 self._check_argument(definition, param, self._default(definition, param, env),
                                      param.default)
+        # constraints see every parameter, as they do when a call is checked
+        for param in definition.params:
             if param.constraint is not None:
                 constraint = self.expr(param.constraint, env, definition)
                 if constraint.type != "bool":
