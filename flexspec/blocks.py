@@ -229,6 +229,14 @@ def classify(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, device, *,
     return out
 
 
+def _without_ragged_full(classes: torch.Tensor, sizes: dict, block: tuple, device) -> torch.Tensor:
+    """A copy of ``classes`` where a FULL tile that runs past the end of the sequence is
+    PARTIAL: like create_block_mask, which counts the padding as masked."""
+    classes = classes.clone()
+    classes[(classes == FULL) & _ragged(sizes, block, device).expand_as(classes)] = PARTIAL
+    return classes
+
+
 def _ragged(sizes: dict, block: tuple, device):
     """Tiles that run past the end of the sequence, as broadcastable bool tensors."""
     nq = -(-sizes["Q_LEN"] // block[0])
@@ -278,9 +286,7 @@ def refine(classes: torch.Tensor, mask: ir.Expr, sizes: dict, block: tuple, tens
     """Exact classes for the tiles the intervals left PARTIAL: first from the intervals of their
     16 x 16 sub-tiles, then, for the tiles still undecided, by evaluating the mask on every cell
     (a tile running past the end of the sequence is never FULL, as in ``create_block_mask``)."""
-    classes = classes.clone()
-    ragged = _ragged(sizes, block, device).expand_as(classes)
-    classes[(classes == FULL) & ragged] = PARTIAL
+    classes = _without_ragged_full(classes, sizes, block, device)
     coords = (classes == PARTIAL).nonzero()
     if coords.numel() == 0:
         return classes
@@ -383,6 +389,5 @@ def build_block_mask(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, de
     if exact:
         classes = refine(classes, mask, sizes, block, tensors, device)
     else:
-        ragged = _ragged(sizes, block, device).expand_as(classes)
-        classes[(classes == FULL) & ragged] = PARTIAL
+        classes = _without_ragged_full(classes, sizes, block, device)
     return to_block_mask(classes, sizes, block, mask_mod)

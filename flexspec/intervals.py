@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 from . import ir
+from .simplify import SCALAR_FUNCTIONS
 
 INF = math.inf
 
@@ -68,7 +69,7 @@ class ScalarOps:
     @staticmethod
     def apply(fn: str, value):
         try:
-            return _SCALAR_FUNCTIONS[fn](value)
+            return SCALAR_FUNCTIONS[fn](value)
         except (ValueError, OverflowError):
             return math.nan if fn in ("log", "log2", "sqrt") else INF
 
@@ -76,16 +77,6 @@ class ScalarOps:
     def lookup(node, index_bounds):
         return None
 
-
-def _sigmoid(x):
-    return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0
-
-
-_SCALAR_FUNCTIONS = {
-    "tanh": math.tanh, "exp": math.exp, "exp2": lambda x: 2.0 ** x, "log": math.log,
-    "log2": math.log2, "sqrt": math.sqrt, "sigmoid": _sigmoid,
-    "sign": lambda x: float((x > 0) - (x < 0)),
-}
 
 _INCREASING = ("tanh", "exp", "exp2", "log", "log2", "sqrt", "sigmoid", "sign")
 

@@ -50,17 +50,13 @@ class Library:
     def __init__(self, module: ast.Module, name: str, parent: Scope | None = None):
         self.name = name
         self.module = module
-        errors = _check_module(module, name, parent)
+        errors, self.scope, spec_irs = _check_module(module, name, parent)
         if errors:
             raise errors[0]
-        definitions = [_definition(s, name) for s in module.statements]
-        self.scope = Scope(definitions, parent=parent if parent is not None else registry().scope)
-        self.definitions = {d.name: d for d in definitions}
-        self.specs: dict[str, Spec] = {}
-        for statement in module.statements:
-            if isinstance(statement, ast.SpecDef):
-                self.specs[statement.name] = Spec(statement.expr,
-                                                  check_spec(statement.expr, self.scope))
+        self.definitions = dict(self.scope.definitions)
+        self.specs: dict[str, Spec] = {
+            statement.name: Spec(statement.expr, spec_irs[statement.name])
+            for statement in module.statements if isinstance(statement, ast.SpecDef)}
 
     def __getitem__(self, name: str) -> Spec:
         if name not in self.specs:
@@ -82,8 +78,10 @@ class Library:
         return f"Library({self.name!r}, specs={list(self.specs)})"
 
 
-def _check_module(module: ast.Module, name: str, parent: Scope | None) -> list[SpecError]:
-    """Every error of a parsed file, in source order (one per statement at most)."""
+def _check_module(module: ast.Module, name: str, parent: Scope | None) -> tuple:
+    """``(errors, scope, spec_irs)`` of a parsed file: every error in source order, the scope of
+    its definitions in front of ``parent`` (the registry by default), and the IR of each named
+    spec that checked."""
     errors: list[SpecError] = []
     definitions: list[Definition] = []
     seen: dict[str, ast.Node] = {}
@@ -104,17 +102,18 @@ def _check_module(module: ast.Module, name: str, parent: Scope | None) -> list[S
         except SpecError as err:
             errors.append(err)
     scope = Scope(definitions, parent=parent if parent is not None else registry().scope)
+    spec_irs = {}
     for definition in definitions:
         try:
             if definition.kind == "spec":
-                check_spec(definition.body, scope)
+                spec_irs[definition.name] = check_spec(definition.body, scope)
             else:
                 check_definition(definition, scope)
         except SpecError as err:
             errors.append(err)
     # an error inside one definition is met again by every definition that inlines it: once
     unique = {(e.line, e.column, e.message): e for e in reversed(errors)}
-    return sorted(unique.values(), key=lambda e: (e.line or 0, e.column or 0))
+    return sorted(unique.values(), key=lambda e: (e.line or 0, e.column or 0)), scope, spec_irs
 
 
 def check_text(text: str, name: str = "<file>") -> list[SpecError]:
@@ -123,7 +122,7 @@ def check_text(text: str, name: str = "<file>") -> list[SpecError]:
         module = parse_file(text, name)
     except SpecError as err:
         return [err]
-    return _check_module(module, name, None)
+    return _check_module(module, name, None)[0]
 
 
 def load_text(text: str, name: str = "<file>") -> Library:

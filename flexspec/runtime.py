@@ -304,11 +304,8 @@ class Attention:
 
     # ---- masks
     def _block_mask(self, spec: ir.AttentionIR, sizes: dict, values: dict, device) -> BlockMask:
-        free = ir.free_vars(spec.mask)
-        batch = sizes["B"] if "b" in free else 1
-        heads = sizes["H"] if "h" in free else 1
-        identity = tuple((key, _identity(v)) for key, v in sorted(values.items())
-                         if _reads(spec.mask, key))
+        batch, heads, reads = _mask_extent(spec.mask, sizes)
+        identity = tuple((key, _identity(v)) for key, v in sorted(values.items()) if key in reads)
         key = (spec, batch, heads, sizes["Q_LEN"], sizes["KV_LEN"], str(device), identity)
         cached = self._block_masks.get(key)
         if cached is not None:
@@ -346,10 +343,8 @@ class Attention:
         sizes = _sizes(q_len, kv_len, batch, heads)
         device = _device(device)
         values, spec = self._tensors(sizes, bindings, device, mask_only=True)
-        free = ir.free_vars(spec.mask)
-        b = sizes["B"] if "b" in free else 1
-        h = sizes["H"] if "h" in free else 1
-        return dense_mask(spec, b, h, q_len, kv_len, values, device)
+        batch, heads, _ = _mask_extent(spec.mask, sizes)
+        return dense_mask(spec, batch, heads, q_len, kv_len, values, device)
 
     def mods(self, *, q_len: int | None = None, kv_len: int | None = None,
              batch: int | None = None, heads: int | None = None, device=None,
@@ -440,8 +435,18 @@ def _identity(value: torch.Tensor) -> tuple:
             tuple(value.stride()), value._version)
 
 
-def _reads(expr: ir.Expr, key: str) -> bool:
-    return any(isinstance(n, ir.Tensor) and tensor_key(n) == key for n in ir.walk(expr))
+def _mask_extent(mask: ir.Expr, sizes: dict) -> tuple:
+    """``(batch, heads, keys)``: the batch and head extents a mask needs (1 unless it reads ``b``
+    or ``h``) and the keys of the tensors it reads."""
+    reads_b, reads_h, keys = _mask_facts(mask)
+    return sizes["B"] if reads_b else 1, sizes["H"] if reads_h else 1, keys
+
+
+@functools.lru_cache(maxsize=1024)
+def _mask_facts(mask: ir.Expr) -> tuple:
+    free = ir.free_vars(mask)
+    keys = frozenset(tensor_key(n) for n in ir.walk(mask) if isinstance(n, ir.Tensor))
+    return "b" in free, "h" in free, keys
 
 
 def _device(device) -> torch.device:

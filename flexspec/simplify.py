@@ -40,12 +40,17 @@ def _sign(x):
     return (x > 0) - (x < 0)
 
 
-_FUNCTIONS = {
+def _sigmoid(x):
+    return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0  # exp(700+) overflows a float
+
+
+# The functions of the language on Python numbers (also used by flexspec.intervals).
+SCALAR_FUNCTIONS = {
     "abs": abs, "sign": _sign, "min": min, "max": max,
     "clamp": lambda x, lo, hi: min(max(x, lo), hi),
     "floor": math.floor, "ceil": math.ceil, "tanh": math.tanh, "exp": math.exp,
     "exp2": lambda x: 2.0 ** x, "log": math.log, "log2": math.log2, "sqrt": math.sqrt,
-    "sigmoid": lambda x: 1.0 / (1.0 + math.exp(-x)),
+    "sigmoid": _sigmoid,
 }
 
 
@@ -86,7 +91,7 @@ def fold_constants(node: Expr) -> Expr:
             return (_const(chosen.value, type_of(node)) or node) if isinstance(chosen, Const) else node
         if isinstance(node, Call) and all(isinstance(a, Const) for a in node.args):
             values = [a.value for a in node.args]
-            return _const(_FUNCTIONS[node.fn](*values), type_of(node)) or node
+            return _const(SCALAR_FUNCTIONS[node.fn](*values), type_of(node)) or node
     except (ArithmeticError, ValueError):
         return node
     return node
