@@ -391,3 +391,22 @@ def build_block_mask(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, de
     else:
         classes = _without_ragged_full(classes, sizes, block, device)
     return to_block_mask(classes, sizes, block, mask_mod)
+
+
+def count_visible(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, device, *,
+                  batch: int, heads: int) -> int:
+    """The number of visible (q, kv) pairs over ``batch`` x ``heads`` (the mask's extents),
+    exactly: the area of FULL tiles plus a cell-by-cell count inside PARTIAL ones."""
+    classes = classify(mask, sizes, block, tensors, device, batch=batch, heads=heads)
+    q_rows = torch.clamp(sizes["Q_LEN"] - torch.arange(0, sizes["Q_LEN"], block[0],
+                                                      device=device), max=block[0])
+    kv_cols = torch.clamp(sizes["KV_LEN"] - torch.arange(0, sizes["KV_LEN"], block[1],
+                                                        device=device), max=block[1])
+    area = q_rows.reshape(-1, 1) * kv_cols.reshape(1, -1)
+    total = int((area * (classes == FULL)).sum())
+    coords = (classes == PARTIAL).nonzero()
+    if coords.numel():
+        visible, _ = _count_cells(coords, torch.arange(block[0], device=device), mask, sizes,
+                                  block, tensors, device)
+        total += int(visible.sum())
+    return total

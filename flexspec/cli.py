@@ -266,14 +266,41 @@ def _write(path: str, text: str) -> None:
 
 
 def _add_explain(subparsers) -> None:
-    p = subparsers.add_parser("explain", help="show the IR a spec resolves to",
-                              description="Parse and check a spec and print its resolved, "
-                                          "simplified mask and score expressions.")
+    p = subparsers.add_parser(
+        "explain", help="show the IR a spec resolves to, and the backend a call would take",
+        description="Parse and check a spec and print its resolved, simplified mask and score "
+                    "expressions. With --q-len, also say what a call of those sizes would do: "
+                    "the visible fraction of the score matrix, the work in FLOPs, and the "
+                    "backend chosen with its reason. Runtime tensors the spec reads get demo "
+                    "values unless given with --bind (see 'flexspec render --help').")
     p.add_argument("spec", metavar="SPEC",
                    help="a spec expression, e.g. 'causal & window(128) + alibi', or the name of "
                         "a spec in --file")
     p.add_argument("--file", "-f", metavar="F.attn",
                    help="an .attn file whose definitions and specs the spec may use")
+    p.add_argument("--q-len", type=int, metavar="N", help="query length of the call explained")
+    p.add_argument("--kv-len", type=int, metavar="N", help="key/value length (default: --q-len)")
+    p.add_argument("--batch", type=int, default=1, metavar="B", help="batch size (default 1)")
+    p.add_argument("--heads", type=int, default=16, metavar="H",
+                   help="query heads (default 16)")
+    p.add_argument("--kv-heads", type=int, metavar="H",
+                   help="key/value heads (default: --heads; fewer means grouped-query)")
+    p.add_argument("--head-dim", type=int, default=128, metavar="D",
+                   help="head dimension (default 128)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16",
+                   help="input dtype (default bfloat16)")
+    p.add_argument("--device", default="cpu", help="device, e.g. cpu or cuda (default cpu)")
+    p.add_argument("--grad", action="store_true", help="the inputs require gradients")
+    p.add_argument("--backend", default="auto",
+                   help="the backend asked for (default auto): auto, flash, sdpa, flex, "
+                        "reference")
+    p.add_argument("--block-size", type=int, default=128, metavar="N",
+                   help="block size of the block mask (default 128)")
+    p.add_argument("--bind", action="append", default=[], metavar="NAME=VALUES",
+                   help="a runtime tensor's values (repeatable), as in 'flexspec render'")
+
+
+_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
 
 def cmd_explain(args) -> int:
@@ -284,8 +311,58 @@ def cmd_explain(args) -> int:
         spec = library[args.spec.strip()]
     else:
         spec = parse(args.spec, library=library)
-    _out(spec.explain())
+    if args.q_len is None:
+        runtime_options = ("kv_len", "kv_heads", "grad", "bind")
+        given = [f"--{name.replace('_', '-')}" for name in runtime_options if getattr(args, name)]
+        given += [option for option, used in (("--device", args.device != "cpu"),
+                                              ("--backend", args.backend != "auto")) if used]
+        if given:
+            verb = "describes" if len(given) == 1 else "describe"
+            raise SpecError(f"{', '.join(given)} {verb} a call: give --q-len too")
+        _out(spec.explain())
+        return EXIT_OK
+    _out(str(_explain_call(spec, args)))
     return EXIT_OK
+
+
+def _explain_call(spec, args):
+    """The runtime explanation of a call of the sizes the options give, without allocating q,
+    k and v (only their shapes, dtype and device matter)."""
+    import torch
+
+    from . import compile as compile_spec
+    from .render import demo_bindings
+    from .runtime import _device
+
+    kv_len = args.q_len if args.kv_len is None else args.kv_len
+    kv_heads = args.heads if args.kv_heads is None else args.kv_heads
+    for option, value in (("--q-len", args.q_len), ("--kv-len", kv_len),
+                          ("--batch", args.batch), ("--heads", args.heads),
+                          ("--kv-heads", kv_heads), ("--head-dim", args.head_dim)):
+        if value < 1:
+            raise SpecError(f"{option} must be at least 1, got {value}")
+    attn = compile_spec(spec, backend=args.backend, block_size=args.block_size)
+    device = _device(args.device)
+    dtype = getattr(torch, _DTYPES[args.dtype])
+
+    def placeholder(heads, length):
+        # one element expanded: the shape a call would have, without its memory
+        one = torch.zeros(1, 1, 1, 1, dtype=dtype, device=device)
+        return one.expand(args.batch, heads, length, args.head_dim).requires_grad_(args.grad)
+
+    q, k, v = placeholder(args.heads, args.q_len), placeholder(kv_heads, kv_len), \
+        placeholder(kv_heads, kv_len)
+    flat = _parse_binds(attn, args.bind)
+    sizes = {"B": args.batch, "H": args.heads, "Q_LEN": args.q_len, "KV_LEN": kv_len}
+    given = _shape_binds(attn, flat, sizes)
+    demo, notes = demo_bindings(attn, args.q_len, kv_len, batch=args.batch - 1,
+                                heads=args.heads, given=given)
+    bindings = {name: value.to(device) for name, value in {**demo, **given}.items()}
+    explanation = attn.explain(q, k, v, **bindings)
+    if notes:
+        text = str(explanation) + "\nnot given with --bind, so explained with demo values:\n"
+        return text + "\n".join(f"  {note}" for note in notes)
+    return explanation
 
 
 # ---- render ------------------------------------------------------------------------------------

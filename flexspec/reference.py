@@ -249,13 +249,17 @@ def dense_scores(spec: ir.AttentionIR, logits: torch.Tensor, tensors: dict | Non
 
 def reference_attention(spec: ir.AttentionIR, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         *, scale: float | None = None, tensors: dict | None = None,
-                        max_bytes: int | None = None) -> torch.Tensor:
+                        max_bytes: int | None = None,
+                        rows: torch.Tensor | None = None) -> torch.Tensor:
     """Attention as the spec defines it, computed densely in float64, returned in ``q.dtype``.
 
     ``q`` is ``(B, Hq, Q_LEN, D)``, ``k`` and ``v`` are ``(B, Hkv, KV_LEN, D)`` (``v`` may have its
     own last dimension). With ``Hq`` a multiple of ``Hkv`` (grouped-query attention), query head
     ``h`` reads kv head ``h // (Hq // Hkv)``; the ``h`` and ``H`` the spec sees are the query
     head and ``Hq``. ``scale`` defaults to ``1 / sqrt(D)``.
+
+    ``rows`` (int query positions) computes only those rows of the output, ``(B, Hq, len(rows),
+    Dv)``: the same semantics at a fraction of the memory, to check long sequences.
     """
     batch, heads, q_len, dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -264,17 +268,28 @@ def reference_attention(spec: ir.AttentionIR, q: torch.Tensor, k: torch.Tensor, 
                         "fit together")
     if heads % kv_heads:
         raise SpecError(f"{heads} query heads cannot share {kv_heads} key/value heads")
-    check_budget(batch, heads, q_len, kv_len, max_bytes)
+    grid = index_grid(batch, heads, q_len, kv_len, q.device)
+    if rows is not None:
+        rows = torch.as_tensor(rows, dtype=_INT, device=q.device).reshape(-1)
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= q_len):
+            raise SpecError(f"rows must lie in 0..{q_len - 1}")
+        grid["q"] = rows.reshape(1, 1, -1, 1)
+        q = q[:, :, rows]
+    n_rows = q.shape[2]
+    check_budget(batch, heads, n_rows, kv_len, max_bytes)
     group = heads // kv_heads
     q64 = q.to(_FLOAT)
     k64 = k.to(_FLOAT).repeat_interleave(group, dim=1)
     v64 = v.to(_FLOAT).repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    shape = (batch, heads, n_rows, kv_len)
 
-    logits = torch.matmul(q64, k64.transpose(-2, -1)) * scale
-    scores = dense_scores(spec, logits, tensors, max_bytes=max_bytes)
-    mask = dense_mask(spec, batch, heads, q_len, kv_len, tensors, q.device, max_bytes=max_bytes)
-    scores = torch.where(mask, scores, -math.inf)
+    grid[ir.SCORE_VAR] = torch.matmul(q64, k64.transpose(-2, -1)) * scale
+    scores = evaluate(spec.score, grid, tensors or {})
+    if scores.dtype == torch.bool:
+        raise SpecError(f"the score pipeline '{ir.to_text(spec.score)}' is not numeric")
+    mask = _bool(evaluate(spec.mask, grid, tensors or {}), spec.mask)
+    scores = torch.where(mask.expand(shape), scores.to(_FLOAT).expand(shape), -math.inf)
 
     # Softmax by hand so a row without any finite logit gives zeros instead of NaN.
     row_max = scores.amax(dim=-1, keepdim=True)

@@ -27,14 +27,19 @@ import linecache
 import math
 import warnings
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import (BlockMask, create_block_mask, flex_attention,
                                                noop_mask)
 
 from . import ir
+from .backends import (BACKENDS, BackendError, Choice, Explanation, Request, SdpaForm,
+                       attention_flops, choose, flash_installed, sdpa_form)
 from .errors import BindingError, SpecError, did_you_mean
-from .blocks import build_block_mask
+from .blocks import build_block_mask, count_visible
 from .intervals import lookup_ranges
 from .lower import Lowered, lower
 from .reference import MAX_BYTES, dense_mask, evaluate, index_grid, reference_attention
@@ -42,14 +47,18 @@ from .spec import Spec
 from .tensors import (add_leading_dims, builtin_tensor, declared_shape, init_learnable,
                       specialize_ir, tensor_key)
 
-BACKENDS = ("auto", "flex", "reference")
 # How block masks are built: interval analysis refined inside partial tiles (equal to
 # create_block_mask), interval analysis alone, or torch's create_block_mask (S^2 evaluations).
 BLOCK_MASK_MODES = ("exact", "intervals", "dense")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_MASK_CACHE_SIZE = 32
-# On the CPU, sequences this short run on the dense reference (see Attention._choose_backend).
-SHORT_CPU_LENGTH = 64
+PLAN_CACHE_SIZE = 64
+# The kernel options FLASH is asked for with.
+FLASH_OPTIONS = {"BACKEND": "FLASH"}
+# Triton's default backward configuration for a score that reads a tensor requiring gradients
+# needed 233472 bytes of shared memory at D=128 on the H200 (the limit is 232448); one pipeline
+# stage fits. Measured: causal + rel_bias, B4 H16 S8192, bf16, 21 ms forward+backward.
+TABLE_GRAD_OPTIONS = {"num_stages": 1}
 
 
 class CompileLimitError(SpecError):
@@ -76,9 +85,10 @@ _entry_counter = itertools.count(1)
 def _compiled_entry(lowered: Lowered):
     """A compiled ``flex_attention`` call whose code object belongs to this spec alone, so each
     spec has its own dynamo cache and recompile budget."""
-    text = ("def run(q, k, v, score_mod, block_mask, scale, enable_gqa):\n"
+    text = ("def run(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options):\n"
             "    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,\n"
-            "                          scale=scale, enable_gqa=enable_gqa)\n")
+            "                          scale=scale, enable_gqa=enable_gqa,\n"
+            "                          kernel_options=kernel_options)\n")
     filename = f"<flexspec-entry-{next(_entry_counter)}>"
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
     namespace = {"flex_attention": flex_attention}
@@ -86,11 +96,15 @@ def _compiled_entry(lowered: Lowered):
     return torch.compile(namespace["run"], fullgraph=True, dynamic=False)
 
 
-def _run_compiled(lowered: Lowered, *args):
-    entry = _compiled_entry(lowered)
+def _run_compiled(entry, *args):
+    """Run a compiled entry, turning torch's recompile limit into :class:`CompileLimitError`
+    (by default dynamo would silently fall back to an unfused kernel that materialises the
+    scores)."""
+    config = torch._dynamo.config
+    before = config.fail_on_recompile_limit_hit
+    config.fail_on_recompile_limit_hit = True
     try:
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            return entry(*args)
+        return entry(*args)
     except Exception as err:  # dynamo's own exception type moves between torch versions
         if "recompile" in type(err).__name__.lower() or "RecompileLimit" in str(err):
             raise CompileLimitError(
@@ -99,6 +113,8 @@ def _run_compiled(lowered: Lowered, *args):
                 "too many distinct shapes, dtypes or devices. Pad inputs to a few fixed lengths, "
                 "or raise torch._dynamo.config.recompile_limit") from err
         raise
+    finally:
+        config.fail_on_recompile_limit_hit = before
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,14 +206,16 @@ def _unproven_lookups(spec: ir.AttentionIR, sizes: tuple, shapes: tuple) -> tupl
 EXACT_INDEX_CHECK_LIMIT = 1 << 24
 
 
-def _check_lookups(spec: ir.AttentionIR, sizes: dict, values: dict) -> None:
+def _check_lookups(spec: ir.AttentionIR, sizes: dict, values: dict,
+                   unproven: tuple | None = None) -> None:
     """Every index of every lookup must stay inside its tensor, or the kernel reads garbage.
 
     Interval analysis proves most lookups safe once per spec and shape; an index it cannot
     bound is evaluated exactly where that is cheap, else a one-time warning says it is unchecked.
     """
-    shapes = tuple(sorted((key, tuple(value.shape)) for key, value in values.items()))
-    for tensor, dim, index in _unproven_lookups(spec, tuple(sorted(sizes.items())), shapes):
+    if unproven is None:
+        unproven = _unproven_lookups(spec, tuple(sorted(sizes.items())), _shapes_key(values))
+    for tensor, dim, index in unproven:
         size = values[tensor_key(tensor)].shape[dim]
         extent = {"b": sizes["B"], "h": sizes["H"], "q": sizes["Q_LEN"], "kv": sizes["KV_LEN"]}
         used = ir.free_vars(index)
@@ -228,8 +246,13 @@ class Attention:
     def __init__(self, spec: Spec, *, backend: str = "auto", block_size=128,
                  block_masks: str = "exact"):
         if backend not in BACKENDS:
-            raise SpecError(f"unknown backend '{backend}'.{did_you_mean(backend, BACKENDS)} "
-                            f"Backends: {', '.join(BACKENDS)}")
+            raise BackendError(f"unknown backend '{backend}'.{did_you_mean(backend, BACKENDS)} "
+                               f"Backends: {', '.join(BACKENDS)}")
+        if backend == "sdpa" and sdpa_form(spec.ir) is None:
+            raise BackendError(
+                f"backend 'sdpa' cannot run '{spec}': SDPA runs only full attention or top-left "
+                "causal attention, optionally times a positive constant. backend='auto' chooses "
+                "one that can")
         if block_masks not in BLOCK_MASK_MODES:
             raise SpecError(f"unknown block_masks mode '{block_masks}'."
                             f"{did_you_mean(block_masks, BLOCK_MASK_MODES)} Modes: "
@@ -244,6 +267,8 @@ class Attention:
         self.block_size = sizes
         self.block_masks = block_masks
         self._block_masks: collections.OrderedDict = collections.OrderedDict()
+        self._mask_tokens: dict = {}
+        self._plans: collections.OrderedDict = collections.OrderedDict()
         self._learnables: dict = {}
 
     # ---- descriptions
@@ -303,10 +328,21 @@ class Attention:
         return {t.name for t in self.ir.tensors() if t.origin != "builtin"}
 
     # ---- masks
-    def _block_mask(self, spec: ir.AttentionIR, sizes: dict, values: dict, device) -> BlockMask:
+    def _mask_token(self, spec: ir.AttentionIR, sizes: dict, device) -> tuple:
+        """``(token, batch, heads, keys)``: a small int standing for this mask at these sizes
+        (so hot paths never hash the IR), its batch and head extents, and the keys of the
+        tensors it reads."""
         batch, heads, reads = _mask_extent(spec.mask, sizes)
-        identity = tuple((key, _identity(v)) for key, v in sorted(values.items()) if key in reads)
-        key = (spec, batch, heads, sizes["Q_LEN"], sizes["KV_LEN"], str(device), identity)
+        key = (spec.mask, batch, heads, sizes["Q_LEN"], sizes["KV_LEN"], str(device))
+        token = self._mask_tokens.get(key)
+        if token is None:
+            token = self._mask_tokens[key] = len(self._mask_tokens)
+        return token, batch, heads, tuple(sorted(reads))
+
+    def _block_mask(self, spec: ir.AttentionIR, sizes: dict, values: dict, device,
+                    mask: tuple | None = None) -> BlockMask:
+        token, batch, heads, reads = mask or self._mask_token(spec, sizes, device)
+        key = (token,) + tuple(_identity(values[name]) for name in reads)
         cached = self._block_masks.get(key)
         if cached is not None:
             self._block_masks.move_to_end(key)
@@ -382,48 +418,229 @@ class Attention:
         return lower(spec).make_mods(sizes, values)
 
     # ---- attention
-    def reference(self, q, k, v, *, scale=None, **bindings) -> torch.Tensor:
-        """The dense float64 reference result (in q's dtype)."""
+    def reference(self, q, k, v, *, scale=None, rows=None, **bindings) -> torch.Tensor:
+        """The dense float64 reference result (in q's dtype); with ``rows`` (query positions),
+        only those rows of it, to check long sequences at a fraction of the memory."""
         sizes = _check_qkv(q, k, v, allow_float64=True)
         values, spec = self._tensors(sizes, bindings, q.device)
-        return reference_attention(spec, q, k, v, scale=scale, tensors=values)
+        return reference_attention(spec, q, k, v, scale=scale, tensors=values, rows=rows)
 
     def __call__(self, q, k, v, *, scale=None, **bindings) -> torch.Tensor:
         return self._call(q, k, v, scale, bindings, None)
 
-    def _call(self, q, k, v, scale, bindings, learnables):
-        sizes = _check_qkv(q, k, v, allow_float64=self.backend == "reference")
-        values, spec = self._tensors(sizes, bindings, q.device, learnables)
-        backend = self._choose_backend(q, k, v, values)
-        if backend == "reference":
-            return reference_attention(spec, q, k, v, scale=scale, tensors=values)
-        lowered = lower(spec)
-        block_mask = self._block_mask(spec, sizes, values, q.device)
-        # the kernel computes scores in float32: a float64 table would turn them into float64
-        kernel_values = {key: value.float() if value.dtype == torch.float64 else value
-                         for key, value in values.items()}
-        _, score_mod = lowered.make_mods(sizes, kernel_values)
-        enable_gqa = k.shape[1] != q.shape[1]
-        return _run_compiled(lowered, q, k, v, score_mod, block_mask, scale, enable_gqa)
+    def explain(self, q, k, v, *, scale=None, **bindings) -> Explanation:
+        """What a call with these inputs would do: the canonical spec, the visible fraction of
+        the score matrix, the work in FLOPs, the backend chosen and why (and why not the others).
+        Only the shapes, dtypes and devices of ``q``, ``k``, ``v`` matter."""
+        plan = self._plan(q, k, v, scale, bindings, None)
+        values = self._values(plan, bindings)
+        sizes, spec, device = plan.sizes, plan.spec, q.device
+        token, batch, heads, _ = plan.mask
+        visible = count_visible(spec.mask, sizes, self.block_size, values, device,
+                                batch=batch, heads=heads)
+        block_mask = self._block_mask(spec, sizes, values, device, plan.mask)
+        tiles = int(block_mask.kv_num_blocks.sum()) + int(block_mask.full_kv_num_blocks.sum())
+        nq, nk = (-(-sizes["Q_LEN"] // self.block_size[0]), -(-sizes["KV_LEN"] // self.block_size[1]))
+        pairs = visible * (sizes["B"] // batch) * (sizes["H"] // heads)
+        return Explanation(
+            spec=str(self.spec), mask=ir.to_text(spec.mask), score=ir.to_text(spec.score),
+            sizes={**sizes, "KV_HEADS": k.shape[1]}, head_dim=q.shape[-1], dtype=q.dtype,
+            device=str(device),
+            density=visible / (batch * heads * sizes["Q_LEN"] * sizes["KV_LEN"]),
+            tile_density=tiles / (batch * heads * nq * nk), block_size=self.block_size,
+            flops=attention_flops(pairs, q.shape[-1], v.shape[-1], backward=False),
+            grads=plan.request.grads, choice=plan.choice)
 
-    def _choose_backend(self, q, k, v, values) -> str:
-        if self.backend == "reference":
-            return "reference"
-        grads = torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad
-            or any(t.requires_grad for t in values.values()))
-        if grads and q.device.type in ("cpu", "mps"):
-            _warn_once(f"no-backward-{q.device.type}",
-                       f"flexspec: FlexAttention has no backward pass on {q.device.type}; inputs "
-                       "that require gradients run on the dense reference path instead (slower, "
-                       "memory grows with Q_LEN * KV_LEN)")
-            return "reference"
-        if q.device.type == "cpu" and min(q.shape[2], k.shape[2]) <= SHORT_CPU_LENGTH and \
-                math.prod(q.shape[:3]) * k.shape[2] * 8 <= MAX_BYTES:
-            # torch 2.13's compiled CPU kernel returned wrong values (NaN, or differing from run
-            # to run) for sequences of 8 to 40 positions; these sizes are cheap to do densely.
-            return "reference"
-        return "flex"
+    # ---- the call path: a plan per input signature, then a few cheap steps per call
+    def _call(self, q, k, v, scale, bindings, learnables):
+        try:
+            key = (_meta(q), _meta(k), _meta(v), scale, torch.is_grad_enabled(),
+                   tuple((name, _meta(value)) for name, value in bindings.items()),
+                   None if learnables is None else
+                   tuple((name, id(value), _meta(value)) for name, value in learnables.items()))
+            plan = self._plans.get(key)
+        except TypeError:  # an unhashable argument: the checks of _plan say what is wrong
+            key, plan = None, None
+        if plan is None:
+            plan = self._plan(q, k, v, scale, bindings, learnables)
+            if plan.choice.backend == "reference" and plan.request.grads \
+                    and self.backend == "auto":
+                device = q.device.type
+                _warn_once(f"no-backward-{device}",
+                           f"flexspec: FlexAttention has no backward pass on {device}; inputs "
+                           "that require gradients run on the dense reference path instead "
+                           "(slower, memory grows with Q_LEN * KV_LEN)")
+            if key is not None:
+                self._plans[key] = plan
+                if len(self._plans) > PLAN_CACHE_SIZE:
+                    self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return self._run(plan, q, k, v, scale, bindings)
+
+    def _plan(self, q, k, v, scale, bindings, learnables) -> "_Plan":
+        """Check a call's inputs and decide everything that depends only on their shapes,
+        dtypes, devices and binding names: sizes, the specialized IR, the backend, the kernel
+        options, and the tensors that do not change between calls."""
+        sizes = _check_qkv(q, k, v, allow_float64=self.backend == "reference")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(scale)):
+            raise BindingError(f"scale must be a finite number or None, got {scale!r}")
+        scale_value = None if scale is None else float(scale)
+        values, spec = self._tensors(sizes, bindings, q.device, learnables)
+        device = q.device
+        slots = []
+        for tensor in spec.bindings():
+            key = tensor_key(tensor)
+            if tensor.name in bindings:
+                slots.append((tensor.name, key, len(declared_shape(tensor, sizes))))
+        for tensor in spec.tensors():  # a learnable may also be given as a binding
+            if tensor.origin == "learnable" and tensor.name in bindings:
+                slots.append((tensor.name, tensor_key(tensor), len(declared_shape(tensor, sizes))))
+        slot_keys = {key for _, key, _ in slots}
+        grad_on = torch.is_grad_enabled()
+        if not grad_on:  # see _Plan.detach
+            values = {key: value.detach() for key, value in values.items()}
+        fixed = {key: value for key, value in values.items() if key not in slot_keys}
+        score_keys = {tensor_key(t) for t in ir.walk(spec.score) if isinstance(t, ir.Tensor)}
+        table_grads = grad_on and any(values[key].requires_grad for key in score_keys)
+        grads = table_grads or (grad_on and (q.requires_grad or k.requires_grad
+                                             or v.requires_grad))
+        request = Request(
+            device_type=device.type,
+            capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
+            dtype=q.dtype, batch=sizes["B"], heads=sizes["H"], kv_heads=k.shape[1],
+            q_len=sizes["Q_LEN"], kv_len=sizes["KV_LEN"], head_dim=q.shape[-1],
+            v_head_dim=v.shape[-1], grads=grads, table_grads=table_grads,
+            block_size=self.block_size,
+            reference_fits=math.prod(q.shape[:3]) * k.shape[2] * 8 <= MAX_BYTES,
+            flash_installed=device.type == "cuda" and flash_installed())
+        if q.dtype == torch.float64 and self.backend == "reference":
+            choice = Choice("reference", "backend='reference' was asked for")
+        else:
+            choice = choose(self.backend, request, spec)
+        plan = _Plan(sizes=sizes, spec=spec, request=request, choice=choice, fixed=fixed,
+                     slots=tuple(slots), mask=self._mask_token(spec, sizes, device),
+                     unproven=_unproven_lookups(spec, tuple(sorted(sizes.items())),
+                                                _shapes_key(values)),
+                     gqa=k.shape[1] != q.shape[1],
+                     detach=not grad_on)
+        plan.checked = _lookup_identity(plan, values)
+        if choice.backend == "sdpa":
+            plan.sdpa = sdpa_form(spec)
+        if choice.backend in ("flex", "flash"):
+            plan.lowered = lower(spec)
+            plan.entry = _compiled_entry(plan.lowered)
+            if choice.backend == "flash":
+                plan.kernel_options = FLASH_OPTIONS
+            elif table_grads and device.type == "cuda" and q.shape[-1] > 64:
+                plan.kernel_options = TABLE_GRAD_OPTIONS
+            mask_reads_slots = bool(set(plan.mask[3]) & slot_keys)
+            if not mask_reads_slots:
+                plan.mask_varies = False
+                # a mask-free spec needs no block mask on a GPU (faster: 4.35 vs 5.14 ms for
+                # full attention with Triton on the H200); the CPU kernel needs one (see
+                # Attention.block_mask)
+                if spec.mask != ir.Const(True) or device.type != "cuda":
+                    plan.block_mask = self._block_mask(spec, sizes, values, device, plan.mask)
+            float64 = any(values[key].dtype == torch.float64 for key in score_keys)
+            if not (score_keys & slot_keys) and not float64:
+                plan.score_mod = plan.lowered.make_mods(sizes, values)[1]
+                plan.score_varies = False
+        return plan
+
+    def _values(self, plan: "_Plan", bindings: dict) -> dict:
+        """The tensor values of one call: the plan's fixed ones and this call's bindings."""
+        if not plan.slots:
+            return plan.fixed
+        values = dict(plan.fixed)
+        for name, key, ndim in plan.slots:
+            value = bindings[name]
+            value = value if value.dim() == ndim else add_leading_dims(value, ndim)
+            values[key] = value.detach() if plan.detach else value
+        return values
+
+    def _run(self, plan: "_Plan", q, k, v, scale, bindings):
+        values = self._values(plan, bindings)
+        if plan.unproven:
+            identity = _lookup_identity(plan, values)
+            if identity != plan.checked:
+                _check_lookups(plan.spec, plan.sizes, values, plan.unproven)
+                plan.checked = identity
+        backend = plan.choice.backend
+        if backend == "reference":
+            return reference_attention(plan.spec, q, k, v, scale=scale, tensors=values)
+        if backend == "sdpa":
+            base = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=plan.sdpa.causal,
+                                                  scale=base * plan.sdpa.factor,
+                                                  enable_gqa=plan.gqa)
+        block_mask = plan.block_mask if not plan.mask_varies else \
+            self._block_mask(plan.spec, plan.sizes, values, q.device, plan.mask)
+        if plan.score_varies:
+            # the kernel computes scores in float32: a float64 table would turn them into float64
+            kernel_values = {key: value.float() if value.dtype == torch.float64 else value
+                             for key, value in values.items()}
+            score_mod = plan.lowered.make_mods(plan.sizes, kernel_values)[1]
+        else:
+            score_mod = plan.score_mod
+        if plan.detach:
+            q, k, v = q.detach(), k.detach(), v.detach()
+        args = (q, k, v, score_mod, block_mask, scale, plan.gqa, plan.kernel_options)
+        if plan.warm:
+            # dynamo guards depend only on what the plan's key holds, so a warm plan does not
+            # recompile and needs no recompile-limit watch (which costs microseconds per call)
+            return plan.entry(*args)
+        out = _run_compiled(plan.entry, *args)
+        plan.warm = True
+        return out
+
+
+@dataclass(eq=False)
+class _Plan:
+    """Everything about a call that depends only on its shapes, dtypes, devices and the names
+    of its bindings (see :meth:`Attention._plan`)."""
+
+    sizes: dict
+    spec: ir.AttentionIR            # specialized to the bindings' shapes
+    request: Request
+    choice: Choice
+    fixed: dict                     # tensor values that do not change between calls
+    slots: tuple                    # (binding name, tensor key, declared dims) per binding
+    mask: tuple                     # Attention._mask_token(...)
+    unproven: tuple                 # lookups whose indices are checked by value
+    gqa: bool
+    # Under no_grad, run on detached tensors: FlexAttention refuses inputs that require
+    # gradients where it has no backward, and FLASH captured tables that do, even though
+    # nothing is recorded under no_grad
+    detach: bool
+    checked: tuple = ()             # identity of the values whose lookups were last checked
+    sdpa: SdpaForm | None = None
+    lowered: Lowered | None = None
+    entry: object = None
+    kernel_options: dict | None = None
+    mask_varies: bool = True        # the block mask depends on this call's bindings
+    block_mask: BlockMask | None = None
+    score_varies: bool = True       # the score_mod captures this call's bindings
+    score_mod: object = None
+    warm: bool = False              # the compiled entry has run once for this plan
+
+
+def _meta(value) -> tuple:
+    """What dynamo's guards and flexspec's checks see of an argument (not its values)."""
+    if isinstance(value, torch.Tensor):
+        return (value.shape, value.dtype, value.device, value.stride(), value.requires_grad)
+    return (type(value),)
+
+
+def _shapes_key(values: dict) -> tuple:
+    return tuple(sorted((key, tuple(value.shape)) for key, value in values.items()))
+
+
+def _lookup_identity(plan: _Plan, values: dict) -> tuple:
+    if not plan.unproven:
+        return ()
+    return tuple(_identity(values[tensor_key(t)]) for t, _, _ in plan.unproven)
 
 
 def _identity(value: torch.Tensor) -> tuple:
@@ -453,7 +670,8 @@ def _device(device) -> torch.device:
     """A device as tensors report it ("cuda" becomes "cuda:0"), so comparisons are exact."""
     try:
         return torch.empty(0, device=device).device
-    except (RuntimeError, TypeError) as err:
+    except Exception as err:  # RuntimeError, TypeError, or AssertionError from a torch built
+        # without that device
         raise BindingError(f"cannot use device {device!r}: {err}") from None
 
 

@@ -302,6 +302,42 @@ def test_explain_errors(capsys, write, tmp_path):
     assert code == 1 and f"{bad}:1:" in err
 
 
+def test_explain_a_call(capsys):
+    code, out, err = run(capsys, "explain", "causal & window(64)", "--q-len", "1000",
+                         "--heads", "4", "--head-dim", "64", "--dtype", "float32")
+    assert code == 0 and err == ""
+    assert "call:     B=1 H=4 Q_LEN=1000 KV_LEN=1000 D=64 float32 on cpu" in out
+    visible = sum(min(q, 64) + 1 for q in range(1000))
+    assert f"density:  {visible / 1000 ** 2:.2%} of (q, kv) pairs visible" in out
+    assert "backend:  flex: " in out and "not sdpa: SDPA runs only" in out
+
+
+def test_explain_a_call_with_gradients_and_bindings(capsys):
+    code, out, _ = run(capsys, "explain", "causal & doc", "--q-len", "12", "--grad",
+                       "--bind", "doc_ids=0*6,1*6")
+    assert code == 0
+    assert "density:  " + f"{2 * 21 / 144:.2%}" in out  # two causal 6x6 triangles
+    assert "forward+backward" in out and "backend:  reference: " in out
+    assert "demo values" not in out
+    code, out, _ = run(capsys, "explain", "causal & doc", "--q-len", "12")
+    assert "doc_ids: demo value, 3 equal documents" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["causal", "--device", "cuda"], "--device describes a call: give --q-len too"),
+    (["causal", "--grad", "--kv-len", "5"], "--kv-len, --grad describe a call"),
+    (["causal & window(3)", "--q-len", "10", "--backend", "sdpa"],
+     "backend 'sdpa' cannot run 'causal & window(3)'"),
+    (["causal", "--q-len", "100", "--backend", "flash"], "FLASH runs on CUDA GPUs only"),
+    (["causal", "--q-len", "100", "--backend", "flsh"], "Did you mean 'flash'"),
+    (["causal", "--q-len", "0"], "--q-len must be at least 1"),
+    (["causal", "--q-len", "10", "--device", "nodevice"], "cannot use device 'nodevice'"),
+])
+def test_explain_call_errors(capsys, argv, message):
+    code, out, err = run(capsys, "explain", *argv)
+    assert code == 1 and message in err and "Traceback" not in err
+
+
 # ---- render and the picture in show -------------------------------------------------------------
 
 

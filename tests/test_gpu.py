@@ -1,5 +1,6 @@
 """GPU tests (marked ``gpu``; skipped without CUDA): outputs and gradients of compiled specs
-against the dense float64 reference, on the Triton template, forward and backward.
+against the dense float64 reference, forward and backward, on every backend: the Triton
+template, FLASH (FlashAttention-4, where ``flash_attn.cute`` is installed) and SDPA.
 
 Run on the lent H200 with ``python -m pytest -m gpu tests/test_gpu.py -q``.
 """
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import flexspec
+from flexspec.backends import flash_installed
 
 pytestmark = pytest.mark.gpu
 
@@ -89,16 +91,19 @@ def test_backward_matches_reference(text):
         assert _relative_error(g, w) < 5e-3
 
 
-@pytest.mark.parametrize("text", ["causal + rel_bias", "causal + t5_bias",
-                                  "sliding_window(64) + rel_bias"])
-def test_learnable_tables_get_reference_gradients(text):
+@pytest.mark.parametrize("text, dim", [("causal + rel_bias", 32), ("causal + t5_bias", 32),
+                                       ("sliding_window(64) + rel_bias", 32),
+                                       # Triton's default backward configuration ran out of
+                                       # shared memory here; flexspec asks for one stage
+                                       ("causal + rel_bias", 128)])
+def test_learnable_tables_get_reference_gradients(text, dim):
     torch.manual_seed(0)
     heads = 4
     module = flexspec.SpecAttention(text, num_heads=heads, device="cuda")
     with torch.no_grad():
         for table in module.tables.values():
             table.normal_(0, 0.5)
-    q, k, v = (torch.randn(2, heads, 500, 32, device="cuda") for _ in range(3))
+    q, k, v = (torch.randn(2, heads, 500, dim, device="cuda") for _ in range(3))
     out = module(q, k, v)
     grad = torch.randn_like(out)
     (out * grad).sum().backward()
@@ -143,3 +148,78 @@ def test_per_batch_block_masks_on_gpu():
     assert block_mask.kv_num_blocks.shape[0] == 2
     dense = block_mask.to_dense()
     assert not torch.equal(dense[0], dense[1])
+
+
+# ---- backends -----------------------------------------------------------------------------------
+
+BACKEND_SPECS = ["causal", "full", "sliding_window(100) + alibi", "causal & doc",
+                 "causal + softcap(20)", "causal & window(50) + rel_bias", "prefix_lm(77)"]
+
+
+def _needs(backend):
+    if backend == "flash" and not flash_installed():
+        pytest.skip("needs FlashAttention-4 (flash_attn.cute)")
+
+
+def _check_forward_and_backward(attn, q_len, kv_len, dim, heads=8, kv_heads=2,
+                                dtype=torch.bfloat16):
+    device = "cuda"
+    q = torch.randn(2, heads, q_len, dim, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, kv_len, dim, device=device, dtype=dtype,
+                        requires_grad=True) for _ in range(2))
+    bindings = _bindings(attn, 2, heads, q_len, kv_len, device)
+    out = attn(q, k, v, **bindings)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attn.reference(q64, k64, v64, **bindings)
+    want = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
+    assert _relative_error(out, ref) < TOLERANCE[dtype]
+    for name, g, w in zip("qkv", got, want):
+        assert _relative_error(g, w) < 3e-2, name
+
+
+@pytest.mark.parametrize("backend", ["flex", "flash"])
+@pytest.mark.parametrize("text", BACKEND_SPECS)
+def test_backend_matches_reference_forward_and_backward(backend, text):
+    _needs(backend)
+    attn = flexspec.compile(text, backend=backend)
+    # lengths not multiples of 128, Q_LEN != KV_LEN (but equal for the document mask), GQA
+    q_len = 1000 if "doc" in text else 700
+    _check_forward_and_backward(attn, q_len, 1000, dim=128)
+
+
+@pytest.mark.parametrize("text", ["causal", "full", "causal + scale(0.5)"])
+def test_sdpa_backend_matches_reference_forward_and_backward(text):
+    attn = flexspec.compile(text, backend="sdpa")
+    length = 1000
+    _check_forward_and_backward(attn, length, length, dim=64)
+
+
+def test_flash_runs_head_dim_64():
+    _needs("flash")
+    _check_forward_and_backward(flexspec.compile("causal & window(30)", backend="flash"),
+                                500, 500, dim=64)
+
+
+def test_auto_chooses_by_size_on_the_gpu():
+    attn = flexspec.compile("causal & window(1024)")
+    big = [torch.empty(4, 16, 8192, 128, device="cuda", dtype=torch.bfloat16)] * 3
+    small = [torch.empty(1, 4, 1024, 128, device="cuda", dtype=torch.bfloat16)] * 3
+    expected = "flash" if flash_installed() else "flex"
+    assert attn.explain(*big).choice.backend == expected
+    assert attn.explain(*small).choice.backend == "flex"
+    causal = flexspec.compile("causal")
+    assert causal.explain(*small).choice.backend == "sdpa"
+    assert causal.explain(*big).choice.backend == ("flash" if flash_installed() else "sdpa")
+
+
+def test_flash_refuses_a_learnable_table_that_requires_gradients():
+    _needs("flash")
+    module = flexspec.SpecAttention("causal + rel_bias", num_heads=4, device="cuda",
+                                    backend="flash")
+    q = torch.randn(1, 4, 256, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(flexspec.SpecError, match="gradients of tensors the score reads"):
+        module(q, q, q)
+    with torch.no_grad():  # nothing to differentiate: FLASH runs
+        assert torch.isfinite(module(q, q, q)).all()

@@ -19,6 +19,7 @@ from torch.nn.attention.flex_attention import create_mask, flex_attention, noop_
 
 import flexspec
 from flexspec import ir, runtime
+from flexspec.blocks import count_visible
 from flexspec.checker import Checker
 from flexspec.reference import dense_mask, dense_scores
 from flexspec.simplify import simplify
@@ -187,6 +188,30 @@ def test_lowered_score_matches_the_reference(case, seed):
 @given(cases(**ALL_KINDS))
 def test_block_mask_covers_the_reference_mask(case):
     check_block_mask(case)
+
+
+@FAST
+@given(cases(max_len=120, **ALL_KINDS), st.data())
+def test_reference_rows_are_rows_of_the_reference(case, data):
+    attn = case.attention(backend="reference")
+    q, k, v = case.shape.qkv(seed=0)
+    rows = data.draw(st.lists(st.integers(0, case.shape.Q_LEN - 1), min_size=1, max_size=6))
+    whole = attn.reference(q, k, v, **case.bindings)
+    torch.testing.assert_close(attn.reference(q, k, v, rows=torch.tensor(rows), **case.bindings),
+                               whole[:, :, rows], atol=1e-6, rtol=1e-6)
+
+
+@FAST
+@given(cases(**ALL_KINDS), st.sampled_from([(16, 16), (32, 64), (128, 128)]))
+def test_counted_visible_pairs_equal_the_reference_mask(case, block):
+    attn = case.attention(block_size=block)
+    sizes = case.shape.sizes
+    values, spec = attn._tensors(sizes, case.bindings, torch.device("cpu"), mask_only=True)
+    batch, heads, _ = runtime._mask_extent(spec.mask, sizes)
+    counted = count_visible(spec.mask, sizes, block, values, "cpu", batch=batch, heads=heads)
+    dense = attn.dense_mask(case.shape.Q_LEN, case.shape.KV_LEN, batch=case.shape.B,
+                            heads=case.shape.Hq, **case.bindings)
+    assert counted == int(dense.sum())
 
 
 @pytest.mark.parametrize("name", [p.name for p in flexspec.patterns()])
