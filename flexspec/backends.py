@@ -80,6 +80,7 @@ class Request:
     block_size: tuple = (128, 128)
     reference_fits: bool = True      # the dense reference fits its memory budget
     flash_installed: bool = False
+    flash_failed: str | None = None  # FLASH failed to compile this spec before (the error)
 
     @property
     def dense_flops(self) -> float:
@@ -208,6 +209,8 @@ def why_not(backend: str, request: Request, spec: ir.AttentionIR) -> str | None:
                     "table requires gradients)")
         if any(size % 128 for size in request.block_size):
             return f"FLASH needs block sizes that are multiples of 128, got {request.block_size}"
+        if request.flash_failed is not None:
+            return f"FLASH failed to compile this spec: {request.flash_failed}"
         return None
     if backend == "flex":
         if request.grads and device in ("cpu", "mps"):

@@ -27,6 +27,7 @@ import linecache
 import math
 import warnings
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -515,6 +516,9 @@ class Attention:
             block_size=self.block_size,
             reference_fits=math.prod(q.shape[:3]) * k.shape[2] * 8 <= MAX_BYTES,
             flash_installed=device.type == "cuda" and flash_installed())
+        failed = _FLASH_FAILED.get(lower(spec))
+        if failed is not None:
+            request = dataclasses.replace(request, flash_failed=failed)
         if q.dtype == torch.float64 and self.backend == "reference":
             choice = Choice("reference", "backend='reference' was asked for")
         else:
@@ -591,9 +595,37 @@ class Attention:
             # dynamo guards depend only on what the plan's key holds, so a warm plan does not
             # recompile and needs no recompile-limit watch (which costs microseconds per call)
             return plan.entry(*args)
-        out = _run_compiled(plan.entry, *args)
+        try:
+            out = _run_compiled(plan.entry, *args)
+        except CompileLimitError:
+            raise
+        except Exception as err:  # noqa: BLE001 - inductor's errors have no stable type
+            if plan.choice.backend != "flash":
+                raise
+            return self._flash_failed(plan, err, q, k, v, scale, bindings)
         plan.warm = True
         return out
+
+    def _flash_failed(self, plan: "_Plan", err: Exception, q, k, v, scale, bindings):
+        """FLASH could not compile this spec (CuTeDSL supports fewer score functions than
+        Triton; a clamped table lookup failed on the H200). Asked for explicitly, that is an
+        error; under ``auto`` the plan switches to the Triton kernel, and later plans of this
+        spec skip FLASH (``explain`` says why)."""
+        summary = _first_line(err)
+        _FLASH_FAILED[plan.lowered] = summary
+        if self.backend == "flash":
+            raise BackendError(f"backend 'flash' could not compile this spec: {summary}. "
+                               "backend='auto' falls back to the Triton kernel") from err
+        _warn_once(f"flash-failed-{id(plan.lowered)}",
+                   f"flexspec: FLASH could not compile '{self.spec}' ({summary}); running it "
+                   "with FlexAttention's Triton kernel instead")
+        rejected = tuple((name, reason) for name, reason in plan.choice.rejected
+                         if name != "flex") + (("flash", f"failed to compile: {summary}"),)
+        plan.choice = Choice("flex", "FlexAttention runs every spec (FLASH could not compile "
+                                     "this one)", rejected)
+        plan.kernel_options = TABLE_GRAD_OPTIONS if plan.request.table_grads and \
+            q.shape[-1] > 64 else None
+        return self._run(plan, q, k, v, scale, bindings)
 
 
 @dataclass(eq=False)
@@ -624,6 +656,16 @@ class _Plan:
     score_varies: bool = True       # the score_mod captures this call's bindings
     score_mod: object = None
     warm: bool = False              # the compiled entry has run once for this plan
+
+
+# Lowered specs FLASH failed to compile, with the first line of the error.
+_FLASH_FAILED: dict = {}
+
+
+def _first_line(err: Exception) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip().strip("=")]
+    text = lines[0] if lines else type(err).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _meta(value) -> tuple:
