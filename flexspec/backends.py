@@ -77,6 +77,7 @@ class Request:
     v_head_dim: int
     grads: bool                      # q, k, v or a captured tensor require gradients
     table_grads: bool                # a tensor the score reads requires gradients
+    score_tensors: bool = False      # the score reads a tensor (alibi slopes, a bias table)
     block_size: tuple = (128, 128)
     reference_fits: bool = True      # the dense reference fits its memory budget
     flash_installed: bool = False
@@ -207,6 +208,10 @@ def why_not(backend: str, request: Request, spec: ir.AttentionIR) -> str | None:
         if request.table_grads:
             return ("FLASH cannot compute gradients of tensors the score reads (a learnable "
                     "table requires gradients)")
+        if request.grads and request.score_tensors:
+            return ("FLASH's backward gave NaN gradients for a score that reads a tensor "
+                    "(sliding_window + alibi on the H200, FA4 4.0.0b36), so flexspec runs such "
+                    "backward passes elsewhere")
         if any(size % 128 for size in request.block_size):
             return f"FLASH needs block sizes that are multiples of 128, got {request.block_size}"
         if request.flash_failed is not None:

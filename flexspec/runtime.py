@@ -321,7 +321,7 @@ class Attention:
                     self._learnables[cache_key] = init_learnable(tensor, sizes, device)
                 values[key] = self._learnables[cache_key]
         shapes = {key: tuple(value.shape) for key, value in values.items()}
-        specialized = specialize_ir(spec, shapes)
+        specialized = specialize_ir(spec, shapes, sizes)
         _check_lookups(specialized, sizes, values)
         return values, specialized
 
@@ -513,6 +513,7 @@ class Attention:
             dtype=q.dtype, batch=sizes["B"], heads=sizes["H"], kv_heads=k.shape[1],
             q_len=sizes["Q_LEN"], kv_len=sizes["KV_LEN"], head_dim=q.shape[-1],
             v_head_dim=v.shape[-1], grads=grads, table_grads=table_grads,
+            score_tensors=bool(score_keys),
             block_size=self.block_size,
             reference_fits=math.prod(q.shape[:3]) * k.shape[2] * 8 <= MAX_BYTES,
             flash_installed=device.type == "cuda" and flash_installed())
@@ -663,8 +664,11 @@ _FLASH_FAILED: dict = {}
 
 
 def _first_line(err: Exception) -> str:
+    """The gist of a compile error: its first lines that say something (inductor's start with
+    "backend='inductor' raised:" and a banner)."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip().strip("=")]
-    text = lines[0] if lines else type(err).__name__
+    lines = [line for line in lines if not line.endswith("raised:")]
+    text = " ".join(lines[:2]) if lines else type(err).__name__
     return text if len(text) <= 200 else text[:197] + "..."
 
 

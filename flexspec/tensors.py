@@ -129,17 +129,23 @@ def add_leading_dims(value: torch.Tensor, ndim: int) -> torch.Tensor:
     return value.reshape((1,) * (ndim - value.dim()) + tuple(value.shape))
 
 
-def specialize(expr: ir.Expr, shapes: dict) -> ir.Expr:
-    """``expr`` with each index into a size-1 dimension of a tensor replaced by ``Const(0)``.
+def specialize(expr: ir.Expr, shapes: dict, sizes: dict | None = None) -> ir.Expr:
+    """``expr`` with each index into a broadcast size-1 dimension of a tensor replaced by
+    ``Const(0)``.
 
     ``shapes`` maps :func:`tensor_key` to the actual shape of each tensor. A shape with fewer
     dimensions than the lookup has indices counts as having leading size-1 dimensions (the
     runtime prepends them, see :func:`add_leading_dims`). Tensors missing from ``shapes`` are
-    left alone.
+    left alone. With ``sizes``, a dimension whose declared size is 1 too (``B`` when the batch
+    is 1) is not a broadcast and keeps its index: FLASH (CuTeDSL) failed to compile a lookup at
+    a constant index where the same lookup at ``b`` compiled.
 
     >>> doc = ir.Tensor("doc_ids", (ir.Var("B"), ir.Var("KV_LEN")), dtype="int")
-    >>> ir.to_text(specialize(ir.Lookup(doc, (ir.Var("b"), ir.Var("kv"))), {"doc_ids": (1, 64)}))
+    >>> lookup = ir.Lookup(doc, (ir.Var("b"), ir.Var("kv")))
+    >>> ir.to_text(specialize(lookup, {"doc_ids": (1, 64)}))
     'doc_ids[0, kv]'
+    >>> ir.to_text(specialize(lookup, {"doc_ids": (1, 64)}, {"B": 1, "KV_LEN": 64}))
+    'doc_ids[b, kv]'
     """
     def rewrite(node: ir.Expr) -> ir.Expr:
         if not (isinstance(node, ir.Lookup) and isinstance(node.tensor, ir.Tensor)):
@@ -148,15 +154,20 @@ def specialize(expr: ir.Expr, shapes: dict) -> ir.Expr:
         if shape is None:
             return node
         shape = (1,) * (len(node.index) - len(shape)) + tuple(shape)
-        index = tuple(ir.Const(0) if size == 1 else i for i, size in zip(node.index, shape))
+        declared = (None,) * len(shape)
+        if sizes is not None and len(node.tensor.shape) == len(shape):
+            declared = tuple(declared_shape(node.tensor, sizes))
+        index = tuple(ir.Const(0) if size == 1 and want != 1 else i
+                      for i, size, want in zip(node.index, shape, declared))
         return ir.Lookup(node.tensor, index) if index != node.index else node
     return ir.transform(expr, rewrite)
 
 
-def specialize_ir(spec: ir.AttentionIR, shapes: dict) -> ir.AttentionIR:
+def specialize_ir(spec: ir.AttentionIR, shapes: dict,
+                  sizes: dict | None = None) -> ir.AttentionIR:
     """:func:`specialize` applied to both halves of an :class:`~flexspec.ir.AttentionIR`."""
-    return ir.AttentionIR(specialize(spec.mask, shapes), specialize(spec.score, shapes),
-                          spec.notes)
+    return ir.AttentionIR(specialize(spec.mask, shapes, sizes),
+                          specialize(spec.score, shapes, sizes), spec.notes)
 
 
 def prepare(spec: ir.AttentionIR, sizes: dict, bindings: dict, device="cpu",

@@ -117,6 +117,15 @@ def test_gradients_on_a_gpu_keep_flash():
     assert choose("auto", dataclasses.replace(H200, grads=True), ir("causal")).backend == "flash"
 
 
+def test_flash_backward_is_not_used_for_scores_that_read_tensors():
+    # FLASH's backward gave NaN gradients for sliding_window + alibi on the H200
+    request = dataclasses.replace(H200, grads=True, score_tensors=True)
+    choice = choose("auto", request, ir("causal + alibi"))
+    assert choice.backend == "flex" and "NaN gradients" in dict(choice.rejected)["flash"]
+    forward = dataclasses.replace(H200, score_tensors=True)
+    assert choose("auto", forward, ir("causal + alibi")).backend == "flash"
+
+
 # ---- auto on the CPU and elsewhere -------------------------------------------------------------
 
 
