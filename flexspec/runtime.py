@@ -1,21 +1,25 @@
 """The runtime: ``flexspec.compile`` and the :class:`Attention` it returns.
 
-An :class:`Attention` turns a checked spec into attention on real tensors. Per call it checks the
-inputs and bindings (clear errors naming the binding and its expected shape), specializes the IR
-to the bindings' shapes (a ``doc_ids`` of shape ``[KV_LEN]`` gives a mask without ``b``), takes the
-lowered FlexAttention functions (interned by IR, so equal specs share function objects and a
-compiled kernel), fetches or builds the block mask (a bounded LRU cache keyed by shapes, device and
-binding identity and version) and runs the backend:
+An :class:`Attention` turns a checked spec into attention on real tensors. The first call with a
+new input signature (shapes, dtypes, devices, strides, ``requires_grad``, grad mode, scale and
+binding names) builds a *plan* (:meth:`Attention._plan`): it checks the inputs and bindings (clear
+errors naming the binding and its expected shape), specializes the IR to the bindings' shapes (a
+``doc_ids`` of shape ``[KV_LEN]`` gives a mask without ``b``), proves tensor lookups in range,
+chooses the backend (:mod:`flexspec.backends`), and keeps what does not change between calls:
+the lowered FlexAttention functions (interned by IR, so equal specs share a compiled kernel), the
+compiled entry point, kernel options, and the block mask and ``score_mod`` when they read no
+binding. Later calls with that signature only gather their bindings, fetch the block mask (a
+bounded LRU cache keyed by binding identity and version) and launch:
 
-* ``flex``: ``torch.compile(flex_attention)``; on the GPU the Triton template (forward and
-  backward), on the CPU the C++ template (inference). Each lowered spec gets its own compiled entry
-  point, so many specs never share one recompile budget; if torch's limit is still hit, the call
-  raises :class:`CompileLimitError` instead of silently falling back to an unfused kernel;
+* ``flex`` and ``flash``: ``torch.compile(flex_attention)``, the latter with FLASH kernel
+  options. Each lowered spec gets its own compiled entry point, so many specs never share one
+  recompile budget; if torch's limit is still hit, the call raises :class:`CompileLimitError`
+  instead of silently falling back to an unfused kernel. If FLASH fails to compile a spec under
+  ``auto``, the plan falls back to the Triton template (one warning) and the failure is
+  remembered;
+* ``sdpa``: ``scaled_dot_product_attention`` with ``is_causal`` and the scale times the spec's
+  constant factor;
 * ``reference``: the dense float64 semantics of :mod:`flexspec.reference`.
-
-FlexAttention has no backward on the CPU (or MPS): a call there with inputs that require gradients
-takes the reference path, with a one-time warning. Very short sequences on the CPU take it too,
-because torch 2.13's compiled CPU kernel gave wrong results for them.
 """
 
 from __future__ import annotations

@@ -319,3 +319,45 @@ def test_inputs_requiring_gradients_under_no_grad_run_the_kernel():
         assert attn.explain(q, k, v).choice.backend == "flex"
         out = attn(q, k, v)
     torch.testing.assert_close(out, attn.reference(q, k, v).detach(), atol=2e-5, rtol=1e-5)
+
+
+def test_auto_falls_back_to_flex_when_flash_cannot_compile(monkeypatch):
+    """Simulated on the CPU: the plan is told to take FLASH, and its compile fails the way
+    CuTeDSL's did on the H200 for a clamped lookup."""
+    from flexspec import runtime
+    from flexspec.backends import Choice
+    from flexspec.lower import lower
+
+    monkeypatch.setattr(runtime, "_FLASH_FAILED", {})
+    monkeypatch.setattr(runtime, "choose", lambda backend, request, spec: Choice("flash", "test"))
+    real = runtime._run_compiled
+
+    def compile_or_fail(entry, *args):
+        if args[-1] == runtime.FLASH_OPTIONS:
+            raise RuntimeError("backend='inductor' raised:\n=====\nCuteDSL template failed: "
+                               "UNSUPPORTED CUTEDSL OPERATION: 'maximum'\nmore")
+        return real(entry, *args)
+
+    monkeypatch.setattr(runtime, "_run_compiled", compile_or_fail)
+    attn = flexspec.compile("causal & window(8)")
+    q, k, v = Shape(1, 2, 2, 100, 100, 8).qkv(seed=0)
+    with pytest.warns(UserWarning, match="FLASH could not compile 'causal & window\\(8\\)' "
+                                         "\\(CuteDSL template failed"):
+        out = attn(q, k, v)
+    torch.testing.assert_close(out, attn.reference(q, k, v), atol=2e-5, rtol=1e-5)
+    plan = next(iter(attn._plans.values()))
+    assert plan.choice.backend == "flex" and "failed to compile" in dict(plan.choice.rejected)["flash"]
+    assert "'maximum'" in runtime._FLASH_FAILED[lower(plan.spec)]
+    # asked for explicitly, the same failure is an error that says so
+    explicit = flexspec.compile("causal & window(9)", backend="flash")
+    with pytest.raises(BackendError, match="backend 'flash' could not compile this spec: "
+                                           "CuteDSL template failed"):
+        explicit(q, k, v)
+
+
+def test_a_remembered_flash_failure_is_a_reason():
+    request = dataclasses.replace(H200, flash_failed="CuteDSL template failed: 'maximum'")
+    choice = choose("auto", request, ir("causal & window(8)"))
+    assert choice.backend == "flex"
+    assert dict(choice.rejected)["flash"] == ("FLASH failed to compile this spec: CuteDSL "
+                                              "template failed: 'maximum'")
