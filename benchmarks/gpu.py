@@ -166,8 +166,10 @@ def suite(args, device) -> list[dict]:
                                    generator=generator) for _ in range(3))
             attn = flexspec.compile(text)
             explanation = attn.explain(q, k, v, **bindings)
+            sample = torch.Generator().manual_seed(2)
             check = torch.cat([torch.arange(CHECK_ROWS // 2),
-                               torch.randint(0, length, (CHECK_ROWS // 2,), generator=torch.Generator().manual_seed(2))]).to(device)
+                               torch.randint(0, length, (CHECK_ROWS // 2,), generator=sample)])
+            check = check.to(device)
             reference = attn.reference(q[:1], k[:1], v[:1], rows=check,
                                        **_first(bindings))
             candidates = {"flexspec": lambda q, k, v: attn(q, k, v, **bindings)}
@@ -248,7 +250,8 @@ def overhead(device, calls: int = 2000) -> str:
     """Microseconds per call of flexspec (backend 'flex') against a hand-written call of the
     compiled flex_attention with a prebuilt block mask, on tiny shapes where the Python path,
     not the kernel, sets the pace."""
-    lines = ["| spec | hand-written us/call | flexspec us/call | overhead us |", "|---|---|---|---|"]
+    lines = ["| spec | hand-written us/call | flexspec us/call | overhead us |",
+             "|---|---|---|---|"]
     length = 256
     for text in ("sliding_window(1024)", "causal + alibi", "causal & doc"):
         torch._dynamo.reset()

@@ -10,9 +10,12 @@ full blocks that ``create_block_mask`` finds, at a cost that grows with the numb
 tiles rather than with Q_LEN * KV_LEN. Like ``create_block_mask``, a tile that runs past the end
 of the sequence is never FULL (its padding counts as masked).
 
-Tensor lookups (``doc_ids[b, q]``) are bounded by the tensor's minimum and maximum over the
-tile's index range: computed per block in one pass when the index is ``q`` or ``kv`` itself, and
-with a sparse table (range-minimum queries) for other index expressions.
+Large grids are classified coarse to fine (super-tiles first, then the tiles inside the
+partial ones). Tensor lookups (``doc_ids[b, q]``) are bounded by the tensor's minimum and maximum
+over the tile's index range: computed per block in one pass when the index is ``q`` or ``kv``
+itself, and with a sparse table (range-minimum queries) for other index expressions. The
+BlockMask index tables list each row's blocks exactly as ``create_block_mask`` does; what follows
+them in a row (never read) is left unsorted (see :func:`ordered`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,13 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 TILES_PER_CHUNK = 1 << 22
 # Cells evaluated per step when refining partial tiles.
 CELLS_PER_CHUNK = 1 << 23
+# Tile grids larger than this are classified coarse to fine (see classify), with super-tiles
+# making a grid of about COARSE_SIDE x COARSE_SIDE.
+HIERARCHY_TILES = 1 << 20
+COARSE_SIDE = 256
+# Above this many True entries per row on average, ordered() lays rows out from their first
+# True column (one pass) instead of writing each True entry (nonzero).
+RUN_PATH_DENSITY = 16
 # Side of the sub-tiles whose intervals decide most partial tiles before any cell is evaluated.
 SUBTILE = 16
 # Rows per tile evaluated in the second search for one visible and one hidden pair.
@@ -199,7 +209,40 @@ def classify(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, device, *,
              batch: int, heads: int) -> torch.Tensor:
     """Tile classes (EMPTY, PARTIAL, FULL as int8) of shape ``[batch, heads, NQ, NK]`` from the
     interval analysis alone (sound, not exact). ``batch``/``heads`` are 1 unless the mask reads
-    ``b``/``h``."""
+    ``b``/``h``.
+
+    A grid of more than :data:`HIERARCHY_TILES` tiles is classified coarse to fine: super-tiles
+    of ``factor x factor`` tiles first (a grid of about :data:`COARSE_SIDE` squared), then only
+    the tiles inside PARTIAL super-tiles. A FULL or EMPTY super-tile makes all its tiles so
+    (soundness carries over: a tile's index ranges lie inside its super-tile's). At S = 1M
+    (8192 x 8192 tiles) a causal mask then classifies 256 super-tiles' worth of tiles, not 67M.
+    """
+    nq = -(-sizes["Q_LEN"] // block[0])
+    nk = -(-sizes["KV_LEN"] // block[1])
+    if nq * nk <= HIERARCHY_TILES:
+        return _classify_grid(mask, sizes, block, tensors, device, batch=batch, heads=heads)
+    factor = -(-max(nq, nk) // COARSE_SIDE)
+    coarse = _classify_grid(mask, sizes, (block[0] * factor, block[1] * factor), tensors,
+                            device, batch=batch, heads=heads)
+    cq, ck = coarse.shape[-2:]
+    fine = coarse.reshape(batch, heads, cq, 1, ck, 1) \
+        .expand(batch, heads, cq, factor, ck, factor).contiguous()
+    by_super_tile = fine.permute(0, 1, 2, 4, 3, 5)  # a view: [b, h, cq, ck, factor, factor]
+    coords = (coarse == PARTIAL).nonzero()
+    per_chunk = max(1, TILES_PER_CHUNK // factor ** 2)
+    for start in range(0, coords.shape[0], per_chunk):
+        part = coords[start:start + per_chunk]
+        must, may, _ = _tiles_inside(part, (factor, factor), block, mask, sizes, tensors, device)
+        classes = torch.full(must.shape, PARTIAL, dtype=torch.int8, device=device)
+        classes[must] = FULL
+        classes[~may] = EMPTY
+        by_super_tile[part[:, 0], part[:, 1], part[:, 2], part[:, 3]] = classes
+    return fine.reshape(batch, heads, cq * factor, ck * factor)[:, :, :nq, :nk].contiguous()
+
+
+def _classify_grid(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, device, *,
+                   batch: int, heads: int) -> torch.Tensor:
+    """:func:`classify` over the whole tile grid at once (in chunks of rows)."""
     q_block, kv_block = block
     q_lo, q_hi = _tile_ranges(sizes["Q_LEN"], q_block, device)
     kv_lo, kv_hi = _tile_ranges(sizes["KV_LEN"], kv_block, device)
@@ -248,6 +291,29 @@ def _ragged(sizes: dict, block: tuple, device):
     return q_ragged.reshape(1, 1, nq, 1) | kv_ragged.reshape(1, 1, 1, nk)
 
 
+def _tiles_inside(coords: torch.Tensor, factors: tuple, block: tuple, mask: ir.Expr,
+                  sizes: dict, tensors: dict, device) -> tuple:
+    """Interval bounds of the ``block``-sized tiles inside coarse tiles: ``coords`` rows are
+    (b, h, coarse q, coarse kv), each coarse tile holding ``factors`` = (fq, fk) tiles. Returns
+    bool ``(must, may, valid)`` of shape ``[len(coords), fq, fk]``; ``valid`` marks the tiles
+    that start inside the sequence (the others are padding of the last coarse tile)."""
+    (fq, fk), (q_block, kv_block) = factors, block
+    b, h, qi, ki = (coords[:, i].reshape(-1, 1, 1) for i in range(4))
+    q_tiles = qi * fq + torch.arange(fq, device=device).reshape(1, fq, 1)
+    kv_tiles = ki * fk + torch.arange(fk, device=device).reshape(1, 1, fk)
+    q_lo, kv_lo = (q_tiles * q_block).double(), (kv_tiles * kv_block).double()
+    q_hi = torch.clamp(q_lo + q_block - 1, max=sizes["Q_LEN"] - 1)
+    kv_hi = torch.clamp(kv_lo + kv_block - 1, max=sizes["KV_LEN"] - 1)
+    ranges = {"b": (b.double(), b.double()), "h": (h.double(), h.double()),
+              "q": (q_lo, q_hi), "kv": (kv_lo, kv_hi)}
+    ranges.update((name, (float(sizes[name]), float(sizes[name]))) for name in ir.SIZE_VARS)
+    lookups = _Lookups(tensors, block, {"q": q_tiles, "kv": kv_tiles})
+    must, may = Analyzer(TorchOps(device, lookups), ranges).boolean(mask)
+    shape = (coords.shape[0], fq, fk)
+    valid = (q_lo < sizes["Q_LEN"]) & (kv_lo < sizes["KV_LEN"])
+    return must.expand(shape) & valid, may.expand(shape) & valid, valid.expand(shape)
+
+
 def _subtile_classes(coords: torch.Tensor, mask: ir.Expr, sizes: dict, block: tuple,
                      tensors: dict, device) -> torch.Tensor:
     """Decide PARTIAL tiles from their sub-tiles' intervals where possible: a tile with one FULL
@@ -256,22 +322,11 @@ def _subtile_classes(coords: torch.Tensor, mask: ir.Expr, sizes: dict, block: tu
     where the sub-tiles do not decide."""
     (q_block, kv_block), sub = block, SUBTILE
     nsq, nsk = q_block // sub, kv_block // sub
-    b, h, qi, ki = (coords[:, i].reshape(-1, 1, 1) for i in range(4))
-    q_tiles = qi * nsq + torch.arange(nsq, device=device).reshape(1, nsq, 1)
-    kv_tiles = ki * nsk + torch.arange(nsk, device=device).reshape(1, 1, nsk)
-    q_lo, kv_lo = (q_tiles * sub).double(), (kv_tiles * sub).double()
-    q_hi = torch.clamp(q_lo + sub - 1, max=sizes["Q_LEN"] - 1)
-    kv_hi = torch.clamp(kv_lo + sub - 1, max=sizes["KV_LEN"] - 1)
-    ranges = {"b": (b.double(), b.double()), "h": (h.double(), h.double()),
-              "q": (q_lo, q_hi), "kv": (kv_lo, kv_hi)}
-    ranges.update((name, (float(sizes[name]), float(sizes[name]))) for name in ir.SIZE_VARS)
-    lookups = _Lookups(tensors, (sub, sub), {"q": q_tiles, "kv": kv_tiles})
-    must, may = Analyzer(TorchOps(device, lookups), ranges).boolean(mask)
-    shape = (coords.shape[0], nsq, nsk)
-    valid = (q_lo < sizes["Q_LEN"]) & (kv_lo < sizes["KV_LEN"])
-    must, may = must.expand(shape) & valid, may.expand(shape) & valid
-    full_tile = (q_tiles[:, -1:, :] * sub + sub <= sizes["Q_LEN"]).reshape(-1) & \
-        (kv_tiles[:, :, -1:] * sub + sub <= sizes["KV_LEN"]).reshape(-1)
+    must, may, valid = _tiles_inside(coords, (nsq, nsk), (sub, sub), mask, sizes, tensors,
+                                     device)
+    q_end = (coords[:, 2] + 1) * q_block
+    kv_end = (coords[:, 3] + 1) * kv_block
+    full_tile = (q_end <= sizes["Q_LEN"]) & (kv_end <= sizes["KV_LEN"])
     has_true = must.flatten(1).any(1)
     has_false = (~may & valid).flatten(1).any(1) | ~full_tile
     result = torch.full((coords.shape[0],), -1, dtype=torch.int8, device=device)
@@ -348,27 +403,55 @@ def _count_cells(coords: torch.Tensor, rows: torch.Tensor, mask: ir.Expr, sizes:
 
 
 def ordered(dense: torch.Tensor):
-    """``(count, indices)`` per row of a bool matrix: the True columns first, then the others,
-    each in increasing order (what a stable descending argsort gives), in O(n) without a sort."""
-    dense = dense.to(torch.int32)
+    """``(count, indices)`` per row of a bool matrix: ``count`` True entries, whose columns come
+    first in ``indices``, in increasing order. The entries after them are other valid column
+    numbers in no promised order: FlexAttention (kernels, ``to_dense``) reads only the first
+    ``count`` of each row, and leaving them unsorted saves a sort or a full permutation over all
+    NQ x NK entries (at S = 1M, 67M of them per table).
+
+    Rows whose True entries form one run (``first .. first + count - 1``, as in causal, window
+    and document masks) get ``(column + first) % NK`` in one pass; the other rows write each True
+    entry at its rank (``nonzero``), which is cheaper when there are few of them.
+    """
+    n_cols = dense.shape[-1]
     count = dense.sum(-1, dtype=torch.int32)
-    true_rank = torch.cumsum(dense, -1, dtype=torch.int32) - 1
-    false_rank = torch.cumsum(1 - dense, -1, dtype=torch.int32) - 1 + count.unsqueeze(-1)
-    position = torch.where(dense.bool(), true_rank, false_rank).long()
-    columns = torch.arange(dense.shape[-1], device=dense.device, dtype=torch.int32)
-    indices = torch.empty_like(dense)
-    indices.scatter_(-1, position, columns.expand_as(dense).contiguous())
-    return count.contiguous(), indices.contiguous()
+    columns = torch.arange(n_cols, dtype=torch.int32, device=dense.device)
+    flat = dense.reshape(-1, n_cols)
+    counts = count.reshape(-1)
+    total = int(counts.sum())
+    if total > RUN_PATH_DENSITY * flat.shape[0] and n_cols > 1:
+        first = flat.view(torch.uint8).argmax(-1).to(torch.int32)
+        starts = (flat[:, 1:] > flat[:, :-1]).sum(-1) + flat[:, 0]
+        indices = (columns + first.unsqueeze(-1)) % n_cols
+        rows = (starts > 1).nonzero().reshape(-1)  # rows of several runs
+        if rows.numel():
+            indices[rows] = _ordered_by_rank(flat[rows], counts[rows], columns)
+    else:
+        indices = _ordered_by_rank(flat, counts, columns)
+    return count.contiguous(), indices.reshape(dense.shape)
+
+
+def _ordered_by_rank(flat: torch.Tensor, counts: torch.Tensor, columns: torch.Tensor):
+    """:func:`ordered`'s indices for 2-D ``flat``, writing every True entry at its rank."""
+    indices = columns.expand(flat.shape).contiguous()
+    rows, cols = flat.nonzero(as_tuple=True)
+    if rows.numel():
+        counts = counts.long()
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(rows.numel(), device=flat.device) - starts[rows]
+        indices[rows, rank] = cols.to(torch.int32)
+    return indices
 
 
 def to_block_mask(classes: torch.Tensor, sizes: dict, block: tuple, mask_mod=None) -> BlockMask:
     """A torch BlockMask from tile classes, with the q-side tables built directly."""
-    partial = classes == PARTIAL
-    full = classes == FULL
-    kv_num, kv_idx = ordered(partial)
-    full_kv_num, full_kv_idx = ordered(full)
-    q_num, q_idx = ordered(partial.transpose(-2, -1))
-    full_q_num, full_q_idx = ordered(full.transpose(-2, -1))
+    kv_num, kv_idx = ordered(classes == PARTIAL)
+    full_kv_num, full_kv_idx = ordered(classes == FULL)
+    # one contiguous transposed copy of the int8 classes is cheaper than walking two
+    # transposed bool views
+    by_kv = classes.transpose(-2, -1).contiguous()
+    q_num, q_idx = ordered(by_kv == PARTIAL)
+    full_q_num, full_q_idx = ordered(by_kv == FULL)
     return BlockMask(
         seq_lengths=(sizes["Q_LEN"], sizes["KV_LEN"]),
         kv_num_blocks=kv_num, kv_indices=kv_idx,

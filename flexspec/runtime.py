@@ -440,12 +440,13 @@ class Attention:
         plan = self._plan(q, k, v, scale, bindings, None)
         values = self._values(plan, bindings)
         sizes, spec, device = plan.sizes, plan.spec, q.device
-        token, batch, heads, _ = plan.mask
+        _, batch, heads, _ = plan.mask
         visible = count_visible(spec.mask, sizes, self.block_size, values, device,
                                 batch=batch, heads=heads)
         block_mask = self._block_mask(spec, sizes, values, device, plan.mask)
         tiles = int(block_mask.kv_num_blocks.sum()) + int(block_mask.full_kv_num_blocks.sum())
-        nq, nk = (-(-sizes["Q_LEN"] // self.block_size[0]), -(-sizes["KV_LEN"] // self.block_size[1]))
+        nq = -(-sizes["Q_LEN"] // self.block_size[0])
+        nk = -(-sizes["KV_LEN"] // self.block_size[1])
         pairs = visible * (sizes["B"] // batch) * (sizes["H"] // heads)
         return Explanation(
             spec=str(self.spec), mask=ir.to_text(spec.mask), score=ir.to_text(spec.score),
@@ -491,7 +492,6 @@ class Attention:
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                                   or not math.isfinite(scale)):
             raise BindingError(f"scale must be a finite number or None, got {scale!r}")
-        scale_value = None if scale is None else float(scale)
         values, spec = self._tensors(sizes, bindings, q.device, learnables)
         device = q.device
         slots = []
