@@ -274,21 +274,16 @@ def _classify_grid(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, devi
 
 def _without_ragged_full(classes: torch.Tensor, sizes: dict, block: tuple, device) -> torch.Tensor:
     """A copy of ``classes`` where a FULL tile that runs past the end of the sequence is
-    PARTIAL: like create_block_mask, which counts the padding as masked."""
+    PARTIAL: like create_block_mask, which counts the padding as masked. Only the last tile row
+    and column can run past the end, so only they are touched."""
     classes = classes.clone()
-    classes[(classes == FULL) & _ragged(sizes, block, device).expand_as(classes)] = PARTIAL
+    if sizes["Q_LEN"] % block[0]:
+        last = classes[..., -1, :]
+        last[last == FULL] = PARTIAL
+    if sizes["KV_LEN"] % block[1]:
+        last = classes[..., :, -1]
+        last[last == FULL] = PARTIAL
     return classes
-
-
-def _ragged(sizes: dict, block: tuple, device):
-    """Tiles that run past the end of the sequence, as broadcastable bool tensors."""
-    nq = -(-sizes["Q_LEN"] // block[0])
-    nk = -(-sizes["KV_LEN"] // block[1])
-    q_ragged = torch.zeros(nq, dtype=torch.bool, device=device)
-    kv_ragged = torch.zeros(nk, dtype=torch.bool, device=device)
-    q_ragged[-1] = sizes["Q_LEN"] % block[0] != 0
-    kv_ragged[-1] = sizes["KV_LEN"] % block[1] != 0
-    return q_ragged.reshape(1, 1, nq, 1) | kv_ragged.reshape(1, 1, 1, nk)
 
 
 def _tiles_inside(coords: torch.Tensor, factors: tuple, block: tuple, mask: ir.Expr,
