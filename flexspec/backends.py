@@ -239,7 +239,7 @@ def _auto_order(request: Request) -> list[tuple[str, str]]:
     flex = ("flex", "FlexAttention runs every spec; its block mask skips the empty tiles")
     if request.device_type == "cuda":
         return ([] if small else [flash]) + [sdpa_gpu, flex]
-    if request.grads:
+    if request.grads and request.device_type in ("cpu", "mps"):
         return [("sdpa", f"SDPA has a backward pass on {request.device_type}"),
                 ("reference", f"FlexAttention has no backward pass on {request.device_type}; "
                               "the dense reference has (slower, memory grows with "

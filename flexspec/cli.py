@@ -287,7 +287,7 @@ def _add_explain(subparsers) -> None:
                    help="key/value heads (default: --heads; fewer means grouped-query)")
     p.add_argument("--head-dim", type=int, default=128, metavar="D",
                    help="head dimension (default 128)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16",
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="input dtype (default bfloat16)")
     p.add_argument("--device", default="cpu", help="device, e.g. cpu or cuda (default cpu)")
     p.add_argument("--grad", action="store_true", help="the inputs require gradients")
@@ -298,9 +298,6 @@ def _add_explain(subparsers) -> None:
                    help="block size of the block mask (default 128)")
     p.add_argument("--bind", action="append", default=[], metavar="NAME=VALUES",
                    help="a runtime tensor's values (repeatable), as in 'flexspec render'")
-
-
-_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
 
 def cmd_explain(args) -> int:
@@ -343,7 +340,7 @@ def _explain_call(spec, args):
             raise SpecError(f"{option} must be at least 1, got {value}")
     attn = compile_spec(spec, backend=args.backend, block_size=args.block_size)
     device = _device(args.device)
-    dtype = getattr(torch, _DTYPES[args.dtype])
+    dtype = getattr(torch, args.dtype)
 
     def placeholder(heads, length):
         # one element expanded: the shape a call would have, without its memory

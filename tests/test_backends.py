@@ -150,6 +150,13 @@ def test_gradients_on_the_cpu():
         choose("auto", huge, ir("causal & window(8)"))
 
 
+def test_xpu_gradients_take_flex_which_has_a_backward_there():
+    xpu = dataclasses.replace(CPU, device_type="xpu", grads=True)
+    assert choose("auto", xpu, ir("causal & window(8)")).backend == "flex"
+    assert choose("auto", dataclasses.replace(xpu, device_type="mps"),
+                  ir("causal & window(8)")).backend == "reference"
+
+
 def test_mps_without_gradients_takes_sdpa_or_flex():
     mps = dataclasses.replace(CPU, device_type="mps")
     assert choose("auto", mps, ir("causal")).backend == "sdpa"
