@@ -1,8 +1,9 @@
 """The CPU demo (``./run demo``): compile every spec of an ``.attn`` file, run it, check it.
 
 For each named spec of the file it draws random q, k, v (and random values for the spec's
-runtime bindings), runs the compiled FlexAttention kernel, compares it with the dense float64
-reference, and prints one table row: spec, mask density, max error, and the kernel's time.
+runtime bindings), runs it on the backend ``auto`` chooses (``Attention.explain`` says which),
+compares the result with the dense float64 reference, and prints one table row: spec, mask
+density, the backend, max error, and the time per call.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def run(path: Path, *, seq_len: int, heads: int, dim: int, repeats: int, out=sys
     print(f"flexspec demo: {path.name}, B=1 H={heads} S={seq_len} D={dim}, float32, "
           f"torch {torch.__version__}", file=out)
     print("(the first call of each spec compiles its kernel: expect seconds per spec)\n", file=out)
-    rows = [("spec", "definition", "density", "max |err|", "kernel ms", "ok")]
+    rows = [("spec", "definition", "density", "backend", "max |err|", "ms/call", "ok")]
     failures = 0
     for name in library:
         attn = compile_spec(library[name])
@@ -68,12 +69,13 @@ def run(path: Path, *, seq_len: int, heads: int, dim: int, repeats: int, out=sys
         out_kernel = attn(q, k, v, **bindings)
         first = time.perf_counter() - started
         error = (out_kernel - attn.reference(q, k, v, **bindings)).abs().max().item()
-        density = attn.dense_mask(seq_len, seq_len, batch=1, heads=heads, **bindings).float().mean().item()
+        explanation = attn.explain(q, k, v, **bindings)
         seconds = _time(lambda: attn(q, k, v, **bindings), repeats)
         ok = error < 1e-4
         failures += not ok
-        rows.append((name, str(library[name]), f"{density:.3f}", f"{error:.1e}",
-                     f"{seconds * 1e3:.1f}", "yes" if ok else "NO"))
+        rows.append((name, str(library[name]), f"{explanation.density:.3f}",
+                     explanation.choice.backend, f"{error:.1e}", f"{seconds * 1e3:.1f}",
+                     "yes" if ok else "NO"))
         print(f"  {name}: compiled and ran in {first:.1f} s", file=out)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     print(file=out)
