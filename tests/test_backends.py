@@ -292,13 +292,14 @@ def test_explain_with_batch_dependent_bindings_counts_every_row():
 
 def test_the_plan_is_reused_and_fresh_bindings_still_count(monkeypatch):
     attn = flexspec.compile("causal & document")
-    q, k, v = Shape(1, 2, 2, 100, 100, 8).qkv(seed=0)
-    first = torch.arange(100) // 50
+    q, k, v = Shape(1, 2, 2, 200, 200, 8).qkv(seed=0)
+    first = torch.arange(200) // 50
+    assert attn.explain(q, k, v, doc_ids=first).choice.backend == "flex"
     attn(q, k, v, doc_ids=first)
     plans = []
     original = attn._plan
     monkeypatch.setattr(attn, "_plan", lambda *a: plans.append(1) or original(*a))
-    second = torch.arange(100) // 10
+    second = torch.arange(200) // 10
     out = attn(q, k, v, doc_ids=second)
     assert plans == []
     torch.testing.assert_close(out, attn.reference(q, k, v, doc_ids=second), atol=2e-5,
@@ -321,7 +322,7 @@ def test_a_reused_plan_still_checks_value_dependent_indices():
 
 def test_inputs_requiring_gradients_under_no_grad_run_the_kernel():
     attn = flexspec.compile("causal & window(8)")
-    q, k, v = (t.requires_grad_() for t in Shape(1, 2, 2, 100, 100, 8).qkv(seed=0))
+    q, k, v = (t.requires_grad_() for t in Shape(1, 2, 2, 200, 200, 8).qkv(seed=0))
     with torch.no_grad():
         assert attn.explain(q, k, v).choice.backend == "flex"
         out = attn(q, k, v)
@@ -347,7 +348,7 @@ def test_auto_falls_back_to_flex_when_flash_cannot_compile(monkeypatch):
 
     monkeypatch.setattr(runtime, "_run_compiled", compile_or_fail)
     attn = flexspec.compile("causal & window(8)")
-    q, k, v = Shape(1, 2, 2, 100, 100, 8).qkv(seed=0)
+    q, k, v = Shape(1, 2, 2, 200, 200, 8).qkv(seed=0)
     with pytest.warns(UserWarning, match="FLASH could not compile 'causal & window\\(8\\)' "
                                          "\\(CuteDSL template failed"):
         out = attn(q, k, v)

@@ -22,7 +22,7 @@ from flexspec.testing import Shape
 # A document mask with ~causal: every query sees the later keys of its own document, so the last
 # query of each document sees nothing (a fully masked row). Plus a per-head bias and a cap.
 SPEC = "document & ~causal + alibi + softcap(20.0)"
-SHAPE = Shape(B=2, Hq=4, Hkv=2, Q_LEN=100, KV_LEN=150, D=16)
+SHAPE = Shape(B=2, Hq=4, Hkv=2, Q_LEN=140, KV_LEN=150, D=16)
 # Row 0: documents [0, 40), [40, 90), [90, 150). Row 1: [0, 20), [20, 150).
 BOUNDS = ((40, 90), (20,))
 
@@ -469,11 +469,11 @@ def test_t5_bias_beyond_its_exact_buckets():
 
 
 def test_short_cpu_sequences_run_on_the_reference():
-    # torch 2.13's compiled CPU kernel gave wrong values for sequences of 8-40 positions, so
-    # these run densely; longer ones take the kernel.
+    # torch 2.13's compiled CPU kernel gave wrong values for sequences shorter than one
+    # 128-position block, so these run densely; longer ones take the kernel.
     attn = flexspec.compile("causal & window(3)")
-    short = Shape(1, 2, 2, 8, 8, 8).qkv(seed=0)
-    long = Shape(1, 2, 2, 100, 100, 8).qkv(seed=0)
+    short = Shape(1, 2, 2, 120, 120, 8).qkv(seed=0)
+    long = Shape(1, 2, 2, 130, 200, 8).qkv(seed=0)
     assert attn.explain(*short).choice.backend == "reference"
     assert attn.explain(*long).choice.backend == "flex"
     torch.testing.assert_close(attn(*short), attn.reference(*short))
@@ -498,9 +498,25 @@ def test_reaching_the_recompile_limit_is_a_flexspec_error():
     # A spec that keeps changing shapes would make dynamo give up and silently fall back to the
     # unfused kernel (which materialises S^2 scores); flexspec raises instead.
     attn = flexspec.compile("causal & window(3)")
-    first = Shape(1, 2, 2, 70, 70, 8).qkv(seed=0)
-    second = Shape(1, 2, 2, 90, 90, 8).qkv(seed=0)
+    first = Shape(1, 2, 2, 136, 136, 8).qkv(seed=0)
+    second = Shape(1, 2, 2, 152, 152, 8).qkv(seed=0)
     with torch._dynamo.config.patch(recompile_limit=1):
         attn(*first)
         with pytest.raises(flexspec.runtime.CompileLimitError, match="recompile limit"):
             attn(*second)
+
+
+@pytest.mark.slow
+def test_every_shape_gets_its_own_static_kernel():
+    # dynamic=False semantics without its per-call cost: compiles happen under static-shape
+    # settings, so a third shape compiles again (automatic dynamic shapes would have made the
+    # second graph dynamic and reused it), and a shape seen before does not
+    attn = flexspec.compile("causal & window(5) + softcap(10.0)")
+    shapes = [Shape(1, 2, 2, n, n, 8).qkv(seed=0) for n in (136, 152, 168)]
+    graphs = counters["stats"]["unique_graphs"]
+    for qkv in shapes:
+        attn(*qkv)
+    assert counters["stats"]["unique_graphs"] == graphs + 3
+    out = attn(*shapes[0])
+    assert counters["stats"]["unique_graphs"] == graphs + 3
+    torch.testing.assert_close(out, attn.reference(*shapes[0]), atol=2e-5, rtol=1e-5)
