@@ -33,7 +33,9 @@ def compile(spec, *, library: Library | None = None, backend: str = "auto", bloc
             block_masks: str = "exact"):
     """Compile a spec (text or :class:`Spec`) into an :class:`~flexspec.runtime.Attention`.
 
-    ``block_size`` is an int or a (q, kv) pair; ``block_masks`` picks how block masks are built:
+    ``backend`` is ``"auto"`` (per call, the fastest backend that can run it; ``explain`` says
+    which), ``"flash"``, ``"sdpa"``, ``"flex"`` or ``"reference"`` (see
+    :mod:`flexspec.backends`). ``block_size`` is an int or a (q, kv) pair; ``block_masks`` picks how block masks are built:
     ``"exact"`` (interval analysis refined inside partial tiles; the default), ``"intervals"``
     (the analysis alone) or ``"dense"`` (torch's ``create_block_mask``).
     """
