@@ -370,3 +370,19 @@ def test_a_remembered_flash_failure_is_a_reason():
     assert choice.backend == "flex"
     assert dict(choice.rejected)["flash"] == ("FLASH failed to compile this spec: CuteDSL "
                                               "template failed: 'maximum'")
+
+
+def test_the_same_binding_object_reuses_its_block_mask(monkeypatch):
+    attn = flexspec.compile("causal & document")
+    q, k, v = Shape(1, 2, 2, 200, 200, 8).qkv(seed=0)
+    ids = torch.arange(200) // 50
+    attn(q, k, v, doc_ids=ids)
+    builds = []
+    original = attn._block_mask
+    monkeypatch.setattr(attn, "_block_mask", lambda *a: builds.append(1) or original(*a))
+    attn(q, k, v, doc_ids=ids)
+    assert builds == []  # same tensor, same version: no lookup at all
+    ids[:100] = 0  # in place: the version counter moves on
+    out = attn(q, k, v, doc_ids=ids)
+    assert builds == [1]
+    torch.testing.assert_close(out, attn.reference(q, k, v, doc_ids=ids), atol=2e-5, rtol=1e-5)
