@@ -24,7 +24,12 @@ returns a :class:`Choice`: the backend, the reason, and why each other backend w
   work Triton (or SDPA) is taken instead.
 * cuDNN SDPA beat Triton for plain causal (1.79 vs 2.68 ms) and full attention.
 * On the CPU, SDPA's flash kernel beat compiled FlexAttention for plain causal (146 vs 317 ms at
-  B1 H8 S4096 D64), and it has a backward, which FlexAttention lacks there.
+  B1 H8 S4096 D64), and it has a backward, which FlexAttention lacks there (and on MPS).
+* FLASH's backward gave NaN gradients for a score that reads a tensor (sliding window + ALiBi,
+  ragged lengths, GQA), and CuTeDSL cannot compile some scores (``rel_bias``'s clamp): such
+  backward passes run elsewhere, and a failed FLASH compile falls back to Triton (runtime).
+* torch 2.13's compiled CPU kernel gave wrong results for sequences shorter than one 128 block:
+  those run on SDPA or the dense reference.
 
 This module decides; :mod:`flexspec.runtime` runs. It does not import the runtime.
 """
