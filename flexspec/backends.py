@@ -238,14 +238,13 @@ def why_not(backend: str, request: Request, spec: ir.AttentionIR) -> str | None:
 
 def _auto_order(request: Request) -> list[tuple[str, str]]:
     """The backends ``auto`` tries, best first, each with the reason it would be chosen."""
-    small = request.dense_flops < FLASH_MIN_FLOPS
     flash = ("flash", "FlashAttention-4 was the fastest kernel measured on Hopper for every "
                       "spec at this size, forward and backward")
     sdpa_gpu = ("sdpa", "plain full or causal attention: cuDNN SDPA beat FlexAttention's "
                         "Triton kernel for it")
     flex = ("flex", "FlexAttention runs every spec; its block mask skips the empty tiles")
     if request.device_type == "cuda":
-        return ([] if small else [flash]) + [sdpa_gpu, flex]
+        return [flash, sdpa_gpu, flex]
     if request.grads and request.device_type in ("cpu", "mps"):
         return [("sdpa", f"SDPA has a backward pass on {request.device_type}"),
                 ("reference", f"FlexAttention has no backward pass on {request.device_type}; "
@@ -270,13 +269,12 @@ def choose(backend: str, request: Request, spec: ir.AttentionIR) -> Choice:
                                "backend='auto' chooses one that can")
         return Choice(backend, f"backend='{backend}' was asked for")
     rejected = []
-    if request.device_type == "cuda" and request.dense_flops < FLASH_MIN_FLOPS:
-        if why_not("flash", request, spec) is None:
-            rejected.append(("flash", f"the problem is small ({request.dense_flops / 1e9:.3g} "
-                                      f"GFLOP dense < {FLASH_MIN_FLOPS / 1e9:.3g}): FLASH's "
-                                      "fixed cost per call (about 0.22 ms) outweighs its speed"))
     for name, because in _auto_order(request):
         reason = why_not(name, request, spec)
+        if reason is None and name == "flash" and request.dense_flops < FLASH_MIN_FLOPS:
+            reason = (f"the problem is small ({request.dense_flops / 1e9:.3g} GFLOP dense < "
+                      f"{FLASH_MIN_FLOPS / 1e9:.3g}): FLASH's fixed cost per call (about "
+                      "0.22 ms) outweighs its speed")
         if reason is None:
             taken = {name} | {n for n, _ in rejected}
             rejected += [(n, why_not(n, request, spec) or "ranked lower for this call")

@@ -233,11 +233,17 @@ def classify(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, device, *,
     for start in range(0, coords.shape[0], per_chunk):
         part = coords[start:start + per_chunk]
         must, may, _ = _tiles_inside(part, (factor, factor), block, mask, sizes, tensors, device)
-        classes = torch.full(must.shape, PARTIAL, dtype=torch.int8, device=device)
-        classes[must] = FULL
-        classes[~may] = EMPTY
-        by_super_tile[part[:, 0], part[:, 1], part[:, 2], part[:, 3]] = classes
+        by_super_tile[part[:, 0], part[:, 1], part[:, 2], part[:, 3]] = _classes(must, may)
     return fine.reshape(batch, heads, cq * factor, ck * factor)[:, :, :nq, :nk].contiguous()
+
+
+def _classes(must: torch.Tensor, may: torch.Tensor) -> torch.Tensor:
+    """Tile classes from the intervals' booleans: FULL where the mask must hold, EMPTY where it
+    cannot, PARTIAL elsewhere."""
+    classes = torch.full(must.shape, PARTIAL, dtype=torch.int8, device=must.device)
+    classes[must] = FULL
+    classes[~may] = EMPTY
+    return classes
 
 
 def _classify_grid(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, device, *,
@@ -264,11 +270,7 @@ def _classify_grid(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, devi
         lookups = _Lookups(tensors, block, {"q": q_tiles, "kv": kv_tiles})
         must, may = Analyzer(TorchOps(device, lookups), ranges).boolean(mask)
         shape = (batch, heads, stop - start, nk)
-        must, may = must.expand(shape), may.expand(shape)
-        chunk = torch.full(shape, PARTIAL, dtype=torch.int8, device=device)
-        chunk[must] = FULL
-        chunk[~may] = EMPTY
-        out[:, :, start:stop] = chunk
+        out[:, :, start:stop] = _classes(must.expand(shape), may.expand(shape))
     return out
 
 

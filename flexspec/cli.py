@@ -300,14 +300,19 @@ def _add_explain(subparsers) -> None:
                    help="a runtime tensor's values (repeatable), as in 'flexspec render'")
 
 
-def cmd_explain(args) -> int:
+def _spec(args):
+    """The SPEC argument of ``explain`` and ``render``: the name of a spec in ``--file``, or
+    an expression whose names resolve in that file first, then in the registry."""
     from . import load, parse
 
     library = load(args.file) if args.file is not None else None
     if library is not None and args.spec.strip() in library:
-        spec = library[args.spec.strip()]
-    else:
-        spec = parse(args.spec, library=library)
+        return library[args.spec.strip()]
+    return parse(args.spec, library=library)
+
+
+def cmd_explain(args) -> int:
+    spec = _spec(args)
     if args.q_len is None:
         runtime_options = ("kv_len", "kv_heads", "grad", "bind")
         given = [f"--{name.replace('_', '-')}" for name in runtime_options if getattr(args, name)]
@@ -328,7 +333,6 @@ def _explain_call(spec, args):
     import torch
 
     from . import compile as compile_spec
-    from .render import demo_bindings
     from .runtime import _device
 
     kv_len = args.q_len if args.kv_len is None else args.kv_len
@@ -349,12 +353,9 @@ def _explain_call(spec, args):
 
     q, k, v = placeholder(args.heads, args.q_len), placeholder(kv_heads, kv_len), \
         placeholder(kv_heads, kv_len)
-    flat = _parse_binds(attn, args.bind)
     sizes = {"B": args.batch, "H": args.heads, "Q_LEN": args.q_len, "KV_LEN": kv_len}
-    given = _shape_binds(attn, flat, sizes)
-    demo, notes = demo_bindings(attn, args.q_len, kv_len, batch=args.batch - 1,
-                                heads=args.heads, given=given)
-    bindings = {name: value.to(device) for name, value in {**demo, **given}.items()}
+    bindings, notes = _bindings(attn, _parse_binds(attn, args.bind), sizes)
+    bindings = {name: value.to(device) for name, value in bindings.items()}
     explanation = attn.explain(q, k, v, **bindings)
     if notes:
         text = str(explanation) + "\nnot given with --bind, so explained with demo values:\n"
@@ -501,9 +502,20 @@ def _shape_binds(attn, flat: dict, sizes: dict) -> dict:
     return shaped
 
 
+def _bindings(attn, flat: dict, sizes: dict) -> tuple[dict, list[str]]:
+    """The runtime tensors for ``render`` and ``explain``: the ``--bind`` values shaped for
+    their tensors, demo values for the rest, and one note per demo value."""
+    from .render import demo_bindings
+
+    given = _shape_binds(attn, flat, sizes)
+    demo, notes = demo_bindings(attn, sizes["Q_LEN"], sizes["KV_LEN"], batch=sizes["B"] - 1,
+                                heads=sizes["H"], given=given)
+    return {**demo, **given}, notes
+
+
 def cmd_render(args) -> int:
-    from . import compile as compile_spec, load, parse
-    from .render import DEFAULT_WIDTH, demo_bindings, render_png, render_text, resolve_heads
+    from . import compile as compile_spec
+    from .render import DEFAULT_WIDTH, render_png, render_text, resolve_heads
 
     kv = args.q if args.kv is None else args.kv
     for option, value in (("--q", args.q), ("--kv", kv)):
@@ -519,18 +531,13 @@ def cmd_render(args) -> int:
     if args.width is not None and args.width < 2:
         raise SpecError(f"--width must be at least 2, got {args.width}")
 
-    library = load(args.file) if args.file is not None else None
-    if library is not None and args.spec.strip() in library:
-        spec = library[args.spec.strip()]
-    else:
-        spec = parse(args.spec, library=library)
+    spec = _spec(args)
     attn = compile_spec(spec)
 
     flat = _parse_binds(attn, args.bind)
     heads = resolve_heads(attn, args.head, args.heads, flat)
     sizes = {"B": args.batch + 1, "H": heads, "Q_LEN": args.q, "KV_LEN": kv}
-    given = _shape_binds(attn, flat, sizes)
-    demo, notes = demo_bindings(attn, args.q, kv, batch=args.batch, heads=heads, given=given)
+    bindings, notes = _bindings(attn, flat, sizes)
 
     tty = sys.stdout.isatty()
     width = args.width
@@ -540,7 +547,6 @@ def cmd_render(args) -> int:
             width = max(16, min(width, shutil.get_terminal_size().columns - 10))
     color = args.color == "always" or (args.color == "auto" and tty
                                        and not os.environ.get("NO_COLOR"))
-    bindings = {**demo, **given}
     text = render_text(attn, args.q, kv, batch=args.batch, head=args.head, heads=heads,
                        width_limit=width, color=color, **bindings)
     out = [text.rstrip("\n")]

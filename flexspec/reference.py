@@ -230,8 +230,7 @@ def dense_mask(spec: ir.AttentionIR, batch: int, heads: int, q_len: int, kv_len:
     """The mask as a bool tensor ``[batch, heads, q_len, kv_len]``: True where ``q`` sees ``kv``."""
     check_budget(batch, heads, q_len, kv_len, max_bytes)
     grid = index_grid(batch, heads, q_len, kv_len, device)
-    mask = _bool(evaluate(spec.mask, grid, tensors or {}), spec.mask)
-    return mask.expand(batch, heads, q_len, kv_len).contiguous()
+    return _mask_on(spec, grid, tensors).expand(batch, heads, q_len, kv_len).contiguous()
 
 
 def dense_scores(spec: ir.AttentionIR, logits: torch.Tensor, tensors: dict | None = None, *,
@@ -240,11 +239,23 @@ def dense_scores(spec: ir.AttentionIR, logits: torch.Tensor, tensors: dict | Non
     batch, heads, q_len, kv_len = logits.shape
     check_budget(batch, heads, q_len, kv_len, max_bytes)
     grid = index_grid(batch, heads, q_len, kv_len, logits.device)
-    grid[ir.SCORE_VAR] = logits.to(_FLOAT)
+    return _scores_on(spec, grid, logits, tensors).expand(batch, heads, q_len, kv_len)
+
+
+def _mask_on(spec: ir.AttentionIR, grid: dict, tensors: dict | None) -> torch.Tensor:
+    """The mask evaluated on an index grid (broadcastable bool)."""
+    return _bool(evaluate(spec.mask, grid, tensors or {}), spec.mask)
+
+
+def _scores_on(spec: ir.AttentionIR, grid: dict, logits: torch.Tensor,
+               tensors: dict | None) -> torch.Tensor:
+    """The score pipeline evaluated on an index grid whose ``score`` is ``logits`` (float64,
+    broadcastable)."""
+    grid = {**grid, ir.SCORE_VAR: logits.to(_FLOAT)}
     scores = evaluate(spec.score, grid, tensors or {})
     if scores.dtype == torch.bool:
         raise SpecError(f"the score pipeline '{ir.to_text(spec.score)}' is not numeric")
-    return scores.to(_FLOAT).expand(batch, heads, q_len, kv_len)
+    return scores.to(_FLOAT)
 
 
 def reference_attention(spec: ir.AttentionIR, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -284,12 +295,9 @@ def reference_attention(spec: ir.AttentionIR, q: torch.Tensor, k: torch.Tensor, 
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     shape = (batch, heads, n_rows, kv_len)
 
-    grid[ir.SCORE_VAR] = torch.matmul(q64, k64.transpose(-2, -1)) * scale
-    scores = evaluate(spec.score, grid, tensors or {})
-    if scores.dtype == torch.bool:
-        raise SpecError(f"the score pipeline '{ir.to_text(spec.score)}' is not numeric")
-    mask = _bool(evaluate(spec.mask, grid, tensors or {}), spec.mask)
-    scores = torch.where(mask.expand(shape), scores.to(_FLOAT).expand(shape), -math.inf)
+    logits = torch.matmul(q64, k64.transpose(-2, -1)) * scale
+    scores = _scores_on(spec, grid, logits, tensors).expand(shape)
+    scores = torch.where(_mask_on(spec, grid, tensors).expand(shape), scores, -math.inf)
 
     # Softmax by hand so a row without any finite logit gives zeros instead of NaN.
     row_max = scores.amax(dim=-1, keepdim=True)

@@ -532,7 +532,8 @@ class Attention:
             block_size=self.block_size,
             reference_fits=math.prod(q.shape[:3]) * k.shape[2] * 8 <= MAX_BYTES,
             flash_installed=device.type == "cuda" and flash_installed())
-        failed = _FLASH_FAILED.get(lower(spec))
+        lowered = lower(spec)
+        failed = _FLASH_FAILED.get(lowered)
         if failed is not None:
             request = dataclasses.replace(request, flash_failed=failed)
         if q.dtype == torch.float64 and self.backend == "reference":
@@ -549,15 +550,11 @@ class Attention:
         if choice.backend == "sdpa":
             plan.sdpa = sdpa_form(spec)
         if choice.backend in ("flex", "flash"):
-            plan.lowered = lower(spec)
-            plan.entry = _compiled_entry(plan.lowered)
-            if choice.backend == "flash":
-                plan.kernel_options = FLASH_OPTIONS
-            elif table_grads and device.type == "cuda" and q.shape[-1] > 64:
-                plan.kernel_options = TABLE_GRAD_OPTIONS
+            plan.lowered = lowered
+            plan.entry = _compiled_entry(lowered)
+            plan.kernel_options = _kernel_options(choice.backend, request)
             plan.mask_bindings = tuple(name for name, key, _ in slots if key in plan.mask[3])
             if not plan.mask_bindings:
-                plan.mask_varies = False
                 # a mask-free spec needs no block mask on a GPU (faster: 4.35 vs 5.14 ms for
                 # full attention with Triton on the H200); the CPU kernel needs one (see
                 # Attention.block_mask)
@@ -597,7 +594,7 @@ class Attention:
             return F.scaled_dot_product_attention(q, k, v, is_causal=plan.sdpa.causal,
                                                   scale=base * plan.sdpa.factor,
                                                   enable_gqa=plan.gqa)
-        if not plan.mask_varies:
+        if not plan.mask_bindings:
             block_mask = plan.block_mask
         elif self._same_mask_bindings(plan, bindings):
             block_mask = plan.last_block_mask
@@ -663,8 +660,7 @@ class Attention:
                          if name != "flex") + (("flash", f"failed to compile: {summary}"),)
         plan.choice = Choice("flex", "FlexAttention runs every spec (FLASH could not compile "
                                      "this one)", rejected)
-        plan.kernel_options = TABLE_GRAD_OPTIONS if plan.request.table_grads and \
-            q.shape[-1] > 64 else None
+        plan.kernel_options = _kernel_options("flex", plan.request)
         return self._run(plan, q, k, v, scale, bindings)
 
 
@@ -691,14 +687,22 @@ class _Plan:
     lowered: Lowered | None = None
     entry: object = None
     kernel_options: dict | None = None
-    mask_varies: bool = True        # the block mask depends on this call's bindings
-    block_mask: BlockMask | None = None
-    mask_bindings: tuple = ()       # names of the bindings the mask reads
+    mask_bindings: tuple = ()       # names of the bindings the mask reads (flex and flash)
+    block_mask: BlockMask | None = None  # the block mask when the mask reads no binding
     last_bindings: tuple = ()       # (tensor, version) of those in the last call
     last_block_mask: BlockMask | None = None
     score_varies: bool = True       # the score_mod captures this call's bindings
     score_mod: object = None
     warm: bool = False              # the compiled entry has run once for this plan
+
+
+def _kernel_options(backend: str, request: Request) -> dict | None:
+    """The kernel options a compiled FlexAttention call of ``backend`` takes."""
+    if backend == "flash":
+        return FLASH_OPTIONS
+    if request.table_grads and request.device_type == "cuda" and request.head_dim > 64:
+        return TABLE_GRAD_OPTIONS
+    return None
 
 
 # Lowered specs FLASH failed to compile, with the first line of the error.
