@@ -30,6 +30,9 @@ returns a :class:`Choice`: the backend, the reason, and why each other backend w
   backward passes run elsewhere, and a failed FLASH compile falls back to Triton (runtime).
 * torch 2.13's compiled CPU kernel gave wrong results for sequences shorter than one 128 block:
   those run on SDPA or the dense reference.
+* Triton's backward on the H200 (torch 2.11) found no kernel for blocks smaller than 128: torch
+  drops its tile configurations that do not divide the blocks before it reads kernel options.
+  The forward runs them with tiles flexspec picks (runtime); training needs 128 blocks.
 
 This module decides; :mod:`flexspec.runtime` runs. It does not import the runtime.
 """
@@ -227,6 +230,11 @@ def why_not(backend: str, request: Request, spec: ir.AttentionIR) -> str | None:
     if backend == "flex":
         if request.grads and device in ("cpu", "mps"):
             return f"FlexAttention has no backward pass on {device}"
+        if request.grads and device == "cuda" and any(size % 128 for size in request.block_size):
+            return ("FlexAttention's Triton backward found no kernel for blocks of "
+                    f"{request.block_size[0]}x{request.block_size[1]} (torch filters its backward "
+                    "tiles, up to 128 wide, before it reads kernel options; H200, torch 2.11): "
+                    "use block_size=128 for training, or call without gradients")
         if device == "cpu" and min(request.q_len, request.kv_len) < SHORT_CPU_LENGTH:
             return (f"torch's compiled CPU FlexAttention gave wrong results for sequences "
                     f"shorter than one block ({SHORT_CPU_LENGTH} positions), so flexspec does "

@@ -25,6 +25,7 @@ bounded LRU cache keyed by binding identity and version) and launch:
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import linecache
@@ -64,6 +65,9 @@ FLASH_OPTIONS = {"BACKEND": "FLASH"}
 # needed 233472 bytes of shared memory at D=128 on the H200 (the limit is 232448); one pipeline
 # stage fits. Measured: causal + rel_bias, B4 H16 S8192, bf16, 21 ms forward+backward.
 TABLE_GRAD_OPTIONS = {"num_stages": 1}
+# Triton's tiles must divide the block mask's blocks, and its default tiles are up to 128 wide
+# (H200: 128x64 forward at D=128, 64x128 backward), so smaller blocks get tiles of their own.
+LARGEST_SMALL_TILE = 64
 
 
 class CompileLimitError(SpecError):
@@ -98,28 +102,35 @@ def _compiled_entry(lowered: Lowered):
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
     namespace = {"flex_attention": flex_attention}
     exec(compile(text, filename, "exec"), namespace)
-    # Not dynamic=False: that makes torch.compile patch dynamo's config around every call (about
-    # 25 us per call on our CPU); _run_compiled sets the same static-shape settings around the
-    # calls that compile instead
-    return torch.compile(namespace["run"], fullgraph=True)
+    # Neither dynamic=False nor fullgraph=True: torch.compile then does work around every call
+    # (patching dynamo's config: about 25 us on our CPU; fullgraph's bookkeeping: about 9 us).
+    # _run_compiled asks for the same (static shapes, an error on a graph break) around the calls
+    # that compile instead
+    return torch.compile(namespace["run"])
 
 
 # Dynamo settings for the calls that may compile: static shapes (a kernel per shape, as
 # dynamic=False gives), and an error instead of a silent eager fallback at the recompile limit.
 _COMPILE_SETTINGS = {"fail_on_recompile_limit_hit": True, "automatic_dynamic_shapes": False,
                      "assume_static_by_default": True}
+# torch.compile's graph-break switch as a context manager (torch >= 2.9); fullgraph=True's
+# meaning without its per-call cost
+_NO_GRAPH_BREAKS = getattr(torch._dynamo, "error_on_graph_break",
+                           lambda _: contextlib.nullcontext())
 
 
 def _run_compiled(entry, *args):
-    """Run a compiled entry under :data:`_COMPILE_SETTINGS`, turning torch's recompile limit
-    into :class:`CompileLimitError` (by default dynamo would silently fall back to an unfused
-    kernel that materialises the scores). Calls of a warm plan skip this (see Attention._run)."""
+    """Run a compiled entry under :data:`_COMPILE_SETTINGS`, with graph breaks made errors (as
+    ``fullgraph=True`` would), turning torch's recompile limit into :class:`CompileLimitError`
+    (by default dynamo would silently fall back to an unfused kernel that materialises the
+    scores). Calls of a warm plan skip this (see Attention._run)."""
     config = torch._dynamo.config
     before = {name: getattr(config, name) for name in _COMPILE_SETTINGS}
     for name, value in _COMPILE_SETTINGS.items():
         setattr(config, name, value)
     try:
-        return entry(*args)
+        with _NO_GRAPH_BREAKS(True):
+            return entry(*args)
     except Exception as err:  # dynamo's own exception type moves between torch versions
         if "recompile" in type(err).__name__.lower() or "RecompileLimit" in str(err):
             raise CompileLimitError(
@@ -700,9 +711,25 @@ def _kernel_options(backend: str, request: Request) -> dict | None:
     """The kernel options a compiled FlexAttention call of ``backend`` takes."""
     if backend == "flash":
         return FLASH_OPTIONS
+    options = {}
+    if request.device_type in ("cuda", "xpu") and any(size % 128 for size in request.block_size):
+        options.update(_small_block_tiles(*request.block_size))
     if request.table_grads and request.device_type == "cuda" and request.head_dim > 64:
-        return TABLE_GRAD_OPTIONS
-    return None
+        options.update(TABLE_GRAD_OPTIONS)
+    return options or None
+
+
+def _small_block_tiles(q_block: int, kv_block: int) -> dict:
+    """Triton tiles that divide blocks of ``q_block`` x ``kv_block`` positions (multiples of
+    16): the largest power of two that divides each, at most LARGEST_SMALL_TILE; the backward
+    kernels take the smaller of the two on both sides."""
+    def tile(size: int) -> int:
+        return min(size & -size, LARGEST_SMALL_TILE)
+
+    m, n = tile(q_block), tile(kv_block)
+    both = min(m, n)
+    return {"fwd_BLOCK_M": m, "fwd_BLOCK_N": n, "bwd_BLOCK_M1": both, "bwd_BLOCK_N1": both,
+            "bwd_BLOCK_M2": both, "bwd_BLOCK_N2": both}
 
 
 # Lowered specs FLASH failed to compile, with the first line of the error.

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import flexspec
-from flexspec import parse
+from flexspec import parse, runtime
 from flexspec.backends import (FLASH_MIN_FLOPS, BackendError, Request, SdpaForm, attention_flops,
                                choose, sdpa_form, why_not)
 from flexspec.testing import Shape
@@ -193,6 +193,42 @@ def test_auto_always_chooses_a_backend_that_can_run(device, grads, table_grads, 
 def test_flops_count_the_backward_as_two_and_a_half_forwards():
     assert attention_flops(10, 64, 32, backward=False) == 2 * 10 * (64 + 32)
     assert attention_flops(10, 64, 64, backward=True) == 3.5 * 2 * 10 * 128
+
+
+def test_triton_backward_needs_blocks_of_128_on_cuda():
+    small = dataclasses.replace(H200, block_size=(64, 128))
+    assert choose("flex", small, ir("causal & window(8)")).backend == "flex"
+    training = dataclasses.replace(small, grads=True)
+    with pytest.raises(BackendError, match="no kernel for blocks of 64x128 .* use "
+                                           "block_size=128 for training"):
+        choose("flex", training, ir("causal & window(8)"))
+    # auto says why nothing runs, FLASH included; SDPA ignores block sizes
+    with pytest.raises(BackendError, match="flash: FLASH needs block sizes .* flex: "):
+        choose("auto", training, ir("causal & window(8)"))
+    assert choose("auto", training, ir("causal")).backend == "sdpa"
+    assert choose("auto", dataclasses.replace(training, block_size=(256, 128)),
+                  ir("causal & window(8)")).backend == "flash"
+
+
+@given(q_block=st.integers(1, 24).map(lambda n: 16 * n),
+       kv_block=st.integers(1, 24).map(lambda n: 16 * n), table_grads=st.booleans())
+def test_triton_tiles_divide_the_blocks(q_block, kv_block, table_grads):
+    request = dataclasses.replace(H200, block_size=(q_block, kv_block), grads=table_grads,
+                                  table_grads=table_grads)
+    options = runtime._kernel_options("flex", request) or {}
+    if q_block % 128 == 0 and kv_block % 128 == 0:
+        # torch's own tiles divide these: nothing is overridden but the table-gradient stages
+        assert not any("BLOCK" in key for key in options)
+    else:
+        tiles_q = [options[k] for k in ("fwd_BLOCK_M", "bwd_BLOCK_M1", "bwd_BLOCK_M2")]
+        tiles_kv = [options[k] for k in ("fwd_BLOCK_N", "bwd_BLOCK_N1", "bwd_BLOCK_N2")]
+        assert all(16 <= t <= 64 and q_block % t == 0 for t in tiles_q)
+        assert all(16 <= t <= 64 and kv_block % t == 0 for t in tiles_kv)
+        # the backward kernels need matching tiles on both sides
+        assert options["bwd_BLOCK_N1"] % options["bwd_BLOCK_M1"] == 0
+        assert options["bwd_BLOCK_M2"] % options["bwd_BLOCK_N2"] == 0
+    assert (options.get("num_stages") == 1) == table_grads
+    assert runtime._kernel_options("flash", request) == {"BACKEND": "FLASH"}
 
 
 # ---- the runtime on the CPU --------------------------------------------------------------------

@@ -264,3 +264,29 @@ def test_flash_refuses_a_learnable_table_that_requires_gradients():
     q = torch.randn(1, 4, 256, 128, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(flexspec.SpecError, match="gradients of tensors the score reads"):
         module(q, q, q)
+
+
+@pytest.mark.parametrize("block_size", [64, (32, 64), (128, 64), 16])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_small_blocks_run_forward_on_triton(block_size, dim):
+    # Triton's default tiles (up to 128 wide) do not divide smaller blocks: flexspec passes
+    # tiles that do
+    torch._dynamo.reset()  # the eight cases would exceed one spec's recompile limit
+    attn = flexspec.compile("sliding_window(100) + alibi", backend="flex", block_size=block_size)
+    q = torch.randn(2, 8, 700, dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 1000, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    bindings = _bindings(attn, 2, 8, 700, 1000, "cuda")
+    out = attn(q, k, v, **bindings)
+    ref = attn.reference(q.double(), k.double(), v.double(), **bindings)
+    assert _relative_error(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+def test_small_blocks_with_gradients_are_refused_with_the_fix():
+    # torch found no Triton backward kernel for 64-blocks on the H200 (NoValidChoicesError)
+    attn = flexspec.compile("sliding_window(100)", block_size=64)
+    q, k, v = (torch.randn(1, 2, 512, 64, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    with pytest.raises(flexspec.SpecError, match="use block_size=128 for training"):
+        attn(q, k, v)
+    with torch.no_grad():
+        assert torch.isfinite(attn(q, k, v)).all()

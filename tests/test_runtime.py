@@ -520,3 +520,16 @@ def test_every_shape_gets_its_own_static_kernel():
     out = attn(*shapes[0])
     assert counters["stats"]["unique_graphs"] == graphs + 3
     torch.testing.assert_close(out, attn.reference(*shapes[0]), atol=2e-5, rtol=1e-5)
+
+
+def test_compiled_calls_refuse_graph_breaks():
+    # fullgraph=True's meaning without its per-call cost: a graph break while compiling is an
+    # error (a broken graph would run flex_attention unfused), not a silent split
+    def breaks(x):
+        torch._dynamo.graph_break()
+        return x + 1
+
+    entry = torch.compile(breaks)
+    with pytest.raises(Exception, match="graph_break|graph break"):
+        runtime._run_compiled(entry, torch.ones(3))
+    torch._dynamo.reset()
