@@ -1,0 +1,114 @@
+"""Where flexspec's per-call overhead goes: a diagnostic behind the overhead table of
+docs/performance.md.
+
+For three specs at B1 H2 S256 D64 (bf16 on CUDA), where the host path sets the pace, it times in
+alternating rounds (medians, each column also as its median difference to the hand-written call):
+
+* ``hand``: the hand-written ``torch.compile(flex_attention)`` call with a prebuilt block mask;
+* ``entry+hand mods``: flexspec's compiled entry point (a fresh one) with the hand-written mods
+  and block mask, i.e. the cost of the entry itself;
+* ``entry+our mods``: the plan's entry with flexspec's own mods and block mask;
+* ``flexspec``: the whole call, ``attn(q, k, v, **bindings)``;
+* ``python path only``: the whole call with the kernel entry replaced by a stub.
+
+    python benchmarks/overhead_breakdown.py [--device cuda] [--calls 1000] [--rounds 15]
+
+It reads private state of :class:`flexspec.runtime.Attention` (its plans): a diagnostic, not an
+API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import flexspec  # noqa: E402
+from flexspec import runtime  # noqa: E402
+from gpu import hand_written  # noqa: E402
+
+SPECS = ("sliding_window(1024)", "causal + alibi", "causal & doc")
+LENGTH = 256
+
+
+def breakdown(text: str, device, calls: int, rounds: int) -> list[str]:
+    torch._dynamo.reset()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    mask_mod, score_mod, bindings, _ = hand_written(text, 1, 2, LENGTH, device)
+    q, k, v = (torch.randn(1, 2, LENGTH, 64, device=device, dtype=dtype) for _ in range(3))
+    block_mask = create_block_mask(mask_mod, 1 if bindings else None, None, LENGTH, LENGTH,
+                                   device=device)
+    compiled = torch.compile(flex_attention)
+    attn = flexspec.compile(text, backend="flex")
+    attn(q, k, v, **bindings)
+    plan = next(iter(attn._plans.values()))
+    our_mask = plan.block_mask if plan.block_mask is not None else plan.last_block_mask
+    fresh_entry = runtime._compiled_entry(plan.lowered)
+    entry = plan.entry
+    functions = {
+        "hand": lambda: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask),
+        "entry+hand mods": lambda: fresh_entry(q, k, v, score_mod, block_mask, None, False,
+                                               plan.kernel_options),
+        "entry+our mods": lambda: entry(q, k, v, plan.score_mod, our_mask, None, False,
+                                        plan.kernel_options),
+        "flexspec": lambda: attn(q, k, v, **bindings),
+    }
+    times = _alternate(functions, device, calls, rounds)
+    plan.entry = lambda *args: args[0]
+    stubbed = _alternate({"stub": lambda: attn(q, k, v, **bindings)}, device, calls * 5, rounds)
+    plan.entry = entry
+    cells = [f"{statistics.median(times[name]):.1f} "
+             f"({statistics.median(a - b for a, b in zip(times[name], times['hand'])):+.1f})"
+             for name in functions]
+    return [text, *cells, f"{statistics.median(stubbed['stub']):.1f}"]
+
+
+def _alternate(functions: dict, device, calls: int, rounds: int) -> dict:
+    for fn in functions.values():
+        for _ in range(30):
+            fn()
+    times = {name: [] for name in functions}
+    for _ in range(rounds):
+        for name, fn in functions.items():
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            _sync(device)
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return times
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    header = ["spec", "hand", "entry+hand mods", "entry+our mods", "flexspec",
+              "python path only"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for text in SPECS:
+        lines.append("| " + " | ".join(breakdown(text, device, args.calls, args.rounds)) + " |")
+        print(lines[-1], flush=True)
+    print()
+    print("us per call (difference to hand)")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
