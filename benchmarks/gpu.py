@@ -274,28 +274,36 @@ def overhead(device, calls: int = 1000, rounds: int = 21) -> str:
         def hand_again():
             return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
-        def ours():
-            return attn(q, k, v, **bindings)
-
-        functions = (hand, ours, hand_again)
-        for fn in functions:
-            for _ in range(50):
-                fn()
-        times = {fn: [] for fn in functions}
-        for _ in range(rounds):
-            for fn in functions:
-                _sync(device)
-                start = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                _sync(device)
-                times[fn].append((time.perf_counter() - start) / calls * 1e6)
-        ours_minus_hand = statistics.median(o - h for o, h in zip(times[ours], times[hand]))
-        noise = statistics.median(a - h for a, h in zip(times[hand_again], times[hand]))
-        lines.append(f"| {text} | {statistics.median(times[hand]):.1f} | "
-                     f"{statistics.median(times[ours]):.1f} | {ours_minus_hand:+.1f} | "
-                     f"{noise:+.1f} |")
+        times = alternate({"hand": hand, "ours": lambda: attn(q, k, v, **bindings),
+                           "hand again": hand_again}, device, calls, rounds)
+        lines.append(f"| {text} | {statistics.median(times['hand']):.1f} | "
+                     f"{statistics.median(times['ours']):.1f} | "
+                     f"{median_difference(times['ours'], times['hand']):+.1f} | "
+                     f"{median_difference(times['hand again'], times['hand']):+.1f} |")
     return "\n".join(lines)
+
+
+def alternate(functions: dict, device, calls: int, rounds: int, warmup: int = 50) -> dict:
+    """Microseconds per call of each of ``functions`` (name -> callable), one list entry per
+    round; each round runs ``calls`` calls of every function in turn."""
+    for fn in functions.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in functions}
+    for _ in range(rounds):
+        for name, fn in functions.items():
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            _sync(device)
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return times
+
+
+def median_difference(times: list, baseline: list) -> float:
+    """The median over rounds of ``times - baseline``: drift shared by a round cancels."""
+    return statistics.median(a - b for a, b in zip(times, baseline))
 
 
 def _sync(device):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flexspec  # noqa: E402
 from flexspec import runtime  # noqa: E402
-from gpu import hand_written  # noqa: E402
+from gpu import alternate, hand_written, median_difference  # noqa: E402
 
 SPECS = ("sliding_window(1024)", "causal + alibi", "causal & doc")
 LENGTH = 256
@@ -60,35 +59,13 @@ def breakdown(text: str, device, calls: int, rounds: int) -> list[str]:
                                         plan.kernel_options),
         "flexspec": lambda: attn(q, k, v, **bindings),
     }
-    times = _alternate(functions, device, calls, rounds)
+    times = alternate(functions, device, calls, rounds)
     plan.entry = lambda *args: args[0]
-    stubbed = _alternate({"stub": lambda: attn(q, k, v, **bindings)}, device, calls * 5, rounds)
+    stubbed = alternate({"stub": lambda: attn(q, k, v, **bindings)}, device, calls * 5, rounds)
     plan.entry = entry
     cells = [f"{statistics.median(times[name]):.1f} "
-             f"({statistics.median(a - b for a, b in zip(times[name], times['hand'])):+.1f})"
-             for name in functions]
+             f"({median_difference(times[name], times['hand']):+.1f})" for name in functions]
     return [text, *cells, f"{statistics.median(stubbed['stub']):.1f}"]
-
-
-def _alternate(functions: dict, device, calls: int, rounds: int) -> dict:
-    for fn in functions.values():
-        for _ in range(30):
-            fn()
-    times = {name: [] for name in functions}
-    for _ in range(rounds):
-        for name, fn in functions.items():
-            _sync(device)
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            _sync(device)
-            times[name].append((time.perf_counter() - start) / calls * 1e6)
-    return times
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def main(argv=None) -> int:
