@@ -534,6 +534,28 @@ def test_ordered_lists_true_columns_first(batch, rows, columns, density, seed):
     assert count.is_contiguous() and indices.is_contiguous()
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 30), st.integers(1, 40), st.booleans(), st.sampled_from([0.0, 1e9]),
+       st.integers(0, 2**31 - 1))
+def test_ordered_run_rows_on_both_paths(rows, columns, scatter, run_fraction, seed):
+    # rows that are one run of columns (causal, window, document masks), some with extra True
+    # entries (several runs), laid out by the run path (fraction 0) and the rank path
+    gen = torch.Generator().manual_seed(seed)
+    ends = torch.randint(0, columns + 1, (2, rows, 1), generator=gen)
+    column = torch.arange(columns)
+    dense = (column >= ends.min(0).values) & (column < ends.max(0).values)
+    if scatter:
+        dense |= torch.rand(rows, columns, generator=gen) < 0.1
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(blocks, "RUN_PATH_FRACTION", run_fraction)
+        count, indices = ordered(dense)
+    expected = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
+    listed = column < count.unsqueeze(-1)
+    assert torch.equal(count, dense.sum(-1).to(torch.int32))
+    assert torch.equal(torch.where(listed, indices, -1), torch.where(listed, expected, -1))
+    assert ((indices >= 0) & (indices < columns)).all()
+
+
 def test_ordered_edge_rows():
     count, indices = ordered(torch.tensor([[False, False, False], [True, True, True],
                                            [False, True, False]]))
