@@ -24,6 +24,7 @@ import math
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -247,35 +248,56 @@ def _cell(value) -> str:
 # ---- per-call overhead --------------------------------------------------------------------------
 
 
+OVERHEAD_SPECS = ("sliding_window(1024)", "causal + alibi", "causal & doc")
+OVERHEAD_LENGTH = 256
+
+
+@dataclass
+class OverheadCase:
+    """One spec at B1 H2 S256 D64 (bf16 on CUDA), where the host path, not the kernel, sets the
+    pace: the inputs, the hand-written pieces (mods, prebuilt block mask, compiled flex_attention) and
+    flexspec's Attention (backend 'flex')."""
+
+    qkv: tuple
+    bindings: dict
+    score_mod: object
+    block_mask: object
+    compiled: object
+    attn: object
+
+    @classmethod
+    def build(cls, text: str, device) -> "OverheadCase":
+        torch._dynamo.reset()
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        length = OVERHEAD_LENGTH
+        mask_mod, score_mod, bindings, _ = hand_written(text, 1, 2, length, device)
+        qkv = tuple(torch.randn(1, 2, length, 64, device=device, dtype=dtype) for _ in range(3))
+        block_mask = create_block_mask(mask_mod, 1 if bindings else None, None, length, length,
+                                       device=device)
+        return cls(qkv, bindings, score_mod, block_mask, torch.compile(flex_attention),
+                   flexspec.compile(text, backend="flex"))
+
+    def hand(self):
+        return self.compiled(*self.qkv, score_mod=self.score_mod, block_mask=self.block_mask)
+
+    def ours(self):
+        return self.attn(*self.qkv, **self.bindings)
+
+
 def overhead(device, calls: int = 1000, rounds: int = 21) -> str:
     """Microseconds per call of flexspec (backend 'flex') against a hand-written call of the
-    compiled flex_attention with a prebuilt block mask, on tiny shapes where the Python path,
-    not the kernel, sets the pace.
+    compiled flex_attention with a prebuilt block mask (:class:`OverheadCase`).
 
     The two are timed in alternating rounds of ``calls`` calls, and the overhead is the median of
     the per-round differences, so that drift in the machine's speed cancels. A second
     hand-written closure timed the same way against the first gives the noise floor."""
     lines = ["| spec | hand-written us/call | flexspec us/call | overhead us | "
              "hand vs hand us |", "|---|---|---|---|---|"]
-    length = 256
-    for text in ("sliding_window(1024)", "causal + alibi", "causal & doc"):
-        torch._dynamo.reset()
-        mask_mod, score_mod, bindings, _ = hand_written(text, 1, 2, length, device)
-        q, k, v = (torch.randn(1, 2, length, 64, device=device, dtype=torch.bfloat16)
-                   for _ in range(3))
-        block_mask = create_block_mask(mask_mod, 1 if bindings else None, None, length, length,
-                                       device=device)
-        compiled = torch.compile(flex_attention)
-        attn = flexspec.compile(text, backend="flex")
-
-        def hand():
-            return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
-
-        def hand_again():
-            return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
-
-        times = alternate({"hand": hand, "ours": lambda: attn(q, k, v, **bindings),
-                           "hand again": hand_again}, device, calls, rounds)
+    for text in OVERHEAD_SPECS:
+        case = OverheadCase.build(text, device)
+        # "hand again" times the hand-written call a second time: the method's noise floor
+        times = alternate({"hand": case.hand, "ours": case.ours, "hand again": case.hand},
+                          device, calls, rounds)
         lines.append(f"| {text} | {statistics.median(times['hand']):.1f} | "
                      f"{statistics.median(times['ours']):.1f} | "
                      f"{median_difference(times['ours'], times['hand']):+.1f} | "

@@ -25,43 +25,32 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import flexspec  # noqa: E402
 from flexspec import runtime  # noqa: E402
-from gpu import alternate, hand_written, median_difference  # noqa: E402
-
-SPECS = ("sliding_window(1024)", "causal + alibi", "causal & doc")
-LENGTH = 256
+from gpu import OVERHEAD_SPECS, OverheadCase, alternate, median_difference  # noqa: E402
 
 
 def breakdown(text: str, device, calls: int, rounds: int) -> list[str]:
-    torch._dynamo.reset()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    mask_mod, score_mod, bindings, _ = hand_written(text, 1, 2, LENGTH, device)
-    q, k, v = (torch.randn(1, 2, LENGTH, 64, device=device, dtype=dtype) for _ in range(3))
-    block_mask = create_block_mask(mask_mod, 1 if bindings else None, None, LENGTH, LENGTH,
-                                   device=device)
-    compiled = torch.compile(flex_attention)
-    attn = flexspec.compile(text, backend="flex")
-    attn(q, k, v, **bindings)
-    plan = next(iter(attn._plans.values()))
+    case = OverheadCase.build(text, device)
+    case.ours()  # builds the plan
+    q, k, v = case.qkv
+    plan = next(iter(case.attn._plans.values()))
     our_mask = plan.block_mask if plan.block_mask is not None else plan.last_block_mask
     fresh_entry = runtime._compiled_entry(plan.lowered)
     entry = plan.entry
     functions = {
-        "hand": lambda: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask),
-        "entry+hand mods": lambda: fresh_entry(q, k, v, score_mod, block_mask, None, False,
-                                               plan.kernel_options),
+        "hand": case.hand,
+        "entry+hand mods": lambda: fresh_entry(q, k, v, case.score_mod, case.block_mask, None,
+                                               False, plan.kernel_options),
         "entry+our mods": lambda: entry(q, k, v, plan.score_mod, our_mask, None, False,
                                         plan.kernel_options),
-        "flexspec": lambda: attn(q, k, v, **bindings),
+        "flexspec": case.ours,
     }
     times = alternate(functions, device, calls, rounds)
     plan.entry = lambda *args: args[0]
-    stubbed = alternate({"stub": lambda: attn(q, k, v, **bindings)}, device, calls * 5, rounds)
+    stubbed = alternate({"stub": case.ours}, device, calls * 5, rounds)
     plan.entry = entry
     cells = [f"{statistics.median(times[name]):.1f} "
              f"({median_difference(times[name], times['hand']):+.1f})" for name in functions]
@@ -78,7 +67,7 @@ def main(argv=None) -> int:
     header = ["spec", "hand", "entry+hand mods", "entry+our mods", "flexspec",
               "python path only"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for text in SPECS:
+    for text in OVERHEAD_SPECS:
         lines.append("| " + " | ".join(breakdown(text, device, args.calls, args.rounds)) + " |")
         print(lines[-1], flush=True)
     print()

@@ -65,6 +65,9 @@ FLASH_CAPABILITIES = (9, 10)
 # positions, i.e. shorter than one 128-position block (plain torch reproduces it; 127, 129 and
 # longer sequences were right in every run).
 SHORT_CPU_LENGTH = 128
+# Forward+backward work in forwards: the backward does 2.5 forwards' matrix products (five
+# against two), as FlashAttention counts it.
+FORWARD_AND_BACKWARD = 3.5
 
 
 class BackendError(SpecError):
@@ -92,6 +95,12 @@ class Request:
     reference_fits: bool = True      # the dense reference fits its memory budget
     flash_installed: bool = False
     flash_failed: str | None = None  # FLASH failed to compile this spec before (the error)
+
+    @property
+    def blocks_of_128(self) -> bool:
+        """Both block sizes are multiples of 128: what FLASH needs, and what Triton's default
+        tiles (up to 128 wide) divide."""
+        return not any(size % 128 for size in self.block_size)
 
     @property
     def dense_flops(self) -> float:
@@ -191,9 +200,7 @@ def why_not(backend: str, request: Request, spec: ir.AttentionIR) -> str | None:
     if backend == "sdpa":
         form = sdpa_form(spec)
         if form is None:
-            return ("SDPA runs only full attention or top-left causal attention, optionally "
-                    "times a positive constant; this spec has mask "
-                    f"`{ir.to_text(spec.mask)}` and score `{ir.to_text(spec.score)}`")
+            return not_sdpa(spec)
         if form.causal and request.q_len != request.kv_len:
             return (f"SDPA's is_causal equals `causal` only when Q_LEN == KV_LEN, got "
                     f"{request.q_len} and {request.kv_len}")
@@ -222,7 +229,7 @@ def why_not(backend: str, request: Request, spec: ir.AttentionIR) -> str | None:
             return ("FLASH's backward gave NaN gradients for a score that reads a tensor "
                     "(sliding_window + alibi on the H200, FA4 4.0.0b36), so flexspec runs such "
                     "backward passes elsewhere")
-        if any(size % 128 for size in request.block_size):
+        if not request.blocks_of_128:
             return f"FLASH needs block sizes that are multiples of 128, got {request.block_size}"
         if request.flash_failed is not None:
             return f"FLASH failed to compile this spec: {request.flash_failed}"
@@ -230,7 +237,7 @@ def why_not(backend: str, request: Request, spec: ir.AttentionIR) -> str | None:
     if backend == "flex":
         if request.grads and device in ("cpu", "mps"):
             return f"FlexAttention has no backward pass on {device}"
-        if request.grads and device == "cuda" and any(size % 128 for size in request.block_size):
+        if request.grads and device == "cuda" and not request.blocks_of_128:
             return ("FlexAttention's Triton backward found no kernel for blocks of "
                     f"{request.block_size[0]}x{request.block_size[1]} (torch filters its backward "
                     "tiles, up to 128 wide, before it reads kernel options; H200, torch 2.11): "
@@ -240,8 +247,22 @@ def why_not(backend: str, request: Request, spec: ir.AttentionIR) -> str | None:
                     f"shorter than one block ({SHORT_CPU_LENGTH} positions), so flexspec does "
                     "not run it there")
         return None
-    raise BackendError(f"unknown backend '{backend}'.{did_you_mean(backend, BACKENDS)} "
-                       f"Backends: {', '.join(BACKENDS)}")
+    check_backend_name(backend)
+    raise BackendError("'auto' is not one backend but a choice among them: use choose()")
+
+
+def check_backend_name(backend: str) -> None:
+    """A :class:`BackendError` unless ``backend`` is one of :data:`BACKENDS`."""
+    if backend not in BACKENDS:
+        raise BackendError(f"unknown backend '{backend}'.{did_you_mean(backend, BACKENDS)} "
+                           f"Backends: {', '.join(BACKENDS)}")
+
+
+def not_sdpa(spec: ir.AttentionIR) -> str:
+    """Why SDPA cannot run a spec that :func:`sdpa_form` rejects."""
+    return ("SDPA runs only full attention or top-left causal attention, optionally times a "
+            f"positive constant; this spec has mask `{ir.to_text(spec.mask)}` and score "
+            f"`{ir.to_text(spec.score)}`")
 
 
 def _auto_order(request: Request) -> list[tuple[str, str]]:
@@ -302,7 +323,7 @@ def attention_flops(pairs: float, head_dim: int, v_head_dim: int, *, backward: b
     p.v per pair forward; the backward does 2.5 times the forward's work (five products against
     two), as FlashAttention counts it."""
     forward = 2.0 * pairs * (head_dim + v_head_dim)
-    return forward * 3.5 if backward else forward
+    return forward * FORWARD_AND_BACKWARD if backward else forward
 
 
 @dataclass(frozen=True)
@@ -338,7 +359,8 @@ class Explanation:
             f"density:  {self.density:.2%} of (q, kv) pairs visible; {self.tile_density:.2%} "
             f"of {self.block_size[0]}x{self.block_size[1]} tiles computed",
             f"work:     {_flops_text(self.flops)} forward"
-            + (f", {_flops_text(self.flops * 3.5)} forward+backward" if self.grads else ""),
+            + (f", {_flops_text(self.flops * FORWARD_AND_BACKWARD)} forward+backward"
+               if self.grads else ""),
             f"backend:  {self.choice.backend}: {self.choice.reason}",
         ]
         for name, reason in self.choice.rejected:

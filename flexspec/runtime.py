@@ -42,8 +42,8 @@ from torch.nn.attention.flex_attention import (BlockMask, create_block_mask, fle
                                                noop_mask)
 
 from . import ir
-from .backends import (BACKENDS, BackendError, Choice, Explanation, Request, SdpaForm,
-                       attention_flops, choose, flash_installed, sdpa_form)
+from .backends import (BackendError, Choice, Explanation, Request, SdpaForm, attention_flops,
+                       check_backend_name, choose, flash_installed, not_sdpa, sdpa_form)
 from .errors import BindingError, SpecError, did_you_mean
 from .blocks import build_block_mask, count_visible
 from .intervals import lookup_ranges
@@ -272,14 +272,10 @@ class Attention:
 
     def __init__(self, spec: Spec, *, backend: str = "auto", block_size=128,
                  block_masks: str = "exact"):
-        if backend not in BACKENDS:
-            raise BackendError(f"unknown backend '{backend}'.{did_you_mean(backend, BACKENDS)} "
-                               f"Backends: {', '.join(BACKENDS)}")
+        check_backend_name(backend)
         if backend == "sdpa" and sdpa_form(spec.ir) is None:
-            raise BackendError(
-                f"backend 'sdpa' cannot run '{spec}': SDPA runs only full attention or top-left "
-                "causal attention, optionally times a positive constant. backend='auto' chooses "
-                "one that can")
+            raise BackendError(f"backend 'sdpa' cannot run '{spec}': {not_sdpa(spec.ir)}. "
+                               "backend='auto' chooses one that can")
         if block_masks not in BLOCK_MASK_MODES:
             raise SpecError(f"unknown block_masks mode '{block_masks}'."
                             f"{did_you_mean(block_masks, BLOCK_MASK_MODES)} Modes: "
@@ -712,7 +708,7 @@ def _kernel_options(backend: str, request: Request) -> dict | None:
     if backend == "flash":
         return FLASH_OPTIONS
     options = {}
-    if request.device_type in ("cuda", "xpu") and any(size % 128 for size in request.block_size):
+    if request.device_type in ("cuda", "xpu") and not request.blocks_of_128:
         options.update(_small_block_tiles(*request.block_size))
     if request.table_grads and request.device_type == "cuda" and request.head_dim > 64:
         options.update(TABLE_GRAD_OPTIONS)

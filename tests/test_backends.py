@@ -172,6 +172,8 @@ def test_explicit_backends_and_their_errors():
         choose("sdpa", dataclasses.replace(CPU, kv_len=5000), ir("causal"))
     with pytest.raises(BackendError, match="unknown backend 'flsh'. Did you mean 'flash'"):
         why_not("flsh", CPU, ir("causal"))
+    with pytest.raises(BackendError, match="'auto' is not one backend .* use choose"):
+        why_not("auto", CPU, ir("causal"))
 
 
 @given(device=st.sampled_from(["cpu", "cuda", "mps"]), grads=st.booleans(),
