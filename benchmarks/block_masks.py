@@ -20,8 +20,8 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 import flexspec
-from flexspec.blocks import build_block_mask
-from flexspec.lower import lower
+from flexspec.kernels.blocks import build_block_mask
+from flexspec.kernels.lower import lower
 
 SPECS = ["causal", "sliding_window(1024)", "causal & document", "prefix_lm(512)",
          "chunked(2048)", "dilated(512, 4)", "natten"]

@@ -8,19 +8,19 @@
 
 from __future__ import annotations
 
-from .errors import (BindingError, RegistryError, SpecCheckError, SpecError, SpecSyntaxError)
-from .library import Library, load
-from .registry import Pattern
-from .registry import registry as _registry
-from .spec import Spec
+from flexspec.errors import (BindingError, RegistryError, SpecCheckError, SpecError, SpecSyntaxError)
+from flexspec.lang.library import Library, load
+from flexspec.lang.registry import Pattern
+from flexspec.lang.registry import registry as _registry
+from flexspec.lang.spec import Spec
 
 __version__ = "0.1.0"
 
 
 def parse(text, *, library: Library | None = None) -> Spec:
     """Parse and check a spec expression; names resolve in ``library`` first, then the registry."""
-    from .checker import check_spec
-    from .parser import parse_spec
+    from flexspec.lang.checker import check_spec
+    from flexspec.lang.parser import parse_spec
 
     if isinstance(text, Spec):
         return text
@@ -35,11 +35,11 @@ def compile(spec, *, library: Library | None = None, backend: str = "auto", bloc
 
     ``backend`` is ``"auto"`` (per call, the fastest backend that can run it; ``explain`` says
     which), ``"flash"``, ``"sdpa"``, ``"flex"`` or ``"reference"`` (see
-    :mod:`flexspec.backends`). ``block_size`` is an int or a (q, kv) pair; ``block_masks`` picks how block masks are built:
+    :mod:`flexspec.runtime.backends`). ``block_size`` is an int or a (q, kv) pair; ``block_masks`` picks how block masks are built:
     ``"exact"`` (interval analysis refined inside partial tiles; the default), ``"intervals"``
     (the analysis alone) or ``"dense"`` (torch's ``create_block_mask``).
     """
-    from .runtime import Attention
+    from flexspec.runtime.attention import Attention
 
     return Attention(parse(spec, library=library), backend=backend, block_size=block_size,
                      block_masks=block_masks)
@@ -60,7 +60,7 @@ def pattern(name: str) -> Pattern:
 def __getattr__(name):
     # torch is imported on first use of the runtime, not by `import flexspec`.
     if name in ("Attention", "SpecAttention"):
-        from . import runtime
+        from flexspec.runtime import attention as runtime
         return getattr(runtime, name)
     raise AttributeError(f"module 'flexspec' has no attribute {name!r}")
 

@@ -19,7 +19,7 @@ covered as soon as their YAML file exists:
   random float biases), sometimes in the smaller broadcastable shape (``[KV_LEN]`` for
   ``[B, KV_LEN]``), and optionally values for learnable tables too (passed by name);
 * :func:`tensor_values`: values for every tensor an IR reads, keyed by
-  :func:`flexspec.tensors.tensor_key`, for the reference evaluator;
+  :func:`flexspec.kernels.tensors.tensor_key`, for the reference evaluator;
 * :func:`cases`: a spec, a shape that fits it and bindings, together.
 
 >>> from hypothesis import given, settings
@@ -47,9 +47,10 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError("flexspec.testing needs hypothesis, a test extra: "
                       "pip install 'flexspec[test]' (or pip install hypothesis)") from err
 
-from . import ast, ir
-from .registry import Pattern, registry
-from .spec import Spec
+from flexspec import ir
+from flexspec.lang import ast
+from flexspec.lang.registry import Pattern, registry
+from flexspec.lang.spec import Spec
 
 
 def slow_examples(count: int) -> int:
@@ -341,7 +342,7 @@ def specs(max_masks: int = 3, max_scores: int = 2, *, kinds=DEFAULT_KINDS, names
           compact: bool = True):
     """Checked :class:`~flexspec.Spec` objects: :func:`spec_texts` parsed by
     :func:`flexspec.parse` (every drawn text is valid, so a checker error is a real failure)."""
-    from . import parse
+    from flexspec import parse
 
     return spec_texts(max_masks, max_scores, kinds=kinds, names=names,
                       compact=compact).map(parse)
@@ -389,7 +390,7 @@ def _as_ir(spec) -> ir.AttentionIR:
         return spec.ir
     if hasattr(spec, "ir") and isinstance(spec.ir, ir.AttentionIR):  # Attention
         return spec.ir
-    from . import parse
+    from flexspec import parse
 
     return parse(spec).ir
 
@@ -403,9 +404,9 @@ def lookups_fit(spec, shape: Shape, *, exact: bool = True) -> bool:
     score falls back to interval analysis. With ``exact=False`` only interval analysis is used,
     which is what the runtime checks before a call: sound, but it may refuse shapes that fit.
     """
-    from .intervals import lookup_ranges
-    from .reference import evaluate, index_grid
-    from .tensors import declared_shape
+    from flexspec.ir.intervals import lookup_ranges
+    from flexspec.kernels.reference import evaluate, index_grid
+    from flexspec.kernels.tensors import declared_shape
 
     spec_ir = _as_ir(spec)
     sizes = shape.sizes
@@ -460,7 +461,7 @@ def shapes(draw, max_len: int = 300, *, spec=None, max_batch: int = 3, max_kv_he
 def _tensor_value(draw, tensor: ir.Tensor, sizes: dict, broadcast: bool):
     import torch
 
-    from .tensors import declared_shape
+    from flexspec.kernels.tensors import declared_shape
 
     shape = list(declared_shape(tensor, sizes))
     if broadcast:
@@ -514,9 +515,9 @@ def bindings(draw, spec, shape: Shape, *, broadcast: bool = True, learnables: bo
 @st.composite
 def tensor_values(draw, spec, shape: Shape, *, broadcast: bool = True):
     """Values for *every* tensor ``spec`` (an IR, or anything :func:`specs` gives) reads, keyed by
-    :func:`flexspec.tensors.tensor_key`: bindings and learnables drawn as in :func:`bindings`,
-    builtins (``alibi_slopes(H)``) computed. What :mod:`flexspec.reference` takes."""
-    from .tensors import builtin_tensor, tensor_key
+    :func:`flexspec.kernels.tensors.tensor_key`: bindings and learnables drawn as in :func:`bindings`,
+    builtins (``alibi_slopes(H)``) computed. What :mod:`flexspec.kernels.reference` takes."""
+    from flexspec.kernels.tensors import builtin_tensor, tensor_key
 
     spec_ir = _as_ir(spec)
     values = {}
@@ -541,7 +542,7 @@ class Case(NamedTuple):
 
     def attention(self, **kwargs):
         """``flexspec.compile(self.spec, **kwargs)``."""
-        from . import compile as compile_spec
+        from flexspec import compile as compile_spec
 
         return compile_spec(self.spec, **kwargs)
 

@@ -4,7 +4,13 @@
 ``-m slow`` or ``--run-slow``; ``gpu`` tests are skipped where no CUDA device is present.
 """
 
+import sys
+from pathlib import Path
+
 import pytest
+
+# Test helpers shared by the folders (ir_examples) live here, beside this file.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def pytest_addoption(parser):

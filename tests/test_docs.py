@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import flexspec
-from flexspec.library import check_text, load_text
+from flexspec.lang.library import check_text, load_text
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "language.md"
 FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```\s*$", re.S | re.M)
@@ -41,7 +41,7 @@ def ids(items):
 
 def registry_or_skip():
     try:
-        flexspec.registry.registry()
+        flexspec.lang.registry.registry()
     except flexspec.SpecError as err:
         pytest.skip(f"the registry does not load: {err.message}")
 

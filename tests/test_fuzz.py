@@ -3,8 +3,8 @@
 Hypothesis feeds random text (from an alphabet rich in the language's own characters), random
 token sequences (which get past the parser far more often and so reach the checker), and
 mutations of valid specs and ``.attn`` files (characters inserted, deleted, replaced; tokens
-duplicated, dropped, swapped) to ``flexspec.parse``, ``flexspec.library.check_text`` and
-``flexspec.library.load_text``. Whatever they raise must be a ``SpecError`` with a message and a
+duplicated, dropped, swapped) to ``flexspec.parse``, ``flexspec.lang.library.check_text`` and
+``flexspec.lang.library.load_text``. Whatever they raise must be a ``SpecError`` with a message and a
 rendering; in particular never a lark exception, a ``RecursionError``, a ``ZeroDivisionError``
 from constant folding, or a ``KeyError``/``AssertionError`` from a half-handled case.
 
@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 import flexspec
 from flexspec.errors import Source
-from flexspec.library import check_text, load_text
-from flexspec.parser import parse_expr, parse_file
+from flexspec.lang.library import check_text, load_text
+from flexspec.lang.parser import parse_expr, parse_file
 
 SCALE = float(os.environ.get("FUZZ_SCALE", "1"))
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flexspec
-from flexspec.backends import flash_installed
+from flexspec.runtime.backends import flash_installed
 
 pytestmark = pytest.mark.gpu
 

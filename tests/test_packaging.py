@@ -43,7 +43,7 @@ def test_flexspec_list_runs_from_the_wheel(installed):
 
 def test_wheel_contains_grammar_patterns_and_example(installed):
     env, work = installed
-    code = ("import flexspec, flexspec.parser as p, flexspec.registry as r, pathlib;"
+    code = ("import flexspec, flexspec.lang.parser as p, flexspec.lang.registry as r, pathlib;"
             "print(p.grammar_path()); print(r.patterns_dir());"
             "print(pathlib.Path(flexspec.__file__).parent.joinpath('examples','model.attn').is_file())")
     result = _run([str(env / "bin" / "python"), "-c", code], cwd=work)

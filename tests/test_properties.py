@@ -18,12 +18,13 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_mask, flex_attention, noop_mask
 
 import flexspec
-from flexspec import ir, runtime
-from flexspec.blocks import count_visible
-from flexspec.checker import Checker
-from flexspec.reference import dense_mask, dense_scores
-from flexspec.simplify import simplify
-from flexspec.tensors import prepare
+from flexspec import ir
+from flexspec.runtime import attention as runtime
+from flexspec.kernels.blocks import count_visible
+from flexspec.lang.checker import Checker
+from flexspec.kernels.reference import dense_mask, dense_scores
+from flexspec.ir.simplify import simplify
+from flexspec.kernels.tensors import prepare
 from flexspec.testing import (KINDS, Case, Shape, bindings, cases, lookups_fit, shapes,
                               slow_examples, spec_texts, specs, tensor_values)
 
@@ -269,7 +270,7 @@ def test_lowered_mods_match_the_reference_sweep(case, seed):
 @given(st.data())
 def test_simplification_preserves_mask_and_scores(data):
     spec = data.draw(specs(**ALL_KINDS))
-    value = Checker(flexspec.registry.registry().scope).spec(spec.expr)
+    value = Checker(flexspec.lang.registry.registry().scope).spec(spec.expr)
     raw = ir.AttentionIR(value.mask, value.score)
     assert spec.ir == ir.AttentionIR(simplify(raw.mask), simplify(raw.score))
     shape = data.draw(shapes(max_len=150, spec=raw))

@@ -1,0 +1,332 @@
+"""Interval analysis of IR expressions. Pure Python; array libraries plug in through ``ops``.
+
+Given a range ``[lo, hi]`` for every variable, each node gets sound bounds:
+
+* a numeric node gets ``(lo, hi)``: every value it can take lies inside;
+* a boolean node gets ``(must, may)``: ``must`` means true everywhere in the ranges, ``may``
+  means true somewhere. A mask tile is FULL when ``must``, EMPTY when ``not may``, else PARTIAL.
+
+The rules follow tinygrad's ``vmin``/``vmax``: for ``a - b`` the range is
+``[a.lo - b.hi, a.hi - b.lo]``; a comparison ``a < b`` must hold when ``a.hi < b.lo`` and may
+hold when ``a.lo < b.hi``. Bounds are floats (``inf`` means unbounded), exact for integers up to
+2**53. The same rules run on Python numbers (:class:`ScalarOps`, used by the runtime to prove that
+lookups stay inside their tensors) and, vectorised over every tile of a block mask at once, on
+torch tensors (:mod:`flexspec.kernels.blocks` passes its own ops).
+
+>>> from flexspec.ir import Binary, Var
+>>> bounds(Binary("-", Var("q"), Var("kv")), {"q": (0, 9), "kv": (0, 4)})
+(-4, 9)
+"""
+
+from __future__ import annotations
+
+import math
+
+from flexspec import ir
+from flexspec.ir.simplify import SCALAR_FUNCTIONS
+
+INF = math.inf
+
+
+class ScalarOps:
+    """Interval arithmetic on Python floats and bools."""
+
+    @staticmethod
+    def const(value):
+        return value
+
+    minimum = staticmethod(min)
+    maximum = staticmethod(max)
+
+    @staticmethod
+    def where(cond, a, b):
+        return a if cond else b
+
+    @staticmethod
+    def all(*values):
+        return all(values)
+
+    @staticmethod
+    def any(*values):
+        return any(values)
+
+    @staticmethod
+    def logical_not(value):
+        return not value
+
+    @staticmethod
+    def fix_nan(value, replacement):
+        return replacement if isinstance(value, float) and math.isnan(value) else value
+
+    @staticmethod
+    def floor(value):
+        return float(math.floor(value)) if math.isfinite(value) else value
+
+    @staticmethod
+    def ceil(value):
+        return float(math.ceil(value)) if math.isfinite(value) else value
+
+    @staticmethod
+    def apply(fn: str, value):
+        try:
+            return SCALAR_FUNCTIONS[fn](value)
+        except (ValueError, OverflowError):
+            return math.nan if fn in ("log", "log2", "sqrt") else INF
+
+    @staticmethod
+    def lookup(node, index_bounds):
+        return None
+
+
+_INCREASING = ("tanh", "exp", "exp2", "log", "log2", "sqrt", "sigmoid", "sign")
+
+
+class Analyzer:
+    """Computes bounds of IR nodes for the variable ranges in ``ranges`` (name -> (lo, hi)).
+
+    ``ops`` supplies the array operations (see :class:`ScalarOps`); its ``lookup(node, index)``
+    bounds a tensor lookup from the bounds of its indices, or returns ``None`` for "unknown".
+    An unknown numeric bound is ``(-inf, inf)``; an unknown boolean is ``(False, True)``.
+    """
+
+    def __init__(self, ops, ranges: dict):
+        self.ops = ops
+        self.ranges = ranges
+
+    # ---- numbers
+    def number(self, node: ir.Expr):
+        ops = self.ops
+        if isinstance(node, ir.Const):
+            value = ops.const(float(node.value))
+            return value, value
+        if isinstance(node, ir.Var):
+            if node.name in self.ranges:
+                lo, hi = self.ranges[node.name]
+                return ops.const(lo), ops.const(hi)
+            return ops.const(-INF), ops.const(INF)
+        if isinstance(node, ir.Unary) and node.op == "neg":
+            lo, hi = self.number(node.operand)
+            return -hi, -lo
+        if isinstance(node, ir.Binary):
+            return self._arith(node.op, self.number(node.left), self.number(node.right))
+        if isinstance(node, ir.Call):
+            return self._call(node)
+        if isinstance(node, ir.Lookup):
+            found = ops.lookup(node, [self.number(i) for i in node.index])
+            return found if found is not None else (ops.const(-INF), ops.const(INF))
+        return ops.const(-INF), ops.const(INF)
+
+    def _corners(self, values):
+        ops = self.ops
+        values = [ops.fix_nan(v, 0.0) for v in values]  # 0 * inf: the bound is 0 at that corner
+        lo, hi = values[0], values[0]
+        for v in values[1:]:
+            lo, hi = ops.minimum(lo, v), ops.maximum(hi, v)
+        return lo, hi
+
+    def _arith(self, op: str, a, b):
+        ops = self.ops
+        (alo, ahi), (blo, bhi) = a, b
+        if op == "+":
+            return alo + blo, ahi + bhi
+        if op == "-":
+            return alo - bhi, ahi - blo
+        if op == "*":
+            return self._corners([alo * blo, alo * bhi, ahi * blo, ahi * bhi])
+        spans_zero = ops.all(blo <= 0, bhi >= 0)
+        unbounded = ops.const(-INF), ops.const(INF)
+        # a divisor interval that contains 0: replace it by 1 to compute, then discard
+        safe_lo = ops.where(spans_zero, ops.const(1.0), blo)
+        safe_hi = ops.where(spans_zero, ops.const(1.0), bhi)
+        if op in ("/", "//"):
+            quotients = [alo / safe_lo, alo / safe_hi, ahi / safe_lo, ahi / safe_hi]
+            lo, hi = self._corners(quotients)
+            if op == "//":
+                lo, hi = ops.floor(lo), ops.floor(hi)
+            return ops.where(spans_zero, unbounded[0], lo), ops.where(spans_zero, unbounded[1], hi)
+        if op == "%":
+            # Python's modulo by a positive divisor lies in [0, divisor - 1]; it is exact (and
+            # monotone) while the dividend stays inside one period of a fixed divisor.
+            exact = ops.all(blo == bhi, blo > 0)
+            same_period = ops.all(exact, ops.floor(alo / safe_lo) == ops.floor(ahi / safe_lo))
+            period_lo = alo - ops.floor(alo / safe_lo) * safe_lo
+            period_hi = ahi - ops.floor(ahi / safe_lo) * safe_lo
+            positive = blo > 0
+            lo = ops.where(same_period, period_lo, ops.where(positive, ops.const(0.0), blo + 1))
+            hi = ops.where(same_period, period_hi, ops.where(positive, bhi - 1, ops.const(0.0)))
+            return ops.where(spans_zero, unbounded[0], lo), ops.where(spans_zero, unbounded[1], hi)
+        raise ValueError(f"not an arithmetic operator: {op}")
+
+    def _call(self, node: ir.Call):
+        ops = self.ops
+        fn = node.fn
+        if fn == "where":
+            must, may = self.boolean(node.args[0])
+            (alo, ahi), (blo, bhi) = self.number(node.args[1]), self.number(node.args[2])
+            (alo, ahi), (blo, bhi) = self._narrow(node.args[0], node.args[1], (alo, ahi), True), \
+                self._narrow(node.args[0], node.args[2], (blo, bhi), False)
+            lo = ops.where(must, alo, ops.where(ops.logical_not(may), blo, ops.minimum(alo, blo)))
+            hi = ops.where(must, ahi, ops.where(ops.logical_not(may), bhi, ops.maximum(ahi, bhi)))
+            return lo, hi
+        args = [self.number(a) for a in node.args]
+        if fn == "abs":
+            lo, hi = args[0]
+            low = ops.where(lo >= 0, lo, ops.where(hi <= 0, -hi, ops.const(0.0)))
+            high = ops.maximum(-lo, hi)
+            return low, high
+        if fn in ("min", "max"):
+            pick = ops.minimum if fn == "min" else ops.maximum
+            return pick(args[0][0], args[1][0]), pick(args[0][1], args[1][1])
+        if fn == "clamp":  # min(max(x, lo), hi)
+            (xlo, xhi), (llo, lhi), (hlo, hhi) = args
+            raised = ops.maximum(xlo, llo), ops.maximum(xhi, lhi)
+            return ops.minimum(raised[0], hlo), ops.minimum(raised[1], hhi)
+        if fn == "floor":
+            return ops.floor(args[0][0]), ops.floor(args[0][1])
+        if fn == "ceil":
+            return ops.ceil(args[0][0]), ops.ceil(args[0][1])
+        if fn in _INCREASING:
+            lo, hi = args[0]
+            return (ops.fix_nan(ops.apply(fn, lo), -INF), ops.fix_nan(ops.apply(fn, hi), INF))
+        return ops.const(-INF), ops.const(INF)
+
+    def _narrow(self, cond: ir.Expr, branch: ir.Expr, bounds, taken: bool):
+        """Bounds of a ``where`` branch that the condition itself limits: in
+        ``where(d < 8, d, f(d))`` the first branch is below 8 and the second at least 8."""
+        if not (isinstance(cond, ir.Binary) and cond.op in ("<", "<=", ">", ">=")):
+            return bounds
+        op = cond.op if taken else {"<": ">=", "<=": ">", ">": "<=", ">=": "<"}[cond.op]
+        if cond.right == branch and cond.left != branch:  # flip `y < x` into `x > y`
+            other = cond.left
+            op = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}[op]
+        elif cond.left == branch:
+            other = cond.right
+        else:
+            return bounds
+        lo, hi = bounds
+        olo, ohi = self.number(other)
+        step = 1.0 if branch.type == "int" and other.type == "int" else 0.0
+        ops = self.ops
+        if op == "<":
+            hi = ops.minimum(hi, ohi - step)
+        elif op == "<=":
+            hi = ops.minimum(hi, ohi)
+        elif op == ">":
+            lo = ops.maximum(lo, olo + step)
+        else:
+            lo = ops.maximum(lo, olo)
+        return lo, hi
+
+    # ---- booleans
+    def boolean(self, node: ir.Expr):
+        ops = self.ops
+        if isinstance(node, ir.Const):
+            value = ops.const(bool(node.value))
+            return value, value
+        if isinstance(node, ir.Unary) and node.op == "not":
+            must, may = self.boolean(node.operand)
+            return ops.logical_not(may), ops.logical_not(must)
+        if isinstance(node, (ir.And, ir.Or)):
+            parts = [self.boolean(a) for a in node.args]
+            combine = ops.all if isinstance(node, ir.And) else ops.any
+            return combine(*[p[0] for p in parts]), combine(*[p[1] for p in parts])
+        if isinstance(node, ir.Binary) and node.op in ir.COMPARE_OPS:
+            if node.left.type == "bool":
+                return self._bool_equality(node)
+            must, may = self._compare(node.op, self.number(node.left), self.number(node.right))
+            nan = self.ops.any(self.may_be_nan(node.left), self.may_be_nan(node.right))
+            # a NaN operand makes every comparison false, except != which it makes true
+            if node.op == "!=":
+                return must, self.ops.any(may, nan)
+            return self.ops.all(must, self.ops.logical_not(nan)), may
+        if isinstance(node, ir.Call) and node.fn == "where":
+            cond = self.boolean(node.args[0])
+            a, b = self.boolean(node.args[1]), self.boolean(node.args[2])
+            pick = [ops.where(cond[0], a[i], ops.where(ops.logical_not(cond[1]), b[i],
+                                                        (ops.all if i == 0 else ops.any)(a[i], b[i])))
+                    for i in (0, 1)]
+            return pick[0], pick[1]
+        if isinstance(node, ir.Lookup):
+            found = ops.lookup(node, [self.number(i) for i in node.index])
+            if found is not None:
+                lo, hi = found
+                return lo >= 1, hi >= 1
+        return ops.const(False), ops.const(True)
+
+    def may_be_nan(self, node: ir.Expr):
+        """Whether a numeric node can be NaN somewhere in the ranges: a square root or logarithm
+        of a range reaching below 0, 0 / 0, inf - inf, 0 * inf, or a NaN operand. Ints never are."""
+        ops = self.ops
+        if node.type != "float":
+            return ops.const(False)
+        if isinstance(node, ir.Unary):
+            return self.may_be_nan(node.operand)
+        if isinstance(node, ir.Binary):
+            nan = ops.any(self.may_be_nan(node.left), self.may_be_nan(node.right))
+            (alo, ahi), (blo, bhi) = self.number(node.left), self.number(node.right)
+            a_zero, b_zero = ops.all(alo <= 0, ahi >= 0), ops.all(blo <= 0, bhi >= 0)
+            a_inf = ops.any(alo == -INF, ahi == INF)
+            b_inf = ops.any(blo == -INF, bhi == INF)
+            if node.op in ("/", "//", "%"):
+                return ops.any(nan, ops.all(a_zero, b_zero), ops.all(a_inf, b_inf))
+            if node.op == "*":
+                return ops.any(nan, ops.all(a_zero, b_inf), ops.all(b_zero, a_inf))
+            return ops.any(nan, ops.all(a_inf, b_inf))  # inf - inf, -inf + inf
+        if isinstance(node, ir.Call):
+            args = [a for a in node.args if a.type != "bool"]
+            nan = ops.any(*[self.may_be_nan(a) for a in args]) if args else ops.const(False)
+            if node.fn in ("sqrt", "log", "log2"):
+                return ops.any(nan, self.number(node.args[0])[0] < 0)
+            return nan
+        return ops.const(False)
+
+    def _compare(self, op: str, a, b):
+        ops = self.ops
+        (alo, ahi), (blo, bhi) = a, b
+        if op == "<":
+            return ahi < blo, alo < bhi
+        if op == "<=":
+            return ahi <= blo, alo <= bhi
+        if op == ">":
+            return alo > bhi, ahi > blo
+        if op == ">=":
+            return alo >= bhi, ahi >= blo
+        equal_must = ops.all(alo == ahi, blo == bhi, alo == blo)
+        equal_may = ops.all(alo <= bhi, blo <= ahi)
+        if op == "==":
+            return equal_must, equal_may
+        return ops.logical_not(equal_may), ops.logical_not(equal_must)
+
+    def _bool_equality(self, node: ir.Binary):
+        ops = self.ops
+        (am, ay), (bm, by) = self.boolean(node.left), self.boolean(node.right)
+        not_ay, not_by = ops.logical_not(ay), ops.logical_not(by)
+        equal_must = ops.any(ops.all(am, bm), ops.all(not_ay, not_by))
+        differ_must = ops.any(ops.all(am, not_by), ops.all(not_ay, bm))
+        equal_may = ops.logical_not(differ_must)
+        if node.op == "==":
+            return equal_must, equal_may
+        return differ_must, ops.logical_not(equal_must)
+
+
+def bounds(expr: ir.Expr, ranges: dict):
+    """``(lo, hi)`` of a numeric expression over Python ranges, or ``None`` when unbounded."""
+    lo, hi = Analyzer(ScalarOps, ranges).number(expr)
+    if lo == -INF and hi == INF:
+        return None
+    return lo, hi
+
+
+def lookup_ranges(spec: ir.AttentionIR, sizes: dict) -> list:
+    """For every tensor lookup of ``spec``: ``(tensor, dim, index_expr, (lo, hi) | None)`` with the
+    range of the index when ``b h q kv`` range over the given sizes."""
+    ranges = {"b": (0, sizes["B"] - 1), "h": (0, sizes["H"] - 1),
+              "q": (0, sizes["Q_LEN"] - 1), "kv": (0, sizes["KV_LEN"] - 1)}
+    ranges.update((name, (sizes[name], sizes[name])) for name in ir.SIZE_VARS)
+    found = []
+    for root in (spec.mask, spec.score):
+        for node in ir.walk(root):
+            if isinstance(node, ir.Lookup) and isinstance(node.tensor, ir.Tensor):
+                for dim, index in enumerate(node.index):
+                    found.append((node.tensor, dim, index, bounds(index, ranges)))
+    return found

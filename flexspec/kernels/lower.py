@@ -1,0 +1,345 @@
+"""Lowering: the IR turned into FlexAttention's ``mask_mod`` and ``score_mod`` functions.
+
+The functions are generated as readable Python source (what ``flexspec explain`` shows and a user
+may paste into a model), then built by ``exec``. Inside them every index is a 0-d int tensor
+(FlexAttention vmaps them, dynamo traces them and inductor fuses them into its kernel), so only
+ops that survive vmap + dynamo + inductor are emitted. Sizes are plain Python ints: an expression
+over sizes and constants only is emitted with Python operators and ``math``, never torch.
+
+Recompilation. ``torch.compile(flex_attention)`` must not recompile when the same spec runs with
+fresh tensor values of the same shape (new ``doc_ids`` each step): dynamo gives up after 8
+recompiles and falls back to an unfused path that materialises the S^2 scores. What matters is the
+*code object*: functions with the same code but fresh closure cells (or fresh globals) are
+matched by dynamo's guards, and their tensors become graph inputs, read anew each call; a fresh
+``exec`` of the same text makes a new code object, which recompiles every time. So each
+:class:`Lowered` compiles its source once, into a factory whose parameters are the sizes and the
+tensors, and :meth:`Lowered.make_mods` calls that factory: every call returns new closures over
+the same code. Measured (tests/test_lower.py): 4 calls with fresh closures and fresh ``doc_ids``
+compile 1 frame, 3 calls with a fresh ``exec`` each compile 3 (torch 2.13 CPU and torch 2.11 on
+an H200, inductor and the eager backend alike). A shared holder whose tensors are swapped would
+not recompile either, but a BlockMask made earlier would then silently read the new values.
+
+This module must not import the reference: tests compare the two.
+"""
+
+from __future__ import annotations
+
+import functools
+import keyword
+import linecache
+import math
+import re
+import types
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from flexspec import ir
+from flexspec.errors import BindingError, SpecError
+from flexspec.kernels.tensors import tensor_key
+
+MASK_PARAMS = ("b", "h", "q_idx", "kv_idx")
+SCORE_PARAMS = ("score",) + MASK_PARAMS
+_INDEX_NAMES = {"b": "b", "h": "h", "q": "q_idx", "kv": "kv_idx", "score": "score"}
+# Names the generated code uses itself; a tensor may not take one of them.
+_RESERVED = frozenset(SCORE_PARAMS + ir.SIZE_VARS + ("torch", "math", "inf", "mask_mod",
+                                                     "score_mod", "_flexspec_mods"))
+
+# Python operator precedence, loosest first (the conditional expression is loosest of all).
+_COND, _OR_KW, _AND_KW, _NOT_KW, _CMP, _BOR, _BAND, _ADD, _MUL, _UNARY, _POW, _ATOM = range(12)
+_ARITH_PREC = {"+": _ADD, "-": _ADD, "*": _MUL, "/": _MUL, "//": _MUL, "%": _MUL}
+_FLOAT_FNS = ("tanh", "exp", "exp2", "log", "log2", "sqrt", "sigmoid")
+_LINE_LIMIT = 96
+
+
+@dataclass(frozen=True)
+class _Code:
+    """Emitted text, its Python precedence, and whether it is a tensor or a Python scalar."""
+
+    text: str
+    prec: int
+    tensor: bool
+
+    def at(self, minimum: int) -> str:
+        return f"({self.text})" if self.prec < minimum else self.text
+
+
+class _Emitter:
+    """Emits one expression; records which free names (sizes, tensors, inf, math) it used."""
+
+    def __init__(self, names: dict):
+        self.names = names  # tensor_key -> Python identifier
+        self.used: set[str] = set()
+
+    def emit(self, node: ir.Expr) -> _Code:
+        method = getattr(self, "_" + type(node).__name__.lower(), None)
+        if method is None:
+            raise SpecError(f"cannot lower '{ir.to_text(node)}' to FlexAttention")
+        return method(node)
+
+    def _const(self, node: ir.Const) -> _Code:
+        value = node.value
+        if isinstance(value, float) and math.isinf(value):
+            self.used.add("inf")
+            return _Code("inf" if value > 0 else "-inf", _ATOM if value > 0 else _UNARY, False)
+        text = repr(value)
+        return _Code(text, _UNARY if text.startswith("-") else _ATOM, False)
+
+    def _var(self, node: ir.Var) -> _Code:
+        if node.name in ir.SIZE_VARS:
+            self.used.add(node.name)
+            return _Code(node.name, _ATOM, False)
+        return _Code(_INDEX_NAMES[node.name], _ATOM, True)
+
+    def _lookup(self, node: ir.Lookup) -> _Code:
+        if not isinstance(node.tensor, ir.Tensor):
+            raise SpecError(f"tensor parameter '{node.tensor.name}' has no value to lower")
+        name = self.names[tensor_key(node.tensor)]
+        self.used.add(name)
+        if not node.index:
+            return _Code(name, _ATOM, True)
+        index = ", ".join(self.emit(i).at(_OR_KW) for i in node.index)
+        return _Code(f"{name}[{index}]", _ATOM, True)
+
+    def _unary(self, node: ir.Unary) -> _Code:
+        x = self.emit(node.operand)
+        if node.op == "neg":
+            return _Code("-" + x.at(_UNARY), _UNARY, x.tensor)
+        if x.tensor:
+            return _Code("~" + x.at(_UNARY), _UNARY, True)
+        return _Code("not " + x.at(_NOT_KW), _NOT_KW, False)
+
+    def _binary(self, node: ir.Binary) -> _Code:
+        left, right = self.emit(node.left), self.emit(node.right)
+        tensor = left.tensor or right.tensor
+        if node.op in ir.COMPARE_OPS:
+            # Operands one level tighter: Python would chain `a < b < c`.
+            return _Code(f"{left.at(_CMP + 1)} {node.op} {right.at(_CMP + 1)}", _CMP, tensor)
+        prec = _ARITH_PREC[node.op]
+        return _Code(f"{left.at(prec)} {node.op} {right.at(prec + 1)}", prec, tensor)
+
+    def _and(self, node: ir.And) -> _Code:
+        return self._chain(node.args, "&", _BAND, "and", _AND_KW, "True")
+
+    def _or(self, node: ir.Or) -> _Code:
+        return self._chain(node.args, "|", _BOR, "or", _OR_KW, "False")
+
+    def _chain(self, args, op, prec, kw, kw_prec, empty) -> _Code:
+        if not args:
+            return _Code(empty, _ATOM, False)
+        codes = [self.emit(a) for a in args]
+        if len(codes) == 1:
+            return codes[0]
+        if any(c.tensor for c in codes):
+            return _Code(f" {op} ".join(c.at(prec + 1) for c in codes), prec, True)
+        return _Code(f" {kw} ".join(c.at(kw_prec + 1) for c in codes), kw_prec, False)
+
+    def _call(self, node: ir.Call) -> _Code:
+        fn = node.fn
+        args = [self.emit(a) for a in node.args]
+        arg_types = [ir.type_of(a) for a in node.args]
+        if fn == "where":
+            return self._where(*args)
+        if fn in ("min", "max"):
+            return self._minmax(fn, args[0], args[1])
+        if fn == "clamp":
+            x, lo, hi = args
+            if x.tensor and lo.tensor == hi.tensor:
+                return _call("torch.clamp", x, lo, hi)
+            return self._minmax("min", self._minmax("max", x, lo), hi)
+        x = args[0]
+        if fn == "abs":
+            return _call("torch.abs" if x.tensor else "abs", x)
+        if fn == "sign":
+            if x.tensor:
+                return _call("torch.sign", x)
+            text = f"({x.at(_CMP + 1)} > 0) - ({x.at(_CMP + 1)} < 0)"
+            code = _Code(text, _ADD, False)
+            return _call("float", code) if arg_types[0] == "float" else code
+        if fn in ("floor", "ceil"):
+            if arg_types[0] != "float":
+                return x
+            if x.tensor:
+                return _Code(f"torch.{fn}({x.text}).to(torch.int64)", _ATOM, True)
+            self.used.add("math")
+            return _call(f"math.{fn}", x)
+        if fn in _FLOAT_FNS:
+            if x.tensor:
+                if arg_types[0] != "float":
+                    # Float math needs a float tensor; the indices are ints.
+                    x = _Code(f"{x.at(_ATOM)}.to(torch.float32)", _ATOM, True)
+                return _call(f"torch.{fn}", x)
+            self.used.add("math")
+            if fn == "exp2":
+                return _Code(f"2.0 ** {x.at(_UNARY)}", _POW, False)
+            if fn == "sigmoid":
+                return _Code(f"1.0 / (1.0 + math.exp(-{x.at(_UNARY)}))", _MUL, False)
+            return _call(f"math.{fn}", x)
+        raise SpecError(f"cannot lower function '{fn}' to FlexAttention")
+
+    def _where(self, cond: _Code, a: _Code, b: _Code) -> _Code:
+        if not cond.tensor:
+            if a.tensor == b.tensor:
+                return _Code(f"{a.at(_OR_KW)} if {cond.at(_OR_KW)} else {b.at(_COND)}", _COND,
+                             a.tensor)
+            # One branch is a Python scalar: a Python `if` would give a scalar on some calls
+            # and a tensor on others, so make the condition a tensor and let torch choose.
+            cond = _Code(f"torch.full_like(q_idx, {cond.text}, dtype=torch.bool)", _ATOM, True)
+        return _call("torch.where", cond, a, b)
+
+    def _minmax(self, fn: str, a: _Code, b: _Code) -> _Code:
+        if a.tensor and b.tensor:
+            return _call("torch.minimum" if fn == "min" else "torch.maximum", a, b)
+        if a.tensor or b.tensor:
+            # torch.minimum wants two tensors; clamp takes a Python number and promotes the
+            # dtype (int tensor, float bound -> float) the same way.
+            t, s = (a, b) if a.tensor else (b, a)
+            bound = "max" if fn == "min" else "min"
+            return _Code(f"torch.clamp({t.text}, {bound}={s.text})", _ATOM, True)
+        return _call(fn, a, b)
+
+
+def _call(fn: str, *args: _Code) -> _Code:
+    return _Code(f"{fn}({', '.join(a.text for a in args)})", _ATOM, any(a.tensor for a in args))
+
+
+def _identifier(key: str, taken: set) -> str:
+    """A readable Python identifier for a tensor key: ``alibi_slopes(H)`` -> ``alibi_slopes_H``."""
+    base = re.sub(r"\W+", "_", key).strip("_") or "tensor"
+    if base[0].isdigit():
+        base = "t_" + base
+    if keyword.iskeyword(base) or base in _RESERVED:
+        base += "_"
+    name, n = base, 2
+    while name in taken:
+        name, n = f"{base}_{n}", n + 1
+    return name
+
+
+def _split_chain(code: _Code, expr: ir.Expr, emitter: _Emitter) -> str:
+    """The return expression; a long ``&``/``|`` chain goes one term per line."""
+    text = code.text
+    if len(text) + 11 <= _LINE_LIMIT or not isinstance(expr, (ir.And, ir.Or)) or not code.tensor:
+        return text
+    op, prec = ("&", _BAND) if isinstance(expr, ir.And) else ("|", _BOR)
+    terms = [emitter.emit(a).at(prec + 1) for a in expr.args]
+    return "(\n        " + f"\n        {op} ".join(terms) + "\n    )"
+
+
+def _mask_source(expr: ir.Expr, emitter: _Emitter) -> str:
+    code = emitter.emit(expr)
+    if ir.type_of(expr) != "bool":
+        raise SpecError(f"the mask '{ir.to_text(expr)}' is not a boolean expression")
+    body = _split_chain(code, expr, emitter) if code.tensor else \
+        f"torch.full_like(q_idx, {code.text}, dtype=torch.bool)"
+    return (f"def mask_mod({', '.join(MASK_PARAMS)}):\n"
+            f"    # {ir.to_text(expr)}\n"
+            f"    return {body}\n")
+
+
+def _score_source(expr: ir.Expr, emitter: _Emitter) -> str:
+    code = emitter.emit(expr)
+    if ir.type_of(expr) == "bool":
+        raise SpecError(f"the score '{ir.to_text(expr)}' is not numeric")
+    if not code.tensor:
+        body = f"torch.full_like(score, {code.text})"
+    elif ir.type_of(expr) == "int" or not ir.depends_on(expr, ir.SCORE_VAR):
+        # The kernel expects a float score whatever the expression computes.
+        body = f"{code.at(_ATOM)}.to(score.dtype)"
+    else:
+        body = code.text
+    return (f"def score_mod({', '.join(SCORE_PARAMS)}):\n"
+            f"    # {ir.to_text(expr)}\n"
+            f"    return {body}\n")
+
+
+@dataclass(frozen=True, eq=False)
+class Lowered:
+    """The FlexAttention functions of one IR, as source, and a way to build them.
+
+    ``mask_source`` / ``score_source`` are ``None`` when the spec has no mask / no score
+    modifier. ``tensor_names`` maps each :func:`~flexspec.kernels.tensors.tensor_key` to the Python name
+    the source uses for it; ``size_names`` lists the sizes the source reads.
+    """
+
+    ir: ir.AttentionIR
+    mask_source: str | None
+    score_source: str | None
+    tensor_names: dict = field(repr=False)
+    size_names: tuple = ()
+    _factory: Callable = field(default=None, repr=False)
+
+    def make_mods(self, sizes: dict, tensors: dict) -> tuple:
+        """``(mask_mod, score_mod)`` for these sizes (``B H Q_LEN KV_LEN``, Python ints) and
+        tensor values (keyed by tensor_key); ``None`` for a missing half.
+
+        Each call returns new functions over the same code objects, so a compiled
+        ``flex_attention`` does not recompile for fresh tensors of the same shape.
+        """
+        missing = [key for key in self.tensor_names if key not in tensors]
+        if missing:
+            raise BindingError("no value was given for tensor " +
+                               ", ".join(f"'{key}'" for key in missing))
+        absent = [name for name in self.size_names if name not in sizes]
+        if absent:
+            raise SpecError("no value was given for size " + ", ".join(absent))
+        values = {name: int(sizes[name]) for name in self.size_names}
+        values.update((ident, tensors[key]) for key, ident in self.tensor_names.items())
+        return self._factory(**values)
+
+    def source(self) -> str:
+        """Both functions as one pasteable piece of Python, headed by the free names it needs."""
+        lines = [f"# flexspec lowering of   mask:  {ir.to_text(self.ir.mask)}",
+                 f"#                        score: {ir.to_text(self.ir.score)}"]
+        free = [f"{name} (int)" for name in self.size_names]
+        free += [f"{ident} (tensor '{key}')" for key, ident in self.tensor_names.items()]
+        lines.append("# free names: " + (", ".join(free) if free else "none"))
+        lines += ["import math", "", "import torch", "", "inf = math.inf", "", "", ""]
+        parts = [s for s in (self.mask_source, self.score_source) if s is not None]
+        return "\n".join(lines) + "\n\n\n".join(parts)
+
+
+@functools.lru_cache(maxsize=512)
+def lower(spec: ir.AttentionIR) -> Lowered:
+    """The :class:`Lowered` functions of an IR; equal IR gives the very same object.
+
+    The IR should already be specialized to the actual tensor shapes
+    (:func:`flexspec.kernels.tensors.specialize_ir`), so a broadcast tensor gives a mask without ``b``.
+    """
+    taken = set(_RESERVED)
+    names = {}
+    for t in spec.tensors():
+        key = tensor_key(t)
+        names[key] = _identifier(key, taken)
+        taken.add(names[key])
+    emitter = _Emitter(names)
+    mask_source = _mask_source(spec.mask, emitter) if spec.has_mask else None
+    score_source = _score_source(spec.score, emitter) if spec.has_score else None
+    size_names = tuple(n for n in ir.SIZE_VARS if n in emitter.used)
+    used_names = {key: ident for key, ident in names.items() if ident in emitter.used}
+    factory = _build_factory(mask_source, score_source, size_names, tuple(used_names.values()))
+    return Lowered(spec, mask_source, score_source, types.MappingProxyType(used_names), size_names,
+                   factory)
+
+
+_counter = iter(range(1, 1 << 62))
+
+
+def _build_factory(mask_source, score_source, size_names, tensor_idents) -> Callable:
+    """Compile the sources once, inside a function whose parameters are the free names."""
+    params = ", ".join(("*",) + size_names + tensor_idents) if size_names or tensor_idents else ""
+    body = "".join(_indent(s) + "\n" for s in (mask_source, score_source) if s is not None)
+    result = ", ".join(n if s is not None else "None"
+                       for n, s in (("mask_mod", mask_source), ("score_mod", score_source)))
+    text = f"def _flexspec_mods({params}):\n{body}    return {result}\n"
+    # A unique file name registered with linecache, so tracebacks and dynamo show the source.
+    filename = f"<flexspec-lowered-{next(_counter)}>"
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    namespace = {"torch": torch, "math": math, "inf": math.inf}
+    exec(compile(text, filename, "exec"), namespace)
+    return namespace["_flexspec_mods"]
+
+
+def _indent(text: str) -> str:
+    return "".join("    " + line if line.strip() else line for line in text.splitlines(True))

@@ -1,0 +1,308 @@
+"""The eager reference: what a spec means, computed densely in float64.
+
+This module *is* the semantics of flexspec. It interprets the IR with plain torch ops on
+broadcastable index grids and computes attention the textbook way, so every fast path (the
+FlexAttention lowering, block masks, other backends) is tested against it. It must never import
+the lowering nor call FlexAttention, or those tests would compare the code with itself.
+
+Semantics of the IR, as implemented by :func:`evaluate`:
+
+* indices, sizes and int constants are int64; ``//`` floors and ``%`` takes the sign of the
+  divisor (Python's rules); ``/`` is true division in float64; every float is float64;
+* comparisons give bools; ``&``, ``|``, ``~`` work on bools only;
+* ``floor`` and ``ceil`` give int64; ``tanh exp exp2 log log2 sqrt sigmoid`` give float64;
+  ``clamp(x, lo, hi)`` is ``min(max(x, lo), hi)``; ``sign`` keeps its argument's type;
+* a tensor lookup reads the value at the evaluated indices; a tensor with fewer dimensions
+  than indices gains leading size-1 dimensions, and a size-1 dimension is read at index 0
+  whatever the index (broadcasting); an index out of range is an error.
+
+Attention: logits ``q @ k^T * scale`` go through the score pipeline at every position, masked
+positions become ``-inf``, then softmax. A query row with no finite logit returns zeros (never
+NaN), as FlexAttention does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flexspec import ir
+from flexspec.errors import SpecError
+from flexspec.kernels.tensors import tensor_key
+
+# The largest dense [B, H, Q_LEN, KV_LEN] float64 array the reference agrees to build. The
+# attention itself holds a few such arrays at once; this bounds their size, not their count.
+MAX_BYTES = 2 * 1024**3
+
+_FLOAT = torch.float64
+_INT = torch.int64
+
+
+def check_budget(batch: int, heads: int, q_len: int, kv_len: int, max_bytes: int | None = None):
+    """Raise :class:`SpecError` if one dense float64 score array would exceed the budget."""
+    limit = MAX_BYTES if max_bytes is None else max_bytes
+    need = batch * heads * q_len * kv_len * 8
+    if need > limit:
+        raise SpecError(
+            f"the dense reference would need {_gib(need)} for B={batch}, H={heads}, "
+            f"Q_LEN={q_len}, KV_LEN={kv_len} (limit {_gib(limit)}); use smaller shapes")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.1f} GiB"
+
+
+def index_grid(batch: int, heads: int, q_len: int, kv_len: int, device="cpu") -> dict:
+    """The variables of the IR for a dense evaluation: broadcastable int64 index grids for
+    ``b h q kv`` (shaped ``[B,1,1,1]``, ``[1,H,1,1]``, ...) and the sizes as Python ints."""
+    def axis(n: int, dim: int) -> torch.Tensor:
+        shape = [1, 1, 1, 1]
+        shape[dim] = n
+        return torch.arange(n, dtype=_INT, device=device).reshape(shape)
+    return {"b": axis(batch, 0), "h": axis(heads, 1), "q": axis(q_len, 2), "kv": axis(kv_len, 3),
+            "B": batch, "H": heads, "Q_LEN": q_len, "KV_LEN": kv_len}
+
+
+def evaluate(expr: ir.Expr, grid: dict, tensors: dict) -> torch.Tensor:
+    """The value of ``expr`` as a tensor broadcastable to ``[B, H, Q_LEN, KV_LEN]``.
+
+    ``grid`` holds the index grids and sizes of :func:`index_grid`, and ``score`` (a float64
+    ``[B, H, Q_LEN, KV_LEN]`` tensor) when the expression reads it. ``tensors`` maps
+    :func:`flexspec.kernels.tensors.tensor_key` to each tensor's value.
+    """
+    device = grid["b"].device if "b" in grid else "cpu"
+    return _Evaluator(grid, tensors, device).eval(expr)
+
+
+class _Evaluator:
+    def __init__(self, grid: dict, tensors: dict, device):
+        self.grid = grid
+        self.tensors = tensors
+        self.device = device
+
+    def eval(self, node: ir.Expr) -> torch.Tensor:
+        method = getattr(self, "_" + type(node).__name__.lower(), None)
+        if method is None:
+            raise SpecError(f"the reference cannot evaluate '{ir.to_text(node)}'")
+        return method(node)
+
+    def _const(self, node: ir.Const) -> torch.Tensor:
+        value = node.value
+        if isinstance(value, bool):
+            dtype = torch.bool
+        else:
+            dtype = _INT if isinstance(value, int) else _FLOAT
+        return torch.tensor(value, dtype=dtype, device=self.device)
+
+    def _var(self, node: ir.Var) -> torch.Tensor:
+        if node.name not in self.grid:
+            raise SpecError(f"no value for '{node.name}' in this evaluation")
+        value = self.grid[node.name]
+        if isinstance(value, torch.Tensor):
+            return value.to(_FLOAT) if node.name == ir.SCORE_VAR else value
+        return torch.tensor(int(value), dtype=_INT, device=self.device)
+
+    def _param(self, node: ir.Param) -> torch.Tensor:
+        raise SpecError(f"parameter '{node.name}' has no value; only resolved specs can run")
+
+    def _lookup(self, node: ir.Lookup) -> torch.Tensor:
+        tensor = node.tensor
+        if not isinstance(tensor, ir.Tensor):
+            raise SpecError(f"tensor parameter '{tensor.name}' has no value")
+        key = tensor_key(tensor)
+        if key not in self.tensors:
+            raise SpecError(f"no value was given for tensor '{key}'")
+        value = self.tensors[key].to(self.device)
+        if value.dim() > len(node.index):
+            raise SpecError(f"tensor '{key}' has {value.dim()} dimensions but is read with "
+                            f"{len(node.index)} indices")
+        value = value.reshape((1,) * (len(node.index) - value.dim()) + tuple(value.shape))
+        index = []
+        for position, (expr, size) in enumerate(zip(node.index, value.shape)):
+            i = self.eval(expr)
+            if i.dtype != _INT:
+                raise SpecError(f"index {position} of '{ir.to_text(node)}' is not an int")
+            # A size-1 dimension broadcasts: read at 0 whatever the index says.
+            index.append(torch.zeros_like(i) if size == 1 else i)
+        if any(((i < 0) | (i >= size)).any() for i, size in zip(index, value.shape)):
+            raise SpecError(f"'{ir.to_text(node)}' reads outside tensor '{key}' of shape "
+                            f"{list(value.shape)}")
+        result = value[tuple(index)]
+        if result.dtype.is_floating_point:
+            return result.to(_FLOAT)
+        return result if result.dtype == torch.bool else result.to(_INT)
+
+    def _unary(self, node: ir.Unary) -> torch.Tensor:
+        x = self.eval(node.operand)
+        if node.op == "not":
+            return torch.logical_not(_bool(x, node))
+        return torch.neg(x)
+
+    def _binary(self, node: ir.Binary) -> torch.Tensor:
+        left, right = self.eval(node.left), self.eval(node.right)
+        op = node.op
+        if op == "+":
+            return left + right
+        if op == "-":
+            return left - right
+        if op == "*":
+            return left * right
+        if op == "/":
+            return left.to(_FLOAT) / right.to(_FLOAT)
+        if op == "//":
+            return torch.div(left, right, rounding_mode="floor")
+        if op == "%":
+            return torch.remainder(left, right)
+        if op == "<":
+            return left < right
+        if op == "<=":
+            return left <= right
+        if op == ">":
+            return left > right
+        if op == ">=":
+            return left >= right
+        if op == "==":
+            return left == right
+        if op == "!=":
+            return left != right
+        raise SpecError(f"unknown operator '{op}'")
+
+    def _and(self, node: ir.And) -> torch.Tensor:
+        result = torch.tensor(True, device=self.device)
+        for arg in node.args:
+            result = torch.logical_and(result, _bool(self.eval(arg), arg))
+        return result
+
+    def _or(self, node: ir.Or) -> torch.Tensor:
+        result = torch.tensor(False, device=self.device)
+        for arg in node.args:
+            result = torch.logical_or(result, _bool(self.eval(arg), arg))
+        return result
+
+    def _call(self, node: ir.Call) -> torch.Tensor:
+        args = [self.eval(a) for a in node.args]
+        fn = node.fn
+        if fn == "abs":
+            return torch.abs(args[0])
+        if fn == "sign":
+            return torch.sign(args[0])
+        if fn == "min":
+            return torch.minimum(args[0], args[1])
+        if fn == "max":
+            return torch.maximum(args[0], args[1])
+        if fn == "clamp":
+            return torch.minimum(torch.maximum(args[0], args[1]), args[2])
+        if fn == "where":
+            return torch.where(_bool(args[0], node.args[0]), args[1], args[2])
+        if fn in ("floor", "ceil"):
+            if args[0].dtype == _INT:
+                return args[0]
+            rounded = torch.floor(args[0]) if fn == "floor" else torch.ceil(args[0])
+            return rounded.to(_INT)
+        x = args[0].to(_FLOAT)
+        if fn == "tanh":
+            return torch.tanh(x)
+        if fn == "exp":
+            return torch.exp(x)
+        if fn == "exp2":
+            return torch.exp2(x)
+        if fn == "log":
+            return torch.log(x)
+        if fn == "log2":
+            return torch.log2(x)
+        if fn == "sqrt":
+            return torch.sqrt(x)
+        if fn == "sigmoid":
+            return torch.sigmoid(x)
+        raise SpecError(f"unknown function '{fn}'")
+
+
+def _bool(value: torch.Tensor, node: ir.Expr) -> torch.Tensor:
+    if value.dtype != torch.bool:
+        raise SpecError(f"'{ir.to_text(node)}' is not a boolean")
+    return value
+
+
+def dense_mask(spec: ir.AttentionIR, batch: int, heads: int, q_len: int, kv_len: int,
+               tensors: dict | None = None, device="cpu", *,
+               max_bytes: int | None = None) -> torch.Tensor:
+    """The mask as a bool tensor ``[batch, heads, q_len, kv_len]``: True where ``q`` sees ``kv``."""
+    check_budget(batch, heads, q_len, kv_len, max_bytes)
+    grid = index_grid(batch, heads, q_len, kv_len, device)
+    return _mask_on(spec, grid, tensors).expand(batch, heads, q_len, kv_len).contiguous()
+
+
+def dense_scores(spec: ir.AttentionIR, logits: torch.Tensor, tensors: dict | None = None, *,
+                 max_bytes: int | None = None) -> torch.Tensor:
+    """The score pipeline applied to float64 ``logits [B, H, Q_LEN, KV_LEN]`` (no masking)."""
+    batch, heads, q_len, kv_len = logits.shape
+    check_budget(batch, heads, q_len, kv_len, max_bytes)
+    grid = index_grid(batch, heads, q_len, kv_len, logits.device)
+    return _scores_on(spec, grid, logits, tensors).expand(batch, heads, q_len, kv_len)
+
+
+def _mask_on(spec: ir.AttentionIR, grid: dict, tensors: dict | None) -> torch.Tensor:
+    """The mask evaluated on an index grid (broadcastable bool)."""
+    return _bool(evaluate(spec.mask, grid, tensors or {}), spec.mask)
+
+
+def _scores_on(spec: ir.AttentionIR, grid: dict, logits: torch.Tensor,
+               tensors: dict | None) -> torch.Tensor:
+    """The score pipeline evaluated on an index grid whose ``score`` is ``logits`` (float64,
+    broadcastable)."""
+    grid = {**grid, ir.SCORE_VAR: logits.to(_FLOAT)}
+    scores = evaluate(spec.score, grid, tensors or {})
+    if scores.dtype == torch.bool:
+        raise SpecError(f"the score pipeline '{ir.to_text(spec.score)}' is not numeric")
+    return scores.to(_FLOAT)
+
+
+def reference_attention(spec: ir.AttentionIR, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        *, scale: float | None = None, tensors: dict | None = None,
+                        max_bytes: int | None = None,
+                        rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention as the spec defines it, computed densely in float64, returned in ``q.dtype``.
+
+    ``q`` is ``(B, Hq, Q_LEN, D)``, ``k`` and ``v`` are ``(B, Hkv, KV_LEN, D)`` (``v`` may have its
+    own last dimension). With ``Hq`` a multiple of ``Hkv`` (grouped-query attention), query head
+    ``h`` reads kv head ``h // (Hq // Hkv)``; the ``h`` and ``H`` the spec sees are the query
+    head and ``Hq``. ``scale`` defaults to ``1 / sqrt(D)``.
+
+    ``rows`` (int query positions) computes only those rows of the output, ``(B, Hq, len(rows),
+    Dv)``: the same semantics at a fraction of the memory, to check long sequences.
+    """
+    batch, heads, q_len, dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    if k.shape[0] != batch or v.shape[:3] != k.shape[:3] or k.shape[3] != dim:
+        raise SpecError(f"q {list(q.shape)}, k {list(k.shape)} and v {list(v.shape)} do not "
+                        "fit together")
+    if heads % kv_heads:
+        raise SpecError(f"{heads} query heads cannot share {kv_heads} key/value heads")
+    grid = index_grid(batch, heads, q_len, kv_len, q.device)
+    if rows is not None:
+        rows = torch.as_tensor(rows, dtype=_INT, device=q.device).reshape(-1)
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= q_len):
+            raise SpecError(f"rows must lie in 0..{q_len - 1}")
+        grid["q"] = rows.reshape(1, 1, -1, 1)
+        q = q[:, :, rows]
+    n_rows = q.shape[2]
+    check_budget(batch, heads, n_rows, kv_len, max_bytes)
+    group = heads // kv_heads
+    q64 = q.to(_FLOAT)
+    k64 = k.to(_FLOAT).repeat_interleave(group, dim=1)
+    v64 = v.to(_FLOAT).repeat_interleave(group, dim=1)
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    shape = (batch, heads, n_rows, kv_len)
+
+    logits = torch.matmul(q64, k64.transpose(-2, -1)) * scale
+    scores = _scores_on(spec, grid, logits, tensors).expand(shape)
+    scores = torch.where(_mask_on(spec, grid, tensors).expand(shape), scores, -math.inf)
+
+    # Softmax by hand so a row without any finite logit gives zeros instead of NaN.
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    weights = torch.exp(scores - row_max)
+    total = weights.sum(dim=-1, keepdim=True)
+    weights = weights / torch.where(total > 0, total, 1.0)
+    return torch.matmul(weights, v64).to(q.dtype)

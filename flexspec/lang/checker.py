@@ -1,0 +1,525 @@
+"""Name resolution, kind and type checking, and inlining: syntax tree -> IR.
+
+A spec expression is checked against a :class:`~flexspec.lang.definitions.Scope`. Every name is
+resolved (with "did you mean" suggestions), calls are matched to parameters (positional, keyword,
+defaults; types and constraints checked), definitions are inlined, and the result is one
+:class:`~flexspec.ir.AttentionIR`. Definitions are also checked on their own, with symbolic
+parameters, so an ``.attn`` file reports errors in definitions that no spec uses yet.
+
+Pure Python; no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from flexspec import ir
+from flexspec.lang import ast
+from flexspec.lang.definitions import Definition, ParamSpec, Scope
+from flexspec.errors import SpecCheckError, did_you_mean
+from flexspec.lang.printer import format_node
+from flexspec.ir.simplify import simplify
+
+INDEX_NAMES = set(ir.INDEX_VARS)
+SIZE_NAMES = set(ir.SIZE_VARS)
+RESERVED = INDEX_NAMES | SIZE_NAMES | {"score"} | set(ir.FUNCTIONS) | {"alibi_slopes", "learnable"}
+
+_ARITH = {"+", "-", "*", "/", "//", "%"}
+_LOGIC = {"&": ir.And, "|": ir.Or}
+
+
+@dataclass(frozen=True)
+class SpecValue:
+    """What a spec expression (or part of one) denotes: an optional mask and a score pipeline.
+
+    ``kind`` is ``mask`` (mask only), ``score`` (score modifiers only) or ``spec`` (both).
+    """
+
+    kind: str
+    mask: ir.Expr = ir.TRUE
+    score: ir.Expr = ir.SCORE
+
+
+def _describe(node: ast.Node) -> str:
+    text = format_node(node)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _type_name(t: str) -> str:
+    return {"bool": "a bool", "int": "an int", "float": "a float", "tensor": "a tensor"}[t]
+
+
+class Checker:
+    """Resolves names in one scope. Keeps the stack of definitions being inlined (for cycles)."""
+
+    def __init__(self, scope: Scope):
+        self.scope = scope
+        self.stack: list[str] = []
+        self.learnables: dict[str, int] = {}  # base name -> uses so far
+
+    # ------------------------------------------------------------------------------------------
+    # spec expressions
+
+    def spec(self, node: ast.Node) -> SpecValue:
+        if isinstance(node, ast.Chain):
+            return self._chain(node)
+        if isinstance(node, ast.Binary) and node.op in _LOGIC:
+            left, right = self._mask_operand(node.left, node), self._mask_operand(node.right, node)
+            return SpecValue("mask", mask=_LOGIC[node.op]((left, right)))
+        if isinstance(node, ast.Unary) and node.op == "~":
+            return SpecValue("mask", mask=ir.Unary("not", self._mask_operand(node.operand, node)))
+        if isinstance(node, (ast.Name, ast.Call)):
+            return self._spec_reference(node)
+        raise SpecCheckError(f"'{_describe(node)}' is not a pattern; a spec combines named "
+                             "patterns such as 'causal & window(128) + alibi'", node.span)
+
+    def _mask_operand(self, node: ast.Node, parent: ast.Node) -> ir.Expr:
+        value = self.spec(node)
+        if value.kind != "mask":
+            op = {"&": "'&'", "|": "'|'"}.get(getattr(parent, "op", ""), "'~'")
+            if value.kind == "score":
+                hint = f"e.g. 'causal + {_describe(node)}'"
+            else:  # `(causal + alibi) & window(3)`: the masks go first, the scores after them
+                hint = "after the masks, e.g. 'causal & window(128) + alibi'"
+            what = "a score modifier" if value.kind == "score" else "a spec with score modifiers"
+            raise SpecCheckError(
+                f"'{_describe(node)}' is {what}, so it cannot be combined with {op}; "
+                f"score modifiers join a spec with '+', {hint}", node.span)
+        return value.mask
+
+    def _chain(self, node: ast.Chain) -> SpecValue:
+        mask, mask_node, score = None, None, ir.SCORE
+        for term in node.terms:
+            value = self.spec(term)
+            if value.kind in ("mask", "spec"):
+                if mask is not None:
+                    raise SpecCheckError(
+                        f"a spec has at most one mask term, but '{_describe(mask_node)}' and "
+                        f"'{_describe(term)}' are both masks; combine masks with '&': "
+                        f"'{_describe(mask_node)} & {_describe(term)}'", term.span)
+                mask, mask_node = value.mask, term
+            if value.kind in ("score", "spec"):
+                score = ir.substitute(value.score, {"score": score})
+        return SpecValue("spec" if mask is not None and score != ir.SCORE else
+                         ("mask" if mask is not None else "score"),
+                         mask=mask if mask is not None else ir.TRUE, score=score)
+
+    def _spec_reference(self, node: ast.Name | ast.Call) -> SpecValue:
+        name = node.name if isinstance(node, ast.Name) else node.func
+        definition = self._lookup(name, node)
+        if definition.kind == "spec":
+            if isinstance(node, ast.Call):
+                raise SpecCheckError(f"'{name}' is a named spec and takes no arguments", node.span)
+            with self._inlining(definition, node):
+                return self.spec(definition.body)
+        args = node.args if isinstance(node, ast.Call) else ()
+        env = self._bind(definition, args, node, spec_level=True)
+        with self._inlining(definition, node):
+            body = self._definition_body(definition, env)
+        if definition.kind == "mask":
+            return SpecValue("mask", mask=body)
+        return SpecValue("score", score=body)
+
+    def _lookup(self, name: str, node: ast.Node) -> Definition:
+        definition = self.scope.lookup(name)
+        if definition is None:
+            if name in RESERVED:
+                raise SpecCheckError(f"'{name}' is a built-in name of the definition language, "
+                                     "not a pattern", node.span)
+            hint = did_you_mean(name, self.scope.names())
+            raise SpecCheckError(f"unknown pattern '{name}'.{hint}", node.span)
+        return definition
+
+    # ------------------------------------------------------------------------------------------
+    # definitions
+
+    @contextlib.contextmanager
+    def _inlining(self, definition: Definition, node: ast.Node):
+        """Marks ``definition`` as being inlined; entering it again is a cycle."""
+        if definition.name in self.stack:
+            cycle = self.stack[self.stack.index(definition.name):] + [definition.name]
+            raise SpecCheckError("definitions refer to each other in a cycle: "
+                                 + " -> ".join(cycle), node.span)
+        self.stack.append(definition.name)
+        try:
+            yield
+        finally:
+            self.stack.pop()
+
+    def _definition_body(self, definition: Definition, env: dict) -> ir.Expr:
+        local = dict(env)
+        if definition.kind == "score":
+            local.setdefault("score", ir.SCORE)
+        body = self.expr(definition.body, local, definition)
+        expected = "bool" if definition.kind == "mask" else None
+        if expected == "bool" and body.type != "bool":
+            raise SpecCheckError(f"mask '{definition.name}' must be a boolean expression, but its "
+                                 f"definition is {_type_name(body.type)}", definition.body.span)
+        if definition.kind == "score" and body.type not in ("int", "float"):
+            raise SpecCheckError(f"score '{definition.name}' must be a number, but its definition "
+                                 f"is {_type_name(body.type)}", definition.body.span)
+        return body
+
+    def check_definition(self, definition: Definition) -> None:
+        """Check a definition on its own, with its parameters left symbolic."""
+        if definition.kind == "spec":
+            with self._inlining(definition, definition.body):
+                self.spec(definition.body)
+            return
+        env = {}
+        for param in definition.params:
+            if param.name in RESERVED:
+                raise SpecCheckError(f"parameter name '{param.name}' is reserved (an index, size "
+                                     "or function of the language)", param.span)
+            if param.is_tensor:
+                dims = tuple(self._dim(d, env, definition) for d in param.dims)
+                env[param.name] = ir.Param(param.name, param.type, dims)
+            else:
+                env[param.name] = ir.Param(param.name, param.type)
+            if param.default is not None:
+                self._check_argument(definition, param, self._default(definition, param, env),
+                                     param.default)
+        # constraints see every parameter, as they do when a call is checked
+        for param in definition.params:
+            if param.constraint is not None:
+                constraint = self.expr(param.constraint, env, definition)
+                if constraint.type != "bool":
+                    raise SpecCheckError(f"the constraint of '{param.name}' must be a boolean "
+                                         "expression", param.constraint.span)
+        with self._inlining(definition, definition.body):
+            self._definition_body(definition, env)
+
+    # ------------------------------------------------------------------------------------------
+    # argument binding
+
+    def _bind(self, definition: Definition, args: tuple, call: ast.Node, *, spec_level: bool,
+              env: dict | None = None, context: Definition | None = None) -> dict:
+        """Match a call's arguments to the definition's parameters -> {param name: IR value}."""
+        params = definition.params
+        by_name = {p.name: p for p in params}
+        given: dict[str, tuple[ast.Node, ir.Expr]] = {}
+        seen_keyword = False
+        for position, arg in enumerate(args):
+            if isinstance(arg, ast.Keyword):
+                seen_keyword = True
+                if arg.name not in by_name:
+                    hint = did_you_mean(arg.name, by_name)
+                    raise SpecCheckError(f"'{definition.name}' has no parameter '{arg.name}'."
+                                         f"{hint} It takes {definition.signature()}", arg.span)
+                if arg.name in given:
+                    raise SpecCheckError(f"argument '{arg.name}' given twice", arg.span)
+                param, value_node = by_name[arg.name], arg.value
+            else:
+                if seen_keyword:
+                    raise SpecCheckError("a positional argument cannot follow a keyword argument",
+                                         arg.span)
+                if position >= len(params):
+                    count = len(params)
+                    takes = "no arguments" if count == 0 else (
+                        f"{count} argument{'s' if count != 1 else ''}: {definition.signature()}")
+                    raise SpecCheckError(f"'{definition.name}' takes {takes}, but "
+                                         f"{len(args)} {'was' if len(args) == 1 else 'were'} "
+                                         "given", arg.span)
+                param, value_node = params[position], arg
+                if param.name in given:
+                    raise SpecCheckError(f"argument '{param.name}' given twice", arg.span)
+            value = self._argument(param, value_node, spec_level, env, context)
+            given[param.name] = (value_node, value)
+
+        bound: dict[str, ir.Expr] = {}
+        for param in params:
+            if param.name in given:
+                node, value = given[param.name]
+                if param.is_tensor and isinstance(value, ir.Tensor) and value.origin == "binding" \
+                        and not value.shape:
+                    value = self._binding(param, value.name, bound, definition)
+                self._check_argument(definition, param, value, node)
+                if param.type == "float" and not param.is_tensor and value.type == "int":
+                    value = _to_float(value)
+            elif param.default is not None:
+                value = self._default(definition, param, bound)
+            elif param.is_tensor:
+                value = self._binding(param, param.name, bound, definition)
+            else:
+                raise SpecCheckError(f"'{definition.name}' needs a value for '{param.name}' "
+                                     f"({param.type}): write {definition.signature()}", call.span)
+            bound[param.name] = value
+        for param in params:
+            if param.constraint is not None and param.name in given:
+                self._check_constraint(definition, param, bound, given[param.name][0])
+        return bound
+
+    def _argument(self, param: ParamSpec, node: ast.Node, spec_level: bool, env, context) -> ir.Expr:
+        if param.is_tensor and isinstance(node, ast.Name):
+            if env is not None and node.name in env:
+                return env[node.name]
+            # A bare identifier names a runtime tensor binding; its shape is filled in by _bind.
+            return ir.Tensor(node.name, (), param.type)
+        if spec_level:
+            if isinstance(node, ast.Name):
+                raise SpecCheckError(
+                    f"'{node.name}' is a bare name, which in a spec names a runtime tensor, but "
+                    f"'{param.name}' is {_type_name(param.type)} parameter; pass a literal such "
+                    f"as {_example_literal(param.type)}", node.span)
+            return self._literal(node, param)
+        return self.expr(node, env or {}, context)
+
+    def _literal(self, node: ast.Node, param: ParamSpec) -> ir.Expr:
+        if isinstance(node, ast.Bool):
+            return ir.Const(node.value)
+        if isinstance(node, ast.Int):
+            return ir.Const(node.value)
+        if isinstance(node, ast.Float):
+            return ir.Const(node.value)
+        what = "a string" if isinstance(node, ast.Str) else f"'{_describe(node)}'"
+        raise SpecCheckError(f"'{param.name}' expects {_type_name(param.type if not param.is_tensor else 'tensor')}, "
+                             f"got {what}", node.span)
+
+    def _check_argument(self, definition: Definition, param: ParamSpec, value: ir.Expr,
+                        node: ast.Node) -> None:
+        got = value.type
+        if param.is_tensor:
+            if got != "tensor":
+                raise SpecCheckError(f"'{param.name}' of '{definition.name}' expects a tensor "
+                                     f"({param.signature()}), got {_type_name(got)}", node.span)
+            return
+        ok = got == param.type or (param.type == "float" and got == "int")
+        if not ok:
+            raise SpecCheckError(f"'{param.name}' of '{definition.name}' expects "
+                                 f"{_type_name(param.type)}, got {_type_name(got)}"
+                                 f" ({_describe(node)})", node.span)
+
+    def _check_constraint(self, definition: Definition, param: ParamSpec, bound: dict,
+                          node: ast.Node) -> None:
+        constraint = simplify(self.expr(param.constraint, dict(bound), definition))
+        if constraint == ir.FALSE:
+            value = simplify(bound[param.name])
+            raise SpecCheckError(f"'{definition.name}' requires {format_node(param.constraint)}, "
+                                 f"but {param.name} = {value}", node.span)
+
+    def _default(self, definition: Definition, param: ParamSpec, bound: dict) -> ir.Expr:
+        node = param.default
+        if param.is_tensor and isinstance(node, ast.Call) and node.func in ("alibi_slopes", "learnable"):
+            return self._tensor_builtin(definition, param, node, bound)
+        value = self.expr(node, dict(bound), definition)
+        if param.type == "float" and value.type == "int":
+            value = _to_float(value)
+        return value
+
+    def _dim(self, node: ast.Node, env: dict, definition: Definition) -> ir.Expr:
+        value = simplify(self.expr(node, env, definition))
+        if value.type != "int":
+            raise SpecCheckError(f"a tensor dimension must be an int expression, got "
+                                 f"{_type_name(value.type)}", node.span)
+        return value
+
+    def _binding(self, param: ParamSpec, name: str, bound: dict, definition: Definition) -> ir.Tensor:
+        dims = tuple(self._dim(d, dict(bound), definition) for d in param.dims)
+        return ir.Tensor(name, dims, param.type, "binding")
+
+    def _tensor_builtin(self, definition, param, node: ast.Call, bound: dict) -> ir.Tensor:
+        dims = tuple(self._dim(d, dict(bound), definition) for d in param.dims)
+        positional = [a for a in node.args if not isinstance(a, ast.Keyword)]
+        keywords = {a.name: a for a in node.args if isinstance(a, ast.Keyword)}
+        if node.func == "alibi_slopes":
+            if len(positional) != 1 or keywords:
+                raise SpecCheckError("alibi_slopes takes one argument, the number of heads: "
+                                     "alibi_slopes(H)", node.span)
+            heads = self._dim(positional[0], dict(bound), definition)
+            return ir.Tensor("alibi_slopes", (heads,), "float", "builtin", "alibi_slopes", (heads,))
+        init = "zeros"
+        for key, kw in keywords.items():
+            if key != "init" or not isinstance(kw.value, ast.Str) or kw.value.value not in ("zeros", "normal"):
+                raise SpecCheckError('learnable takes dims and optionally init="zeros" or '
+                                     'init="normal"', kw.span)
+            init = kw.value.value
+        shape = tuple(self._dim(d, dict(bound), definition) for d in positional)
+        if len(shape) != len(dims):
+            raise SpecCheckError(f"learnable() gives {len(shape)} dims but '{param.name}' "
+                                 f"declares {len(dims)}", node.span)
+        # every use of a learnable default is its own table: rel_bias_table, rel_bias_table_2...
+        base = f"{definition.name}_{param.name}"
+        self.learnables[base] = self.learnables.get(base, 0) + 1
+        name = base if self.learnables[base] == 1 else f"{base}_{self.learnables[base]}"
+        return ir.Tensor(name, shape, param.type, "learnable", init=init)
+
+    # ------------------------------------------------------------------------------------------
+    # definition expressions
+
+    def expr(self, node: ast.Node, env: dict, definition: Definition | None) -> ir.Expr:
+        if isinstance(node, ast.Bool):
+            return ir.Const(node.value)
+        if isinstance(node, (ast.Int, ast.Float)):
+            return ir.Const(node.value)
+        if isinstance(node, ast.Str):
+            raise SpecCheckError("strings are not values in definitions", node.span)
+        if isinstance(node, ast.Name):
+            return self._name(node, env, definition)
+        if isinstance(node, ast.Call):
+            return self._call(node, env, definition)
+        if isinstance(node, ast.Index):
+            return self._index(node, env, definition)
+        if isinstance(node, ast.Unary):
+            operand = self.expr(node.operand, env, definition)
+            if node.op == "~":
+                self._expect(operand, ("bool",), node.operand, "'~' needs a boolean")
+                return ir.Unary("not", operand)
+            self._expect(operand, ("int", "float"), node.operand, "'-' needs a number")
+            return ir.Unary("neg", operand)
+        if isinstance(node, ast.Binary):
+            return self._binary(node, env, definition)
+        if isinstance(node, ast.Chain):
+            raise SpecCheckError("'+' chains of patterns belong in specs; inside a definition "
+                                 "'+' is arithmetic", node.span)
+        raise SpecCheckError(f"unexpected '{_describe(node)}' in a definition", node.span)
+
+    def _expect(self, value: ir.Expr, types: tuple, node: ast.Node, message: str) -> None:
+        if value.type not in types:
+            raise SpecCheckError(f"{message}, but '{_describe(node)}' is {_type_name(value.type)}",
+                                 node.span)
+
+    def _name(self, node: ast.Name, env: dict, definition: Definition | None) -> ir.Expr:
+        name = node.name
+        if name in env:
+            return env[name]
+        if name in INDEX_NAMES or name in SIZE_NAMES:
+            return ir.Var(name)
+        if name == "score":
+            raise SpecCheckError("'score' is only available in score definitions", node.span)
+        if name in ir.FUNCTIONS:
+            raise SpecCheckError(f"'{name}' is a function; call it, e.g. {name}(x)", node.span)
+        target = self.scope.lookup(name)
+        if target is None:
+            candidates = set(env) | INDEX_NAMES | SIZE_NAMES | self.scope.names()
+            hint = did_you_mean(name, candidates)
+            raise SpecCheckError(f"unknown name '{name}'." + (hint or
+                                 " Names in scope: the indices b h q kv, the sizes B H Q_LEN "
+                                 "KV_LEN, parameters and patterns"), node.span)
+        return self._inline(target, (), node, env, definition)
+
+    def _inline(self, target: Definition, args: tuple, node: ast.Node, env: dict,
+                definition: Definition | None) -> ir.Expr:
+        if target.kind == "spec":
+            raise SpecCheckError(f"'{target.name}' is a named spec; definitions can use masks and "
+                                 "score modifiers but not specs", node.span)
+        if target.kind == "score" and (definition is None or definition.kind != "score"):
+            raise SpecCheckError(f"'{target.name}' is a score modifier and can only be used in "
+                                 "score definitions", node.span)
+        bound = self._bind(target, args, node, spec_level=False, env=env, context=definition)
+        with self._inlining(target, node):
+            body = self._definition_body(target, bound)
+        if target.kind == "score":
+            body = ir.substitute(body, {"score": env.get("score", ir.SCORE)})
+        return body
+
+    def _call(self, node: ast.Call, env: dict, definition: Definition | None) -> ir.Expr:
+        name = node.func
+        if name in ir.FUNCTIONS:
+            arity, _ = ir.FUNCTIONS[name]
+            if any(isinstance(a, ast.Keyword) for a in node.args):
+                raise SpecCheckError(f"{name}() takes positional arguments only", node.span)
+            if len(node.args) != arity:
+                raise SpecCheckError(f"{name}() takes {arity} argument{'s' if arity > 1 else ''}, "
+                                     f"got {len(node.args)}", node.span)
+            args = tuple(self.expr(a, env, definition) for a in node.args)
+            if name == "where":
+                self._expect(args[0], ("bool",), node.args[0], "where()'s condition must be a boolean")
+                branches = {args[1].type, args[2].type}
+                if "bool" in branches and branches != {"bool"}:
+                    raise SpecCheckError("where()'s two branches must both be booleans or both be "
+                                         "numbers", node.span)
+            else:
+                for arg, arg_node in zip(args, node.args):
+                    self._expect(arg, ("int", "float"), arg_node, f"{name}() needs numbers")
+            return ir.Call(name, args)
+        if name in ("alibi_slopes", "learnable"):
+            raise SpecCheckError(f"{name}() can only be the default of a tensor parameter",
+                                 node.span)
+        target = self.scope.lookup(name)
+        if target is None:
+            hint = did_you_mean(name, set(ir.FUNCTIONS) | self.scope.names())
+            raise SpecCheckError(f"unknown function or pattern '{name}'." + (hint or ""), node.span)
+        return self._inline(target, node.args, node, env, definition)
+
+    def _index(self, node: ast.Index, env: dict, definition: Definition | None) -> ir.Expr:
+        target = self.expr(node.target, env, definition)
+        if target.type != "tensor":
+            raise SpecCheckError(f"only tensors can be indexed, but '{_describe(node.target)}' is "
+                                 f"{_type_name(target.type)}", node.target.span)
+        rank = len(target.shape)
+        if len(node.indices) != rank:
+            raise SpecCheckError(f"'{_describe(node.target)}' has {rank} dimension"
+                                 f"{'s' if rank != 1 else ''} but is indexed with "
+                                 f"{len(node.indices)}", node.span)
+        indices = tuple(self.expr(i, env, definition) for i in node.indices)
+        for index, index_node in zip(indices, node.indices):
+            self._expect(index, ("int",), index_node, "tensor indices must be ints")
+        return ir.Lookup(target, indices)
+
+    def _binary(self, node: ast.Binary, env: dict, definition: Definition | None) -> ir.Expr:
+        left = self.expr(node.left, env, definition)
+        right = self.expr(node.right, env, definition)
+        op = node.op
+        if op in _LOGIC:
+            for value, side in ((left, node.left), (right, node.right)):
+                self._expect(value, ("bool",), side, f"'{op}' combines booleans")
+            return _LOGIC[op]((left, right))
+        if op in ("==", "!=") and left.type == right.type == "bool":
+            return ir.Binary(op, left, right)
+        numbers = ("int", "float")
+        hint = " (use where(c, 1, 0) to turn a boolean into a number)" if op in _ARITH else ""
+        for value, side in ((left, node.left), (right, node.right)):
+            self._expect(value, numbers, side, f"'{op}' needs numbers{hint}")
+        if op in ("//", "%") and "float" in (left.type, right.type):
+            raise SpecCheckError(f"'{op}' needs ints; use floor(x / y) for floats", node.span)
+        return ir.Binary(op, left, right)
+
+
+def _to_float(value: ir.Expr) -> ir.Expr:
+    """An int argument of a float parameter, as a float (``softcap(30)`` is ``softcap(30.0)``)."""
+    if isinstance(value, ir.Const):
+        return ir.Const(float(value.value))
+    return ir.Binary("*", value, ir.Const(1.0))
+
+
+def _example_literal(type_name: str) -> str:
+    return {"int": "128", "float": "30.0", "bool": "true"}.get(type_name, "a value")
+
+
+def check_spec(node: ast.Node, scope: Scope) -> ir.AttentionIR:
+    """Resolve a spec expression into its IR (simplified), raising :class:`SpecCheckError`."""
+    try:
+        value = Checker(scope).spec(node)
+        result = ir.AttentionIR(mask=simplify(value.mask), score=simplify(value.score))
+    except RecursionError:
+        raise SpecCheckError(_TOO_DEEP, node.span) from None
+    _check_bindings_agree(result, node)
+    return result
+
+
+def _check_bindings_agree(result: ir.AttentionIR, node: ast.Node) -> None:
+    shapes: dict[str, ir.Tensor] = {}
+    for tensor in result.tensors():
+        if tensor.origin != "binding":
+            continue
+        other = shapes.setdefault(tensor.name, tensor)
+        if other != tensor:
+            raise SpecCheckError(
+                f"the binding '{tensor.name}' is used as {_tensor_text(other)} and as "
+                f"{_tensor_text(tensor)}; give the two uses different names", node.span)
+
+
+def _tensor_text(tensor: ir.Tensor) -> str:
+    return f"{tensor.dtype}[{', '.join(str(d) for d in tensor.shape)}]"
+
+
+def check_definition(definition: Definition, scope: Scope) -> None:
+    try:
+        Checker(scope).check_definition(definition)
+    except RecursionError:
+        raise SpecCheckError(_TOO_DEEP, definition.body.span) from None
+
+
+_TOO_DEEP = ("the expression is nested too deeply (or its definitions inline each other too "
+             "deeply) to check")

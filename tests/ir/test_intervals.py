@@ -1,0 +1,649 @@
+"""Interval analysis (flexspec.ir.intervals): each rule on Python numbers, and soundness.
+
+The unit tests run every rule of :class:`~flexspec.ir.intervals.Analyzer` with
+:class:`~flexspec.ir.intervals.ScalarOps` (the same rules run vectorised on torch tensors in
+``flexspec.kernels.blocks``; tests/test_blocks.py covers that side). The property test draws random
+well-typed IR over ``q kv b h`` and small ranges, evaluates every node at every integer point of
+the ranges with a plain-Python evaluator written here (independent of the analysis and of
+``flexspec.kernels.reference``), and checks that each value lies inside its node's bounds, that ``must``
+means true everywhere and that ``not may`` means false everywhere. Points where a value is
+undefined (division by zero) or NaN (``sqrt``/``log`` below 0, ``inf - inf``) are left out of
+the numeric bounds; comparisons of operands that may be NaN (never "must" hold, as NaN compares
+false) have their own tests below.
+
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import flexspec
+from flexspec import ir
+from flexspec.ir.intervals import INF, Analyzer, ScalarOps, bounds, lookup_ranges
+from flexspec.testing import slow_examples, spec_texts
+from ir_examples import C, b, call, h, kv, op, q
+
+
+def neg(x):
+    return ir.Unary("neg", x)
+
+
+def num(expr, **ranges):
+    return Analyzer(ScalarOps, ranges).number(expr)
+
+
+def boolean(expr, **ranges):
+    return Analyzer(ScalarOps, ranges).boolean(expr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Leaves
+
+
+def test_constants_and_variables():
+    assert num(C(3)) == (3, 3)
+    assert num(C(-2.5)) == (-2.5, -2.5)
+    assert num(q, q=(2, 7)) == (2, 7)
+    assert num(kv, q=(2, 7)) == (-INF, INF)  # a variable without a range is unbounded
+    assert boolean(C(True)) == (True, True)
+    assert boolean(C(False)) == (False, False)
+
+
+def test_lookups_are_unknown_without_tensor_values():
+    t = ir.Tensor("t", (ir.Var("KV_LEN"),), "int")
+    flags = ir.Tensor("f", (ir.Var("KV_LEN"),), "bool")
+    assert num(ir.Lookup(t, (q,)), q=(0, 3)) == (-INF, INF)
+    assert boolean(ir.Lookup(flags, (q,)), q=(0, 3)) == (False, True)
+
+
+def test_bounds_is_none_when_unbounded():
+    assert bounds(op("-", q, kv), {"q": (0, 9), "kv": (0, 4)}) == (-4.0, 9.0)
+    assert bounds(op("//", q, kv), {"q": (0, 9), "kv": (0, 4)}) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Arithmetic
+
+
+@pytest.mark.parametrize("expr, ranges, expected", [
+    (op("+", q, kv), {"q": (-3, 2), "kv": (-1, 5)}, (-4, 7)),
+    (op("-", q, kv), {"q": (-3, 2), "kv": (-1, 5)}, (-8, 3)),
+    (op("-", q, q), {"q": (0, 4)}, (-4, 4)),  # intervals forget that both sides are one value
+    (op("*", q, kv), {"q": (-2, 3), "kv": (-5, 4)}, (-15, 12)),
+    (op("*", q, kv), {"q": (-2, -1), "kv": (-5, -3)}, (3, 10)),
+    (op("*", q, kv), {"q": (-2, -1), "kv": (3, 5)}, (-10, -3)),
+    (op("*", q, C(-3)), {"q": (1, 4)}, (-12, -3)),
+    (neg(q), {"q": (-2, 5)}, (-5, 2)),
+])
+def test_add_sub_mul_neg(expr, ranges, expected):
+    assert num(expr, **ranges) == expected
+
+
+@pytest.mark.parametrize("divisor, dividend, expected", [
+    ((2, 4), (1, 8), (0.25, 4.0)),
+    ((2, 4), (-8, 1), (-4.0, 0.5)),
+    ((-4, -2), (1, 8), (-4.0, -0.25)),
+    ((-1, 2), (1, 8), (-INF, INF)),    # divisor spans zero
+    ((0, 3), (1, 8), (-INF, INF)),     # divisor touches zero
+    ((-3, 0), (1, 8), (-INF, INF)),
+    ((0, 0), (1, 8), (-INF, INF)),
+])
+def test_true_division(divisor, dividend, expected):
+    assert num(op("/", q, kv), q=dividend, kv=divisor) == expected
+
+
+@pytest.mark.parametrize("divisor, dividend, expected", [
+    ((2, 2), (-7, 7), (-4, 3)),
+    ((3, 3), (0, 8), (0, 2)),
+    ((2, 5), (-7, 7), (-4, 3)),
+    ((-2, -2), (-7, 7), (-4, 3)),      # 7 // -2 == -4, -7 // -2 == 3
+    ((-1, 2), (0, 8), (-INF, INF)),    # spans zero
+    ((0, 4), (0, 8), (-INF, INF)),
+])
+def test_floor_division(divisor, dividend, expected):
+    assert num(op("//", q, kv), q=dividend, kv=divisor) == expected
+
+
+@pytest.mark.parametrize("divisor, dividend, expected", [
+    ((10, 10), (5, 7), (5, 7)),        # exact inside one period
+    ((10, 10), (10, 19), (0, 9)),      # one whole period, shifted
+    ((10, 10), (23, 27), (3, 7)),
+    ((4, 4), (-3, -1), (1, 3)),        # Python's modulo of negatives: -3 % 4 == 1
+    ((10, 10), (8, 12), (0, 9)),       # crosses a period boundary
+    ((10, 10), (-1, 1), (0, 9)),
+    ((3, 5), (0, 100), (0, 4)),        # divisor not fixed: [0, max divisor - 1]
+    ((3, 5), (0, 1), (0, 4)),
+    ((-4, -4), (0, 9), (-3, 0)),       # negative divisor: the sign of the divisor
+    ((-5, -2), (0, 9), (-4, 0)),
+    ((-1, 3), (0, 9), (-INF, INF)),    # spans zero
+    ((0, 0), (0, 9), (-INF, INF)),
+])
+def test_modulo(divisor, dividend, expected):
+    assert num(op("%", q, kv), q=dividend, kv=divisor) == expected
+
+
+def test_modulo_by_a_constant():
+    assert num(op("%", op("-", q, kv), C(3)), q=(0, 9), kv=(0, 9)) == (0, 2)
+    assert num(op("%", q, C(128)), q=(256, 383)) == (0, 127)
+    assert num(op("%", q, C(128)), q=(256, 300)) == (0, 44)
+
+
+# ---------------------------------------------------------------------------------------------
+# Functions
+
+
+@pytest.mark.parametrize("ranges, expected", [
+    ((-3, 5), (0, 5)), ((-7, -2), (2, 7)), ((2, 4), (2, 4)), ((0, 0), (0, 0)),
+    ((-4, 0), (0, 4)),
+])
+def test_abs(ranges, expected):
+    assert num(call("abs", q), q=ranges) == expected
+
+
+def test_min_max_clamp():
+    assert num(call("min", q, kv), q=(-3, 5), kv=(0, 2)) == (-3, 2)
+    assert num(call("max", q, kv), q=(-3, 5), kv=(0, 2)) == (0, 5)
+    assert num(call("clamp", q, C(0), C(10)), q=(-5, 3)) == (0, 3)
+    assert num(call("clamp", q, C(0), C(10)), q=(4, 30)) == (4, 10)
+    assert num(call("clamp", q, C(0), C(10)), q=(-30, 30)) == (0, 10)
+    assert num(call("clamp", q, C(0), C(10)), q=(20, 30)) == (10, 10)
+    # bounds that are themselves ranges
+    assert num(call("clamp", q, kv, C(10)), q=(-5, 3), kv=(1, 2)) == (1, 3)
+
+
+def test_where():
+    expr = call("where", op("<", q, C(5)), kv, neg(kv))
+    assert num(expr, q=(0, 3), kv=(1, 2)) == (1, 2)       # condition must hold
+    assert num(expr, q=(6, 9), kv=(1, 2)) == (-2, -1)     # condition never holds
+    assert num(expr, q=(0, 9), kv=(1, 2)) == (-2, 2)      # either branch
+    flag = call("where", op("<", q, C(5)), op(">", kv, C(0)), C(False))
+    assert boolean(flag, q=(0, 3), kv=(1, 2)) == (True, True)
+    assert boolean(flag, q=(6, 9), kv=(1, 2)) == (False, False)
+    assert boolean(flag, q=(0, 9), kv=(1, 2)) == (False, True)
+    either = call("where", op("<", q, C(5)), C(True), op(">", kv, C(0)))
+    assert boolean(either, q=(0, 9), kv=(1, 2)) == (True, True)   # both branches are true
+    assert boolean(either, q=(0, 9), kv=(-2, 0)) == (False, True)
+
+
+def test_floor_ceil():
+    assert num(call("floor", op("/", q, C(2))), q=(1, 5)) == (0, 2)
+    assert num(call("floor", op("/", q, C(2))), q=(-5, -1)) == (-3, -1)
+    assert num(call("ceil", op("/", q, C(2))), q=(1, 5)) == (1, 3)
+    assert num(call("floor", q), q=(-2, 4)) == (-2, 4)
+
+
+def test_increasing_functions():
+    lo, hi = num(call("tanh", q), q=(-1, 2))
+    assert (lo, hi) == (math.tanh(-1), math.tanh(2))
+    assert num(call("exp", q), q=(0, 1)) == (1.0, math.e)
+    assert num(call("exp2", q), q=(-1, 3)) == (0.5, 8.0)
+    assert num(call("sqrt", q), q=(4, 9)) == (2.0, 3.0)
+    assert num(call("log2", q), q=(1, 8)) == (0.0, 3.0)
+    assert num(call("sigmoid", q), q=(0, 0)) == (0.5, 0.5)
+    assert num(call("sign", q), q=(-3, 5)) == (-1.0, 1.0)
+    assert num(call("sign", q), q=(2, 5)) == (1.0, 1.0)
+    # outside the domain the bound gives way instead of becoming NaN
+    assert num(call("log", q), q=(0, 1)) == (-INF, 0.0)
+    assert num(call("sqrt", q), q=(-4, 9)) == (-INF, 3.0)
+    assert num(call("log", q), q=(-3, -1)) == (-INF, INF)
+    # overflow is unbounded, not an error
+    assert num(call("exp", q), q=(0, 10**6)) == (1.0, INF)
+    assert num(call("exp2", q), q=(0, 10**6)) == (1.0, INF)
+    assert num(call("sigmoid", q), q=(-10**6, 10**6)) == (0.0, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Booleans
+
+
+@pytest.mark.parametrize("symbol, a, bb, expected", [
+    ("<", (0, 3), (4, 9), (True, True)),
+    ("<", (0, 4), (4, 9), (False, True)),
+    ("<", (5, 9), (0, 5), (False, False)),
+    ("<=", (0, 4), (4, 9), (True, True)),
+    ("<=", (0, 5), (4, 9), (False, True)),
+    ("<=", (5, 9), (0, 4), (False, False)),
+    (">", (5, 9), (0, 4), (True, True)),
+    (">", (4, 9), (0, 4), (False, True)),
+    (">", (0, 4), (4, 9), (False, False)),
+    (">=", (4, 9), (0, 4), (True, True)),
+    (">=", (3, 9), (0, 4), (False, True)),
+    (">=", (0, 3), (4, 9), (False, False)),
+    ("==", (2, 2), (2, 2), (True, True)),
+    ("==", (0, 4), (4, 9), (False, True)),
+    ("==", (0, 3), (4, 9), (False, False)),
+    ("!=", (0, 3), (4, 9), (True, True)),
+    ("!=", (0, 4), (4, 9), (False, True)),
+    ("!=", (2, 2), (2, 2), (False, False)),
+])
+def test_comparisons(symbol, a, bb, expected):
+    assert boolean(op(symbol, q, kv), q=a, kv=bb) == expected
+
+
+def test_causal_and_window_tiles():
+    causal = op(">=", q, kv)
+    window = op("<=", call("abs", op("-", q, kv)), C(2))
+    tile = lambda lo_q, lo_kv: {"q": (lo_q, lo_q + 15), "kv": (lo_kv, lo_kv + 15)}  # noqa: E731
+    assert boolean(causal, **tile(16, 0)) == (True, True)      # below the diagonal: FULL
+    assert boolean(causal, **tile(0, 0)) == (False, True)      # on it: PARTIAL
+    assert boolean(causal, **tile(0, 16)) == (False, False)    # above: EMPTY
+    assert boolean(window, **tile(32, 0)) == (False, False)
+    assert boolean(window, **tile(16, 0)) == (False, True)
+
+
+def test_and_or_not():
+    yes, maybe, no = op("<", q, C(100)), op("<", q, C(5)), op(">", q, C(100))
+    r = {"q": (0, 9)}
+    assert boolean(yes, **r) == (True, True)
+    assert boolean(maybe, **r) == (False, True)
+    assert boolean(no, **r) == (False, False)
+    assert boolean(ir.And((yes, maybe)), **r) == (False, True)
+    assert boolean(ir.And((yes, yes)), **r) == (True, True)
+    assert boolean(ir.And((yes, maybe, no)), **r) == (False, False)
+    assert boolean(ir.Or((no, maybe)), **r) == (False, True)
+    assert boolean(ir.Or((no, no)), **r) == (False, False)
+    assert boolean(ir.Or((no, maybe, yes)), **r) == (True, True)
+    assert boolean(ir.Unary("not", yes), **r) == (False, False)
+    assert boolean(ir.Unary("not", no), **r) == (True, True)
+    assert boolean(ir.Unary("not", maybe), **r) == (False, True)
+
+
+def test_bool_equality():
+    yes, maybe, no = op("<", q, C(100)), op("<", q, C(5)), op(">", q, C(100))
+    r = {"q": (0, 9)}
+    for symbol, flip in (("==", False), ("!=", True)):
+        def expect(must, may):
+            return (not may, not must) if flip else (must, may)
+        assert boolean(op(symbol, yes, yes), **r) == expect(True, True)
+        assert boolean(op(symbol, no, no), **r) == expect(True, True)
+        assert boolean(op(symbol, yes, no), **r) == expect(False, False)
+        assert boolean(op(symbol, no, yes), **r) == expect(False, False)
+        assert boolean(op(symbol, maybe, yes), **r) == expect(False, True)
+        assert boolean(op(symbol, no, maybe), **r) == expect(False, True)
+        # the same unknown condition on both sides: intervals do not see that they agree
+        assert boolean(op(symbol, maybe, maybe), **r) == expect(False, True)
+
+
+def test_comparisons_of_nan_are_never_certain():
+    # sqrt(q - 2) is NaN at q = 0 and 1 (float64, as in the reference), and NaN < 100.0 is
+    # false there: the comparison may hold, it need not.
+    assert boolean(op("<", call("sqrt", op("-", q, C(2))), C(100.0)), q=(0, 9)) == (False, True)
+
+
+def test_nan_does_not_vanish_in_min():
+    # min(NaN, 1.0) is NaN in torch (the reference), so the comparison is false at kv = 0..3
+    expr = op("<", call("min", call("log", op("-", kv, C(3))), C(1.0)), C(2.0))
+    assert boolean(expr, kv=(0, 9)) == (False, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# lookup_ranges
+
+
+def test_lookup_ranges_of_causal_doc():
+    spec = flexspec.parse("causal & doc").ir
+    sizes = {"B": 3, "H": 4, "Q_LEN": 100, "KV_LEN": 150}
+    found = lookup_ranges(spec, sizes)
+    by_index = {(t.name, dim, ir.to_text(index)): span for t, dim, index, span in found}
+    assert by_index == {
+        ("doc_ids", 0, "b"): (0, 2),
+        ("doc_ids", 1, "q"): (0, 99),
+        ("doc_ids", 1, "kv"): (0, 149),
+    }
+    assert all(t.name == "doc_ids" and t.origin == "binding" for t, *_ in found)
+    assert len(found) == 4  # doc_ids[b, q] and doc_ids[b, kv]: two dims each
+
+
+def test_lookup_ranges_use_sizes_and_report_unbounded_indices():
+    t = ir.Tensor("t", (ir.Var("KV_LEN"),), "int")
+    index = op("-", op("-", ir.Var("KV_LEN"), C(1)), q)
+    spec = ir.AttentionIR(mask=op(">", ir.Lookup(t, (index,)), C(0)))
+    ((_, dim, _, span),) = lookup_ranges(spec, {"B": 1, "H": 1, "Q_LEN": 10, "KV_LEN": 20})
+    assert (dim, span) == (0, (10, 19))
+    spec = ir.AttentionIR(mask=op(">", ir.Lookup(t, (op("//", kv, q),)), C(0)))
+    ((_, _, _, span),) = lookup_ranges(spec, {"B": 1, "H": 1, "Q_LEN": 10, "KV_LEN": 20})
+    assert span is None  # q spans 0: unbounded
+
+
+def test_lookup_ranges_cover_the_score():
+    spec = flexspec.parse("causal + alibi").ir
+    found = lookup_ranges(spec, {"B": 1, "H": 8, "Q_LEN": 10, "KV_LEN": 10})
+    assert [(dim, ir.to_text(index), span) for _, dim, index, span in found] == [(0, "h", (0, 7))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Soundness: random IR against brute-force evaluation
+
+
+class Undefined(Exception):
+    """The value is not defined at this point (division by zero, NaN, an int from an infinity)."""
+
+
+def _float(x: float) -> float:
+    if math.isnan(x):
+        raise Undefined
+    return x
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0
+
+
+def _exp(x: float) -> float:
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
+def _exp2(x: float) -> float:
+    try:
+        return 2.0 ** x
+    except OverflowError:
+        return math.inf
+
+
+def _log(fn):
+    def apply(x: float) -> float:
+        if x < 0:
+            raise Undefined  # NaN in float64
+        return -math.inf if x == 0 else fn(x)
+    return apply
+
+
+def _sqrt(x: float) -> float:
+    if x < 0:
+        raise Undefined
+    return math.sqrt(x)
+
+
+_FLOAT_FUNCTIONS = {"tanh": math.tanh, "exp": _exp, "exp2": _exp2, "log": _log(math.log),
+                    "log2": _log(math.log2), "sqrt": _sqrt, "sigmoid": _sigmoid}
+
+
+def evaluate(node: ir.Expr, env: dict, out: dict):
+    """Python value of ``node`` at one point (ints stay ints, as in the reference's int64), and
+    of every sub-expression into ``out`` (``out[node]``: value, or ``Undefined``)."""
+    try:
+        value = _evaluate(node, env, out)
+    except Undefined:
+        out[node] = Undefined
+        raise
+    out[node] = value
+    return value
+
+
+def _evaluate(node, env, out):
+    def ev(child):
+        return evaluate(child, env, out)
+
+    if isinstance(node, ir.Const):
+        return node.value
+    if isinstance(node, ir.Var):
+        return env[node.name]
+    if isinstance(node, ir.Unary):
+        x = ev(node.operand)
+        return (not x) if node.op == "not" else -x
+    if isinstance(node, ir.And):
+        values = [ev(a) for a in node.args]  # no short cut: every node gets its value
+        return all(values)
+    if isinstance(node, ir.Or):
+        values = [ev(a) for a in node.args]
+        return any(values)
+    if isinstance(node, ir.Binary):
+        left, right = ev(node.left), ev(node.right)
+        o = node.op
+        if o == "+":
+            return _float(left + right) if isinstance(left + right, float) else left + right
+        if o == "-":
+            r = left - right
+            return _float(r) if isinstance(r, float) else r
+        if o == "*":
+            r = left * right
+            return _float(r) if isinstance(r, float) else r
+        if o in ("/", "//", "%") and right == 0:
+            raise Undefined
+        if o == "/":
+            return _float(left / right)
+        if o == "//":
+            return left // right
+        if o == "%":
+            return left % right
+        return {"<": left < right, "<=": left <= right, ">": left > right,
+                ">=": left >= right, "==": left == right, "!=": left != right}[o]
+    if isinstance(node, ir.Call):
+        args = [ev(a) for a in node.args]
+        fn = node.fn
+        if fn == "abs":
+            return abs(args[0])
+        if fn == "sign":
+            x = args[0]
+            s = (x > 0) - (x < 0)
+            return float(s) if isinstance(x, float) else s
+        if fn == "min":
+            return min(args)
+        if fn == "max":
+            return max(args)
+        if fn == "clamp":
+            return min(max(args[0], args[1]), args[2])
+        if fn == "where":
+            return args[1] if args[0] else args[2]
+        if fn in ("floor", "ceil"):
+            x = args[0]
+            if isinstance(x, int):
+                return x
+            if not math.isfinite(x):
+                raise Undefined
+            return math.floor(x) if fn == "floor" else math.ceil(x)
+        return _float(_FLOAT_FUNCTIONS[fn](float(args[0])))
+    raise TypeError(f"cannot evaluate {node!r}")
+
+
+VARIABLES = ("q", "kv", "b", "h")
+
+
+def _int_leaves():
+    return st.one_of(st.sampled_from([ir.Var(n) for n in VARIABLES]),
+                     st.integers(-6, 6).map(C))
+
+
+def _float_leaves():
+    return st.sampled_from([0.5, -0.5, 1.5, 2.0, -3.0, 0.25]).map(C)
+
+
+@st.composite
+def _int_expr(draw, depth):
+    if depth == 0 or draw(st.integers(0, 3)) == 0:
+        return draw(_int_leaves())
+    sub = lambda: draw(_int_expr(depth - 1))  # noqa: E731
+    kind = draw(st.integers(0, 9))
+    if kind <= 3:
+        return op(draw(st.sampled_from(["+", "-", "*", "//", "%"])), sub(), sub())
+    if kind == 4:
+        return draw(st.sampled_from([neg, lambda x: call("abs", x), lambda x: call("sign", x)]))(
+            sub())
+    if kind == 5:
+        return call(draw(st.sampled_from(["min", "max"])), sub(), sub())
+    if kind == 6:
+        return call("clamp", sub(), sub(), sub())
+    if kind == 7:
+        return call("where", draw(_bool_expr(depth - 1)), sub(), sub())
+    if kind == 8:
+        return call(draw(st.sampled_from(["floor", "ceil"])), draw(_float_expr(depth - 1)))
+    return op(draw(st.sampled_from(["//", "%"])), sub(), draw(_int_leaves()))
+
+
+@st.composite
+def _float_expr(draw, depth):
+    if depth == 0 or draw(st.integers(0, 4)) == 0:
+        return draw(st.one_of(_float_leaves(), _int_leaves()))
+    sub = lambda: draw(_num_expr(depth - 1))  # noqa: E731
+    kind = draw(st.integers(0, 5))
+    if kind == 0:
+        return op("/", sub(), sub())
+    if kind == 1:
+        return op(draw(st.sampled_from(["+", "-", "*"])), draw(_float_expr(depth - 1)), sub())
+    if kind == 2:
+        return call(draw(st.sampled_from(["min", "max"])), draw(_float_expr(depth - 1)), sub())
+    if kind == 3:
+        return call("where", draw(_bool_expr(depth - 1)), draw(_float_expr(depth - 1)), sub())
+    return call(draw(st.sampled_from(sorted(_FLOAT_FUNCTIONS))), sub())
+
+
+def _num_expr(depth):
+    return st.one_of(_int_expr(depth), _float_expr(depth))
+
+
+@st.composite
+def _bool_expr(draw, depth):
+    if depth == 0 or draw(st.integers(0, 5)) == 0:
+        if draw(st.integers(0, 4)) == 0:
+            return C(draw(st.booleans()))
+        return op(draw(st.sampled_from(ir.COMPARE_OPS)), draw(_int_leaves()), draw(_int_leaves()))
+    sub = lambda: draw(_bool_expr(depth - 1))  # noqa: E731
+    kind = draw(st.integers(0, 7))
+    if kind <= 2:
+        return op(draw(st.sampled_from(ir.COMPARE_OPS)), draw(_num_expr(depth - 1)),
+                  draw(_num_expr(depth - 1)))
+    if kind == 3:
+        return ir.And(tuple(sub() for _ in range(draw(st.integers(2, 3)))))
+    if kind == 4:
+        return ir.Or(tuple(sub() for _ in range(draw(st.integers(2, 3)))))
+    if kind == 5:
+        return ir.Unary("not", sub())
+    if kind == 6:
+        return op(draw(st.sampled_from(["==", "!="])), sub(), sub())
+    return call("where", sub(), sub(), sub())
+
+
+@st.composite
+def _ranges(draw):
+    ranges = {}
+    for name in VARIABLES:
+        lo = draw(st.integers(-6, 8))
+        ranges[name] = (lo, lo + draw(st.integers(0, 4)))
+    return ranges
+
+
+def _close_below(lo, value) -> bool:
+    return lo <= value or (isinstance(value, float) and lo - value <= 1e-9 * (1 + abs(value)))
+
+
+def check_sound(expr: ir.Expr, ranges: dict) -> None:
+    """Every node of ``expr``: its concrete values at every point lie in its bounds."""
+    nodes = {n: None for n in ir.walk(expr) if isinstance(n, ir.Expr)}
+    values = {n: [] for n in nodes}
+    names = sorted(ranges)
+    for point in itertools.product(*(range(lo, hi + 1) for lo, hi in
+                                      (ranges[n] for n in names))):
+        out: dict = {}
+        try:
+            evaluate(expr, dict(zip(names, point)), out)
+        except Undefined:
+            pass
+        for node, value in out.items():
+            if value is not Undefined:
+                values[node].append(value)
+    analyzer = Analyzer(ScalarOps, ranges)
+    for node, seen in values.items():
+        if node.type == "bool":
+            must, may = analyzer.boolean(node)
+            where = f"{ir.to_text(node)} over {ranges}: must={must} may={may}"
+            assert not (must and not may), where
+            if must:
+                assert all(seen), where
+            if not may:
+                assert not any(seen), where
+        else:
+            lo, hi = analyzer.number(node)
+            assert not (math.isnan(lo) or math.isnan(hi)), f"{ir.to_text(node)}: NaN bounds"
+            for value in seen:
+                assert _close_below(lo, value) and _close_below(-hi, -value), (
+                    f"{ir.to_text(node)} = {value!r} outside [{lo}, {hi}] over {ranges}")
+
+
+def _lt(x, y):
+    return op("<", x, y)
+
+
+# One node per rule, over variables whose ranges the property draws (negative ones included).
+RULES = {
+    **{symbol: op(symbol, q, kv) for symbol in ("+", "-", "*", "/", "//", "%")},
+    "%3": op("%", q, C(3)), "%-3": op("%", q, C(-3)), "//3": op("//", q, C(3)),
+    "neg": neg(q),
+    **{fn: call(fn, q) for fn in ("abs", "sign", "floor", "ceil")},
+    **{f"{fn}(/)": call(fn, op("/", q, C(2))) for fn in ("floor", "ceil", "sign")},
+    **{fn: call(fn, op("/", q, C(4))) for fn in sorted(_FLOAT_FUNCTIONS)},
+    "min": call("min", q, kv), "max": call("max", q, kv), "clamp": call("clamp", q, kv, b),
+    "where": call("where", _lt(q, h), kv, b),
+    **{f"cmp{symbol}": op(symbol, q, kv) for symbol in ir.COMPARE_OPS},
+    "bool==": op("==", _lt(q, kv), _lt(b, h)), "bool!=": op("!=", _lt(q, kv), _lt(b, h)),
+    "and": ir.And((_lt(q, kv), _lt(b, h))), "or": ir.Or((_lt(q, kv), _lt(b, h))),
+    "not": ir.Unary("not", _lt(q, kv)),
+    "where-bool": call("where", _lt(q, h), _lt(kv, b), _lt(b, C(2))),
+}
+
+
+@pytest.mark.parametrize("name", list(RULES))
+@settings(max_examples=25, deadline=None)
+@given(ranges=_ranges())
+def test_each_rule_is_sound(name, ranges):
+    check_sound(RULES[name], ranges)
+
+
+SOUNDNESS = settings(max_examples=100, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+@SOUNDNESS
+@given(_bool_expr(4), _ranges())
+def test_bool_bounds_are_sound(expr, ranges):
+    check_sound(expr, ranges)
+
+
+@SOUNDNESS
+@given(_num_expr(4), _ranges())
+def test_numeric_bounds_are_sound(expr, ranges):
+    check_sound(expr, ranges)
+
+
+@pytest.mark.slow
+@settings(max_examples=slow_examples(1500), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(st.one_of(_bool_expr(5), _num_expr(5)), _ranges())
+def test_bounds_are_sound_sweep(expr, ranges):
+    check_sound(expr, ranges)
+
+
+def test_evaluator_agrees_with_python():
+    """The test's evaluator itself, on a few hand-checked values."""
+    expr = op("%", op("-", q, kv), C(3))
+    assert evaluate(expr, {"q": 1, "kv": 5}, {}) == 2     # -4 % 3 == 2
+    assert evaluate(op("//", neg(q), C(2)), {"q": 7}, {}) == -4
+    with pytest.raises(Undefined):
+        evaluate(op("//", q, kv), {"q": 1, "kv": 0}, {})
+    with pytest.raises(Undefined):
+        evaluate(call("sqrt", q), {"q": -1}, {})
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_registry_masks_are_sound(data):
+    """The masks of random registry specs (no tensors), over small tiles anywhere in a sequence."""
+    text = data.draw(spec_texts(max_masks=3, max_scores=0, kinds=("static",)))
+    mask = flexspec.parse(text).ir.mask
+    ranges = {}
+    for name, size in (("Q_LEN", data.draw(st.integers(1, 300))),
+                       ("KV_LEN", data.draw(st.integers(1, 300))),
+                       ("B", 2), ("H", 4)):
+        ranges[name] = (size, size)
+    for name, top in (("q", ranges["Q_LEN"][0]), ("kv", ranges["KV_LEN"][0]), ("b", 2), ("h", 4)):
+        lo = data.draw(st.integers(0, top - 1))
+        ranges[name] = (lo, min(top - 1, lo + data.draw(st.integers(0, 6))))
+    check_sound(mask, ranges)

@@ -1,0 +1,640 @@
+"""Block masks from interval analysis (flexspec.kernels.blocks) against the reference and torch.
+
+* the interval classes alone (``classify``) are sound against the reference dense mask;
+* the refined classes (``refine``) are exact, and the BlockMask built from them has the same
+  tables as torch's ``create_block_mask`` (same mask_mod, same B/H extents), q-side tables and
+  ``to_dense()`` included;
+* the interval-only BlockMask (``exact=False``) is a superset of torch's, with truly full FULL
+  blocks;
+* attention with any of these block masks gives the reference result. Eager ``flex_attention``
+  (the unfused path) evaluates ``mask_mod`` on every position and never reads the block tables,
+  so it is run as asked but cannot tell a wrong table from a right one; a float64 emulation of
+  the block-sparse kernel here (FULL tiles without ``mask_mod``, PARTIAL tiles with it, every
+  other tile skipped) is what checks that the tables give the right attention;
+* ``ordered`` is a stable descending argsort; lookups with index expressions other than ``q``
+  or ``kv`` (the sparse-table path) are exact too; the runtime builds block masks this way.
+
+Random specs come from :mod:`flexspec.testing` (the registry) and from ``LIBRARY`` below
+(head-dependent masks and lookups through index expressions), with lengths that are not multiples
+of the block size, ``Q_LEN != KV_LEN``, per-batch and per-head bindings.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention, noop_mask
+
+import flexspec
+from flexspec import ir
+from flexspec.kernels import blocks
+from flexspec.kernels.blocks import (EMPTY, FULL, PARTIAL, build_block_mask, classify, ordered, refine,
+                             to_block_mask)
+from flexspec.lang.library import load_text
+from flexspec.kernels.reference import dense_scores
+from flexspec.testing import KINDS, Shape, bindings, lookups_fit, slow_examples, spec_texts
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
+
+CPU = torch.device("cpu")
+BLOCKS = ((128, 128), (64, 64), (256, 128), (64, 128), (16, 32), (32, 16))
+
+FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FEW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MANY = settings(max_examples=slow_examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# Masks the registry lacks: head-dependent, and lookups through index expressions other than a
+# bare q or kv (the sparse-table path of flexspec.kernels.blocks), per batch and per head. `parity` is
+# always true, which intervals cannot prove: tiles are decided by evaluating their cells.
+LIBRARY = load_text("""
+mask by_head = kv <= q + h
+mask shifted(ids: int[KV_LEN]) = ids[q // 2] == ids[kv // 2]
+mask clamped(t: int[20]) = t[clamp(kv - q + 10, 0, 19)] > 0
+mask mirrored(r: int[B, KV_LEN]) = r[b, KV_LEN - 1 - kv] <= r[b, min(q, KV_LEN - 1)]
+mask head_flags(f: bool[H, KV_LEN]) = f[h, kv // 3] | q >= kv
+mask thirds(pid: int[B, KV_LEN]) = pid[b, q // 3] == pid[b, (kv + 1) // 3]
+mask head_window(w: int[H]) = abs(q - kv) <= w[h] & kv // 7 != (q + h) % 5
+mask parity = (q + kv) % 2 == 0 | (q + kv) % 2 == 1
+""", "test_blocks.attn")
+LIBRARY_MASKS = tuple(LIBRARY.definitions)
+MASK_NAMES = tuple(p.name for p in flexspec.patterns() if p.kind == "mask")
+SCORE_NAMES = tuple(p.name for p in flexspec.patterns() if p.kind == "score")
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases
+
+
+class Case:
+    """A compiled spec with a shape and bindings, and what every check needs from them."""
+
+    def __init__(self, spec, shape: Shape, values: dict, block=(128, 128)):
+        self.spec, self.shape, self.bindings, self.block = spec, shape, values, tuple(block)
+        self.attn = flexspec.compile(spec, library=LIBRARY)
+        self.sizes = shape.sizes
+        self.values, self.ir = self.attn._tensors(self.sizes, values, CPU)
+        free = ir.free_vars(self.ir.mask)
+        self.batch = shape.B if "b" in free else 1
+        self.heads = shape.Hq if "h" in free else 1
+        self._dense = self._truth = None
+
+    def __repr__(self):
+        return (f"Case({str(self.spec)!r}, {self.shape}, block={self.block}, "
+                f"bindings={ {k: list(v.shape) for k, v in self.bindings.items()} })")
+
+    def mods(self):
+        return self.attn.mods(q_len=self.shape.Q_LEN, kv_len=self.shape.KV_LEN,
+                              batch=self.shape.B, heads=self.shape.Hq, **self.bindings)
+
+    def dense(self) -> torch.Tensor:
+        if self._dense is None:
+            self._dense = self._dense_mask()
+        return self._dense
+
+    def truth(self) -> tuple:
+        """:func:`tile_truth` of the reference mask."""
+        if self._truth is None:
+            self._truth = tile_truth(self.dense(), self.block)
+        return self._truth
+
+    def _dense_mask(self) -> torch.Tensor:
+        mask = self.attn.dense_mask(self.shape.Q_LEN, self.shape.KV_LEN, batch=self.shape.B,
+                                    heads=self.shape.Hq, **self.bindings)
+        assert mask.shape == (self.batch, self.heads, self.shape.Q_LEN, self.shape.KV_LEN)
+        return mask
+
+    def classes(self) -> torch.Tensor:
+        return classify(self.ir.mask, self.sizes, self.block, self.values, CPU,
+                        batch=self.batch, heads=self.heads)
+
+    def ours(self, exact=True):
+        mask_mod, _ = self.mods()
+        return build_block_mask(self.ir.mask, self.sizes, self.block, self.values, CPU,
+                                batch=self.batch, heads=self.heads, mask_mod=mask_mod,
+                                exact=exact)
+
+    def torch_block_mask(self):
+        mask_mod, _ = self.mods()
+        return create_block_mask(mask_mod or noop_mask, self.batch, self.heads, self.shape.Q_LEN,
+                                 self.shape.KV_LEN, device="cpu", BLOCK_SIZE=self.block)
+
+
+def tile_truth(dense: torch.Tensor, block) -> tuple:
+    """Per tile of a ``[b, h, Q_LEN, KV_LEN]`` mask: (some pair visible, every pair inside the
+    sequence visible, every pair visible with padding counting as hidden)."""
+    bq, bkv = block
+    batch, heads, q_len, kv_len = dense.shape
+    nq, nk = -(-q_len // bq), -(-kv_len // bkv)
+    padded = torch.zeros(batch, heads, nq * bq, nk * bkv, dtype=torch.bool)
+    padded[..., :q_len, :kv_len] = dense
+    visible = padded.reshape(batch, heads, nq, bq, nk, bkv).sum(dim=(3, 5))
+    rows = (torch.arange(nq * bq) < q_len).reshape(nq, bq).sum(1)
+    columns = (torch.arange(nk * bkv) < kv_len).reshape(nk, bkv).sum(1)
+    return visible > 0, visible == rows[:, None] * columns[None, :], visible == bq * bkv
+
+
+def exact_classes(case: Case) -> torch.Tensor:
+    """Tile classes as create_block_mask defines them (a tile with padding is never FULL)."""
+    any_visible, _, all_visible = case.truth()
+    classes = torch.full(any_visible.shape, PARTIAL, dtype=torch.int8)
+    classes[~any_visible] = EMPTY
+    classes[all_visible] = FULL
+    return classes
+
+
+def table_dense(num: torch.Tensor, indices: torch.Tensor, columns: int) -> torch.Tensor:
+    """The bool matrix ``[..., rows, columns]`` listed by a (num_blocks, indices) table."""
+    listed = torch.arange(indices.shape[-1]) < num.unsqueeze(-1)
+    dense = torch.zeros(indices.shape[:-1] + (columns + 1,), dtype=torch.bool)
+    # entries past num go to a spare column, dropped below
+    dense.scatter_(-1, torch.where(listed, indices.long(), columns), True)
+    return dense[..., :columns]
+
+
+TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+          "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+def assert_same_block_mask(ours, theirs, context=""):
+    assert tuple(ours.BLOCK_SIZE) == tuple(theirs.BLOCK_SIZE), context
+    assert tuple(ours.seq_lengths) == tuple(theirs.seq_lengths), context
+    for name in TABLES:
+        a, b = getattr(ours, name), getattr(theirs, name)
+        assert a.shape == b.shape and a.dtype == b.dtype, f"{context} {name}: {a.shape} {b.shape}"
+    for counts, indices in (("kv_num_blocks", "kv_indices"),
+                            ("full_kv_num_blocks", "full_kv_indices"),
+                            ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+        num = getattr(ours, counts)
+        assert torch.equal(num, getattr(theirs, counts)), f"{context} {counts}"
+        # the listed entries agree in order; past them each table holds valid, unread block ids
+        listed = torch.arange(getattr(ours, indices).shape[-1]) < num.unsqueeze(-1)
+        mine, torch_s = getattr(ours, indices), getattr(theirs, indices)
+        assert torch.equal(torch.where(listed, mine, -1), torch.where(listed, torch_s, -1)), \
+            f"{context} {indices}:\n{mine}\n{torch_s}"
+        assert ((mine >= 0) & (mine < mine.shape[-1])).all(), f"{context} {indices} range"
+    assert torch.equal(ours.to_dense(), theirs.to_dense()), context
+
+
+def block_sets(block_mask, nq, nk) -> tuple:
+    """(partial, full) tile sets of a BlockMask as bool ``[b, h, NQ, NK]``."""
+    partial = table_dense(block_mask.kv_num_blocks, block_mask.kv_indices, nk)
+    full = table_dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, nk)
+    return partial[..., :nq, :], full[..., :nq, :]
+
+
+# ---------------------------------------------------------------------------------------------
+# Strategies
+
+
+@st.composite
+def mixed_texts(draw, max_masks=2, max_scores=0, kinds=("static", "binding")):
+    """A registry mask expression, sometimes combined with one of LIBRARY's masks by ``& | ~``,
+    then up to ``max_scores`` registry score modifiers."""
+    # spec_texts(max_scores=0) may still draw a lone score modifier: pick by names instead
+    text = draw(spec_texts(max_masks=max_masks, max_scores=0, kinds=kinds, names=MASK_NAMES))
+    if draw(st.integers(0, 2)):
+        extra = draw(st.sampled_from(LIBRARY_MASKS))
+        if draw(st.integers(0, 3)) == 0:
+            extra = f"~{extra}"
+        text = f"({text}) {draw(st.sampled_from('&|'))} {extra}"
+    if max_scores and draw(st.booleans()):
+        text += " + " + draw(spec_texts(max_masks=0, max_scores=max_scores, kinds=kinds,
+                                        names=SCORE_NAMES))
+    return text
+
+
+def _length(max_len):
+    """Lengths over the whole range (and near block edges) more than tiny ones."""
+    edges = [n for n in (1, 15, 17, 63, 65, 127, 129, 255, 257, 383, 385, 511, 513)
+             if n <= max_len]
+    return st.one_of(st.integers(1, max_len), st.integers(max_len // 3, max_len),
+                     st.sampled_from(edges))
+
+
+@st.composite
+def fitting_shapes(draw, spec, max_len):
+    """Like flexspec.testing.shapes, with longer sequences (many tiles per row); when a lookup
+    does not fit (doc_ids[b, q] needs Q_LEN <= KV_LEN), the lengths are swapped."""
+    kv_heads = draw(st.integers(1, 2))
+    kv_len = draw(_length(max_len))
+    q_len = kv_len if draw(st.integers(0, 3)) == 0 else draw(_length(max_len))
+    shape = Shape(draw(st.integers(1, 3)), kv_heads * draw(st.integers(1, 2)), kv_heads,
+                  q_len, kv_len, 16)
+    if not lookups_fit(spec, shape, exact=False):
+        shape = shape._replace(Q_LEN=min(q_len, kv_len), KV_LEN=max(q_len, kv_len))
+    # exact=False: what the runtime checks before a call
+    assume(lookups_fit(spec, shape, exact=False))
+    return shape
+
+
+@st.composite
+def cases(draw, max_len=300, blocks=BLOCKS, **text_options):
+    text = draw(mixed_texts(**text_options))
+    spec = flexspec.parse(text, library=LIBRARY)
+    shape = draw(fitting_shapes(spec, max_len))
+    values = draw(bindings(spec, shape))
+    return Case(spec, shape, values, draw(st.sampled_from(blocks)))
+
+
+def doc_case(block=(128, 128), *, q_len=250, kv_len=300, spec="causal & doc") -> Case:
+    """Per-batch document ids with different boundaries in each row."""
+    ids = torch.tensor([[0] * 100 + [1] * 150 + [2] * 50,
+                        [0] * 30 + [1] * 200 + [2] * 40 + [3] * 30,
+                        [0] * 300])[:, :kv_len]
+    shape = Shape(3, 4, 2, q_len, kv_len, 16)
+    return Case(flexspec.parse(spec), shape, {"doc_ids": ids}, block)
+
+
+def head_case(block=(128, 128), *, q_len=300, kv_len=200) -> Case:
+    spec = flexspec.parse("causal & window(2) | by_head", library=LIBRARY)
+    return Case(spec, Shape(2, 4, 2, q_len, kv_len, 16), {}, block)
+
+
+FIXED = [
+    pytest.param(lambda block: doc_case(block), id="doc-per-batch"),
+    pytest.param(lambda block: doc_case(block, spec="causal & ~doc | sink(5)"), id="not-doc"),
+    pytest.param(lambda block: head_case(block), id="by-head"),
+    pytest.param(lambda block: Case(flexspec.parse("sliding_window(40) | prefix(3)"),
+                                    Shape(1, 1, 1, 383, 257, 16), {}, block), id="sliding"),
+    pytest.param(lambda block: Case(flexspec.parse("chunked(50) & ~strided(3)"),
+                                    Shape(1, 1, 1, 129, 385, 16), {}, block), id="chunked"),
+    pytest.param(lambda block: Case(flexspec.parse("causal_bottom_right & dilated(90, 2)"),
+                                    Shape(1, 1, 1, 100, 300, 16), {}, block), id="bottom-right"),
+    # FULL tiles that only the cell-by-cell evaluation finds, next to ragged ones
+    pytest.param(lambda block: Case(flexspec.parse("parity", library=LIBRARY),
+                                    Shape(1, 1, 1, 256, 300, 16), {}, block), id="parity"),
+    # sub-tiles proven FULL by causal beside undecided ones, in tiles that are all visible
+    pytest.param(lambda block: Case(flexspec.parse("causal | parity", library=LIBRARY),
+                                    Shape(1, 1, 1, 256, 256, 16), {}, block), id="causal-parity"),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Soundness of the interval classes
+
+
+def check_classes_sound(case: Case) -> None:
+    classes = case.classes()
+    nq = -(-case.shape.Q_LEN // case.block[0])
+    nk = -(-case.shape.KV_LEN // case.block[1])
+    assert classes.shape == (case.batch, case.heads, nq, nk)
+    any_visible, all_inside, _ = case.truth()
+    assert not ((classes == EMPTY) & any_visible).any(), f"{case}: an EMPTY tile has a visible pair"
+    assert not ((classes == FULL) & ~all_inside).any(), f"{case}: a FULL tile has a hidden pair"
+
+
+def check_refine_exact(case: Case) -> None:
+    refined = refine(case.classes(), case.ir.mask, case.sizes, case.block, case.values, CPU)
+    expected = exact_classes(case)
+    assert torch.equal(refined, expected), f"{case}:\n{refined}\n{expected}"
+
+
+@FAST
+@given(cases())
+def test_interval_classes_are_sound(case):
+    check_classes_sound(case)
+
+
+@FAST
+@given(cases())
+def test_refined_classes_are_exact(case):
+    check_refine_exact(case)
+
+
+# each fixed case with two block sizes; together they cover every size of BLOCKS
+FIXED_BLOCKS = [(0, (128, 128)), (0, (64, 128)), (1, (64, 64)), (2, (256, 128)),
+                (2, (16, 32)), (3, (32, 16)), (4, (64, 128)), (5, (64, 64)),
+                (6, (128, 128)), (7, (64, 64)), (7, (256, 128))]
+
+
+@pytest.mark.parametrize("make, block", [
+    pytest.param(FIXED[i].values[0], block, id=f"{FIXED[i].id}-{block[0]}x{block[1]}")
+    for i, block in FIXED_BLOCKS])
+def test_fixed_cases(make, block):
+    case = make(block)
+    check_classes_sound(case)
+    check_refine_exact(case)
+    check_against_torch(case)
+
+
+@pytest.mark.parametrize("make, block", [
+    pytest.param(FIXED[i].values[0], block, id=f"{FIXED[i].id}-{block[0]}x{block[1]}")
+    for i, block in [(0, (24, 24)), (3, (24, 24)), (3, (8, 8)), (6, (100, 100)),
+                     (6, (48, 80)), (7, (8, 8))]])
+def test_block_sizes_that_are_not_multiples_of_16(make, block):
+    """build_block_mask takes any block size (the runtime asks for multiples of 16); the 16 x 16
+    sub-tile pass of refine only applies where sub-tiles tile the block."""
+    case = make(block)
+    check_classes_sound(case)
+    check_refine_exact(case)
+    check_against_torch(case)
+
+
+def test_per_batch_and_per_head_masks_get_their_own_rows():
+    case = doc_case()
+    assert (case.batch, case.heads) == (3, 1)
+    classes = case.classes()
+    assert not torch.equal(classes[0], classes[2])  # batch 2 holds one document: causal
+    case = head_case()
+    assert (case.batch, case.heads) == (1, 4)
+    classes = refine(case.classes(), case.ir.mask, case.sizes, case.block, case.values, CPU)
+    assert not torch.equal(classes[:, 0], classes[:, 3])
+    # a [KV_LEN] doc_ids is shared by every batch: no b in the mask, one row of tiles
+    ids = torch.tensor([0] * 100 + [1] * 200)
+    case = Case(flexspec.parse("causal & doc"), Shape(3, 2, 2, 300, 300, 16), {"doc_ids": ids})
+    assert (case.batch, case.heads) == (1, 1)
+    check_refine_exact(case)
+
+
+def test_classify_finds_full_empty_and_partial_tiles():
+    case = Case(flexspec.parse("causal"), Shape(1, 1, 1, 512, 512, 16), {})
+    classes = case.classes()[0, 0]
+    assert torch.equal(classes.diagonal(), torch.full((4,), PARTIAL, dtype=torch.int8))
+    assert (classes.tril(-1)[classes.tril(-1) != 0] == FULL).all()
+    assert (classes.triu(1) == EMPTY).all()
+    assert int((classes == FULL).sum()) == 6
+
+
+# ---------------------------------------------------------------------------------------------
+# Equality with create_block_mask
+
+
+def check_against_torch(case: Case) -> None:
+    """Exact block mask == create_block_mask's; the interval-only one is a superset of it."""
+    theirs = case.torch_block_mask()
+    assert_same_block_mask(case.ours(), theirs, repr(case))
+    check_interval_superset(case, theirs)
+
+
+@FEW
+@given(cases(max_len=260))
+def test_exact_block_mask_equals_create_block_mask(case):
+    check_against_torch(case)
+
+
+@pytest.mark.parametrize("mask, bindings", [
+    ("shifted", {"ids": torch.tensor([0] * 40 + [1] * 70 + [2] * 90)}),
+    ("clamped", {"t": torch.tensor([1, 0, 0, 1, 1, 0, 1, 0, 0, 0, 1, 1, 0, 1, 0, 0, 0, 0, 1, 0])}),
+    ("clamped | causal", {"t": torch.tensor([0] * 9 + [1] + [0] * 10)}),
+    ("mirrored", {"r": torch.randint(0, 4, (2, 200), generator=torch.Generator().manual_seed(1))}),
+    ("head_flags", {"f": torch.rand(3, 200, generator=torch.Generator().manual_seed(2)) < 0.02}),
+    ("thirds & causal", {"pid": torch.tensor([[0] * 60 + [1] * 140, [0] * 150 + [1] * 50])}),
+    ("head_window", {"w": torch.tensor([0, 3, 17])}),
+], ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("block", [(128, 128), (16, 32)], ids=lambda b: f"{b[0]}x{b[1]}")
+def test_index_expression_lookups(mask, bindings, block):
+    spec = flexspec.parse(mask, library=LIBRARY)
+    case = Case(spec, Shape(2, 3, 3, 190, 200, 16), bindings, block)
+    check_classes_sound(case)
+    check_refine_exact(case)
+    check_against_torch(case)
+
+
+# ---------------------------------------------------------------------------------------------
+# Interval-only block masks
+
+
+def check_interval_superset(case: Case, reference=None) -> None:
+    """Every block of ``reference`` (create_block_mask's; by default the exact classes of the
+    dense reference mask, which the tests above show to be the same) is listed, and the FULL
+    blocks are truly full."""
+    nq = -(-case.shape.Q_LEN // case.block[0])
+    nk = -(-case.shape.KV_LEN // case.block[1])
+    loose_partial, loose_full = block_sets(case.ours(exact=False), nq, nk)
+    if reference is None:
+        reference = to_block_mask(exact_classes(case), case.sizes, case.block)
+    partial, full = block_sets(reference, nq, nk)
+    assert not (loose_partial & loose_full).any()
+    listed = loose_partial | loose_full
+    assert not ((partial | full) & ~listed).any(), f"{case}: a needed block is missing"
+    _, _, all_visible = case.truth()
+    assert not (loose_full & ~all_visible).any(), f"{case}: a FULL block has masked pairs"
+    # a FULL block of create_block_mask may stay PARTIAL here, never the other way round
+    assert not (loose_full & ~full).any()
+
+
+@FAST
+@given(cases())
+def test_interval_block_mask_is_a_superset(case):
+    check_interval_superset(case)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention outputs
+
+
+def block_sparse_attention(case: Case, block_mask, q, k, v) -> torch.Tensor:
+    """What the fused kernel computes from the tables, in float64: FULL tiles without the mask,
+    PARTIAL tiles with it, every other tile skipped; a row with nothing visible gives zeros."""
+    shape = case.shape
+    group = shape.Hq // shape.Hkv
+    k64 = k.double().repeat_interleave(group, dim=1)
+    v64 = v.double().repeat_interleave(group, dim=1)
+    logits = q.double() @ k64.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    scores = dense_scores(case.ir, logits, case.values)
+    bq, bkv = block_mask.BLOCK_SIZE
+    nq, nk = -(-shape.Q_LEN // bq), -(-shape.KV_LEN // bkv)
+    partial, full = block_sets(block_mask, nq, nk)
+    grow = lambda t: t.repeat_interleave(bq, -2).repeat_interleave(bkv, -1)[  # noqa: E731
+        ..., :shape.Q_LEN, :shape.KV_LEN]
+    visible = grow(full) | (grow(partial) & case.dense())
+    scores = torch.where(visible, scores, -math.inf)
+    row_max = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores - torch.where(torch.isfinite(row_max), row_max, 0.0))
+    total = weights.sum(-1, keepdim=True)
+    return ((weights / torch.where(total > 0, total, 1.0)) @ v64).to(q.dtype)
+
+
+def check_attention(case: Case, seed: int, *, eager: bool) -> None:
+    q, k, v = case.shape.qkv(seed)
+    expected = case.attn.reference(q, k, v, **case.bindings)
+    masks = {"exact": case.ours(), "intervals": case.ours(exact=False),
+             "create_block_mask": case.torch_block_mask()}
+    for name, block_mask in masks.items():
+        got = block_sparse_attention(case, block_mask, q, k, v)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{case} {name} (block-sparse): {m}")
+    if not eager:
+        return
+    _, score_mod = case.mods()
+    outputs = {name: flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                    enable_gqa=case.shape.Hq != case.shape.Hkv)
+               for name, block_mask in masks.items()}
+    for name, out in outputs.items():
+        torch.testing.assert_close(out, outputs["create_block_mask"], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{case} {name} vs create_block_mask: {m}")
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{case} {name} vs reference: {m}")
+
+
+@FEW
+@given(cases(max_len=200, max_scores=1, kinds=KINDS), st.integers(0, 2**31 - 1))
+def test_block_sparse_attention_matches_the_reference(case, seed):
+    check_attention(case, seed, eager=False)
+
+
+# Eager flex_attention traces each new score_mod (1-2 s per spec here): a few fixed cases.
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: doc_case((64, 64), q_len=200, kv_len=230), id="doc"),
+    pytest.param(lambda: Case(flexspec.parse("shifted | by_head + softcap(5.0)",
+                                             library=LIBRARY),
+                              Shape(1, 2, 1, 130, 100, 16),
+                              {"ids": torch.tensor([0] * 30 + [1] * 70)}, (64, 64)), id="lookups"),
+])
+def test_eager_flex_attention_is_the_same_with_every_block_mask(make):
+    check_attention(make(), 0, eager=True)
+
+
+@pytest.mark.slow
+@FEW
+@given(cases(max_len=200, max_scores=1, kinds=KINDS), st.integers(0, 2**31 - 1))
+def test_eager_flex_attention_sweep(case, seed):
+    check_attention(case, seed, eager=True)
+
+
+def test_block_sparse_emulation_sees_a_wrong_table():
+    """The emulation reads the tables: a FULL tile that is not full changes the result."""
+    case = Case(flexspec.parse("causal"), Shape(1, 1, 1, 256, 256, 16), {})
+    classes = exact_classes(case)
+    classes[..., 0, 0] = FULL  # the diagonal tile, which is only half visible
+    wrong = to_block_mask(classes, case.sizes, case.block)
+    q, k, v = case.shape.qkv(0)
+    got = block_sparse_attention(case, wrong, q, k, v)
+    assert not torch.allclose(got, case.attn.reference(q, k, v), atol=1e-3)
+
+
+def test_nan_rows_are_not_full():
+    library = load_text("mask nan_rows = sqrt(q - 2) < 100.0\n", "nan.attn")
+    case = Case(flexspec.parse("nan_rows", library=library), Shape(1, 1, 1, 256, 256, 16), {})
+    assert case.dense()[0, 0, :2].sum() == 0  # rows 0 and 1 see nothing: NaN < 100.0 is false
+    check_classes_sound(case)
+
+
+# ---------------------------------------------------------------------------------------------
+# ordered()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 40), st.integers(1, 40), st.floats(0.0, 1.0),
+       st.integers(0, 2**31 - 1))
+def test_ordered_lists_true_columns_first(batch, rows, columns, density, seed):
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.rand(batch, rows, columns, generator=gen) < density
+    count, indices = ordered(dense)
+    assert count.dtype == indices.dtype == torch.int32
+    assert torch.equal(count, dense.sum(-1).to(torch.int32))
+    # the first `count` entries: what a stable descending argsort (create_block_mask) lists
+    expected = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
+    listed = torch.arange(columns) < count.unsqueeze(-1)
+    assert torch.equal(torch.where(listed, indices, -1), torch.where(listed, expected, -1))
+    assert ((indices >= 0) & (indices < columns)).all()
+    assert count.is_contiguous() and indices.is_contiguous()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 30), st.integers(1, 40), st.booleans(), st.sampled_from([0.0, 1e9]),
+       st.integers(0, 2**31 - 1))
+def test_ordered_run_rows_on_both_paths(rows, columns, scatter, run_fraction, seed):
+    # rows that are one run of columns (causal, window, document masks), some with extra True
+    # entries (several runs), laid out by the run path (fraction 0) and the rank path
+    gen = torch.Generator().manual_seed(seed)
+    ends = torch.randint(0, columns + 1, (2, rows, 1), generator=gen)
+    column = torch.arange(columns)
+    dense = (column >= ends.min(0).values) & (column < ends.max(0).values)
+    if scatter:
+        dense |= torch.rand(rows, columns, generator=gen) < 0.1
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(blocks, "RUN_PATH_FRACTION", run_fraction)
+        count, indices = ordered(dense)
+    expected = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
+    listed = column < count.unsqueeze(-1)
+    assert torch.equal(count, dense.sum(-1).to(torch.int32))
+    assert torch.equal(torch.where(listed, indices, -1), torch.where(listed, expected, -1))
+    assert ((indices >= 0) & (indices < columns)).all()
+
+
+def test_ordered_edge_rows():
+    count, indices = ordered(torch.tensor([[False, False, False], [True, True, True],
+                                           [False, True, False]]))
+    assert count.tolist() == [0, 3, 1]
+    assert indices[1].tolist() == [0, 1, 2] and indices[2, 0] == 1
+
+
+@FEW
+@given(cases(max_len=400), st.integers(2, 5))
+def test_coarse_to_fine_classification(case, side):
+    """Forced at small sizes: super-tiles of a few tiles, then the tiles inside the PARTIAL
+    ones. Still sound, and exact after refinement."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(blocks, "HIERARCHY_TILES", 1)
+        patch.setattr(blocks, "COARSE_SIDE", side)
+        check_classes_sound(case)
+        check_refine_exact(case)
+
+
+# ---------------------------------------------------------------------------------------------
+# The runtime
+
+
+def test_runtime_causal_block_mask_equals_create_block_mask():
+    attn = flexspec.compile("causal")
+    ours = attn.block_mask(1000, 1000)
+    theirs = create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 1000, 1000, device="cpu")
+    assert_same_block_mask(ours, theirs, "causal 1000")
+    dense = flexspec.compile("causal", block_masks="dense").block_mask(1000, 1000)
+    assert_same_block_mask(dense, theirs, "causal 1000, dense")
+    # for causal the intervals alone are exact already (ragged tiles are never FULL)
+    loose = flexspec.compile("causal", block_masks="intervals").block_mask(1000, 1000)
+    assert_same_block_mask(loose, theirs, "causal 1000, intervals")
+
+
+@pytest.mark.parametrize("block_size", [128, (256, 128), (64, 128)], ids=str)
+def test_runtime_modes_agree(block_size):
+    ids = torch.tensor([[0] * 100 + [1] * 150 + [2] * 50, [0] * 30 + [1] * 270])
+    masks = {mode: flexspec.compile("causal & doc", block_size=block_size, block_masks=mode)
+             .block_mask(250, 300, batch=2, doc_ids=ids)
+             for mode in ("exact", "intervals", "dense")}
+    assert_same_block_mask(masks["exact"], masks["dense"], f"{block_size}")
+    assert masks["exact"].kv_num_blocks.shape[0] == 2  # one row per batch
+    bq, bkv = masks["exact"].BLOCK_SIZE
+    nq, nk = -(-250 // bq), -(-300 // bkv)
+    loose, exact = block_sets(masks["intervals"], nq, nk), block_sets(masks["dense"], nq, nk)
+    assert not ((exact[0] | exact[1]) & ~(loose[0] | loose[1])).any()
+
+
+def test_runtime_uses_the_analysis_by_default(monkeypatch):
+    from flexspec.runtime import attention as runtime
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("create_block_mask was called")
+
+    monkeypatch.setattr(runtime, "create_block_mask", refuse)
+    attn = flexspec.compile("causal & window(100)")
+    assert attn.block_masks == "exact"
+    attn.block_mask(700, 900)
+    with pytest.raises(AssertionError):
+        flexspec.compile("causal", block_masks="dense").block_mask(300, 300)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweeps
+
+
+@pytest.mark.slow
+@MANY
+@given(cases(max_len=520))
+def test_block_masks_sweep(case):
+    check_classes_sound(case)
+    check_refine_exact(case)
+    check_against_torch(case)
+
+
+@pytest.mark.slow
+@MANY
+@given(cases(max_len=300, max_scores=1, kinds=KINDS), st.integers(0, 2**31 - 1))
+def test_block_sparse_attention_sweep(case, seed):
+    check_attention(case, seed, eager=False)

@@ -1,0 +1,314 @@
+"""Tests of flexspec.kernels.lower: the generated source, and FlexAttention runs against the reference."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+
+from flexspec import ir
+from flexspec.errors import BindingError
+from flexspec.kernels.lower import lower
+from flexspec.kernels.reference import dense_mask, reference_attention
+from flexspec.kernels.tensors import builtin_tensor, specialize_ir
+from ir_examples import (ALIBI, BIAS, CAUSAL, CAUSAL_BR, DILATED, DOC_IDS, DOCUMENT, KV_LEN,
+                         PADDING, Q_LEN, SCORE, SLOPES, B, C, H, b, call, h, kv, lookup, op, q,
+                         sliding_window, softcap, spec, window)
+
+# Eager flex_attention warns that it is not compiled; that is what these tests want.
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def sizes(batch, heads, q_len, kv_len):
+    return {"B": batch, "H": heads, "Q_LEN": q_len, "KV_LEN": kv_len}
+
+
+def lowered_mask(spec_, batch, heads, q_len, kv_len, tensors=None):
+    """The lowered mask_mod evaluated at every position by FlexAttention's own create_mask."""
+    mask_mod, _ = lower(spec_).make_mods(sizes(batch, heads, q_len, kv_len), tensors or {})
+    return create_mask(mask_mod, batch, heads, q_len, kv_len, device="cpu")
+
+
+def doc_ids(batch, length, docs=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.sort(torch.randint(0, docs, (batch, length), generator=gen), dim=1).values
+
+
+# --- source --------------------------------------------------------------------------------
+
+
+def test_causal_source():
+    lowered = lower(spec(CAUSAL))
+    assert lowered.mask_source == ("def mask_mod(b, h, q_idx, kv_idx):\n"
+                                   "    # q >= kv\n"
+                                   "    return q_idx >= kv_idx\n")
+    assert lowered.score_source is None
+
+
+def test_sliding_window_and_softcap_source():
+    lowered = lower(spec(sliding_window(128), softcap(30.0)))
+    assert lowered.mask_source.splitlines()[-1] == (
+        "    return (q_idx >= kv_idx) & (torch.abs(q_idx - kv_idx) <= 128)")
+    assert lowered.score_source == ("def score_mod(score, b, h, q_idx, kv_idx):\n"
+                                    "    # 30.0 * tanh(score / 30.0)\n"
+                                    "    return 30.0 * torch.tanh(score / 30.0)\n")
+
+
+def test_no_mask_no_score():
+    lowered = lower(spec())
+    assert lowered.mask_source is None and lowered.score_source is None
+    assert lowered.make_mods(sizes(1, 1, 4, 4), {}) == (None, None)
+
+
+def test_lowering_is_interned_by_ir_value():
+    first = lower(spec(ir.And((CAUSAL, DOCUMENT)), ALIBI))
+    assert lower(spec(ir.And((CAUSAL, DOCUMENT)), ALIBI)) is first
+    assert lower(spec(ir.And((DOCUMENT, CAUSAL)), ALIBI)) is not first
+
+
+def test_tensor_names_are_sanitized_and_unique():
+    clash = ir.Tensor("q_idx", (H,), dtype="int")
+    torch_named = ir.Tensor("torch", (H,), dtype="int")
+    mask = ir.And((op("<", kv, lookup(clash, h)), op("<", q, lookup(torch_named, h)),
+                   op(">", op("*", lookup(SLOPES, h), C(2.0)), C(0.0))))
+    lowered = lower(spec(mask))
+    assert dict(lowered.tensor_names) == {"q_idx": "q_idx_", "torch": "torch_",
+                                          "alibi_slopes(H)": "alibi_slopes_H"}
+    assert "q_idx_[h]" in lowered.mask_source and "torch_[h]" in lowered.mask_source
+
+
+def test_free_names_are_only_what_the_source_reads():
+    lowered = lower(spec(ir.And((CAUSAL_BR, DOCUMENT))))
+    assert lowered.size_names == ("Q_LEN", "KV_LEN")
+    assert dict(lowered.tensor_names) == {"doc_ids": "doc_ids"}
+    header = lowered.source().splitlines()[2]
+    assert header == "# free names: Q_LEN (int), KV_LEN (int), doc_ids (tensor 'doc_ids')"
+
+
+def test_source_is_pasteable_python():
+    lowered = lower(spec(ir.And((CAUSAL_BR, DOCUMENT)), softcap(20.0, ALIBI)))
+    ids = doc_ids(2, 40)
+    slopes = builtin_tensor(SLOPES, {"H": 3})
+    namespace = {"Q_LEN": 30, "KV_LEN": 40, "doc_ids": ids, "alibi_slopes_H": slopes}
+    exec(lowered.source(), namespace)
+    pasted = create_mask(namespace["mask_mod"], 2, 3, 30, 40, device="cpu")
+    made, _ = lowered.make_mods(sizes(2, 3, 30, 40), {"doc_ids": ids, "alibi_slopes(H)": slopes})
+    assert torch.equal(pasted, create_mask(made, 2, 3, 30, 40, device="cpu"))
+
+
+def test_missing_tensor_is_a_binding_error():
+    with pytest.raises(BindingError, match="doc_ids"):
+        lower(spec(DOCUMENT)).make_mods(sizes(1, 1, 8, 8), {})
+
+
+# --- masks against the reference -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("mask, shape", [
+    (CAUSAL, (1, 1, 100, 100)),
+    (CAUSAL, (1, 1, 70, 190)),
+    (CAUSAL_BR, (1, 1, 70, 190)),
+    (window(3), (1, 1, 50, 61)),
+    (sliding_window(16), (1, 1, 150, 150)),
+    (DILATED, (1, 4, 40, 40)),
+    (ir.Unary("not", ir.Or((window(2), op("==", op("//", kv, C(8)), op("//", q, C(8)))))),
+     (1, 1, 40, 50)),
+])
+def test_masks_match_the_reference(mask, shape):
+    assert torch.equal(lowered_mask(spec(mask), *shape), dense_mask(spec(mask), *shape))
+
+
+def test_batch_dependent_masks_match_the_reference():
+    tensors = {"doc_ids": doc_ids(3, 90), "lengths": torch.tensor([90, 17, 50])}
+    mask = ir.And((CAUSAL, DOCUMENT, PADDING))
+    got = lowered_mask(spec(mask), 3, 2, 90, 90, tensors)
+    assert torch.equal(got, dense_mask(spec(mask), 3, 2, 90, 90, tensors))
+    assert not torch.equal(got[0], got[1])
+
+
+def test_broadcast_document_ids_give_a_mask_without_b():
+    ids = doc_ids(1, 60)
+    specialized = specialize_ir(spec(DOCUMENT), {"doc_ids": tuple(ids.shape)})
+    lowered = lower(specialized)
+    assert "doc_ids[0, q_idx] == doc_ids[0, kv_idx]" in lowered.mask_source
+    got = lowered_mask(specialized, 3, 1, 60, 60, {"doc_ids": ids})
+    assert torch.equal(got, dense_mask(spec(DOCUMENT), 3, 1, 60, 60, {"doc_ids": ids}))
+
+
+@pytest.mark.parametrize("mask", [
+    # Expressions over sizes only are Python numbers in the lowered code.
+    call("where", op(">", Q_LEN, KV_LEN), op(">=", q, kv), op("<=", q, kv)),
+    op(">=", call("where", op("<", Q_LEN, KV_LEN), op("-", q, kv), C(0)), C(0)),
+    op("<", q, call("min", kv, op("//", KV_LEN, C(2)))),
+    op("<", call("max", C(10), q), call("clamp", kv, C(5), op("-", KV_LEN, C(3)))),
+    op("==", call("sign", op("-", Q_LEN, KV_LEN)), call("sign", op("-", q, kv))),
+    op("<=", call("floor", op("/", q, C(3))), call("ceil", op("/", kv, C(4)))),
+    op(">", call("floor", op("/", KV_LEN, C(4))), q),
+    op("<", call("log2", op("+", q, C(1))), call("sqrt", call("exp2", C(3)))),
+    ir.And((op(">", KV_LEN, C(3)), ir.Unary("not", op("<", Q_LEN, C(2))), CAUSAL)),
+    op(">", Q_LEN, C(1000)),
+    ir.FALSE,
+])
+def test_scalar_and_mixed_expressions_lower_correctly(mask):
+    assert torch.equal(lowered_mask(spec(mask), 2, 2, 24, 37), dense_mask(spec(mask), 2, 2, 24, 37))
+
+
+# Random integer expressions: precedence, floor division and modulo signs, scalar/tensor mixes.
+_INT_LEAVES = st.sampled_from([b, h, q, kv, B, H, Q_LEN, KV_LEN] + [C(i) for i in range(-5, 6)])
+_DIVISORS = st.sampled_from([C(3), C(-2), C(7), H, KV_LEN])
+
+
+def _int_exprs():
+    def extend(children):
+        return st.one_of(
+            st.builds(op, st.sampled_from(["+", "-", "*"]), children, children),
+            st.builds(op, st.sampled_from(["//", "%"]), children, _DIVISORS),
+            st.builds(lambda x: call("abs", x), children),
+            st.builds(lambda x: ir.Unary("neg", x), children),
+            st.builds(lambda x, y: call("min", x, y), children, children),
+            st.builds(lambda x, y: call("max", x, y), children, children),
+            st.builds(lambda x, lo, hi: call("clamp", x, lo, hi), children, children, children),
+            st.builds(lambda x: call("floor", op("/", x, C(3))), children),
+            st.builds(lambda c, x, y: call("where", op("<", c, C(2)), x, y),
+                      children, children, children),
+        )
+    return st.recursive(_INT_LEAVES, extend, max_leaves=6)
+
+
+def _masks():
+    compare = st.builds(op, st.sampled_from(ir.COMPARE_OPS), _int_exprs(), _int_exprs())
+    return st.recursive(compare, lambda children: st.one_of(
+        st.builds(lambda xs: ir.And(tuple(xs)), st.lists(children, min_size=2, max_size=3)),
+        st.builds(lambda xs: ir.Or(tuple(xs)), st.lists(children, min_size=2, max_size=3)),
+        st.builds(lambda x: ir.Unary("not", x), children)), max_leaves=3)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_masks())
+def test_random_masks_match_the_reference(mask):
+    assert torch.equal(lowered_mask(spec(mask), 2, 3, 7, 9), dense_mask(spec(mask), 2, 3, 7, 9))
+
+
+# --- attention against the reference -------------------------------------------------------
+
+
+def qkv(batch, heads, q_len, kv_len, dim=16, kv_heads=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads = kv_heads or heads
+    return (torch.randn(batch, heads, q_len, dim, generator=gen),
+            torch.randn(batch, kv_heads, kv_len, dim, generator=gen),
+            torch.randn(batch, kv_heads, kv_len, dim, generator=gen))
+
+
+def flex(lowered, q_, k_, v_, tensors, attention=flex_attention):
+    """FlexAttention with the lowered mods and a BlockMask built from the mask_mod."""
+    batch, heads, q_len, kv_len = q_.shape[0], q_.shape[1], q_.shape[2], k_.shape[2]
+    mask_mod, score_mod = lowered.make_mods(sizes(batch, heads, q_len, kv_len), tensors)
+    block_mask = None
+    if mask_mod is not None:
+        block_mask = create_block_mask(mask_mod, batch, heads, q_len, kv_len, device=q_.device)
+    return attention(q_, k_, v_, score_mod=score_mod, block_mask=block_mask,
+                     enable_gqa=heads != k_.shape[1])
+
+
+CASES = {
+    "causal+alibi+softcap": (spec(CAUSAL, softcap(20.0, ALIBI)), (1, 4, 200, 200, None)),
+    "document+bias, Q_LEN < KV_LEN": (
+        spec(ir.And((CAUSAL_BR, op("==", lookup(DOC_IDS, b, op("+", q, op("-", KV_LEN, Q_LEN))),
+                                  lookup(DOC_IDS, b, kv)))),
+             op("+", SCORE, lookup(BIAS, h))),
+        (2, 2, 100, 300, None)),
+    "gqa, head-dependent": (spec(DILATED), (1, 4, 150, 150, 2)),
+    "padding: fully masked rows": (spec(PADDING), (2, 2, 130, 130, None)),
+    "score only": (spec(score=op("-", SCORE, op("*", C(0.05), call("abs", op("-", q, kv))))),
+                   (1, 2, 100, 230, None)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_eager_flex_attention_matches_the_reference(name):
+    spec_, (batch, heads, q_len, kv_len, kv_heads) = CASES[name]
+    q_, k_, v_ = qkv(batch, heads, q_len, kv_len, kv_heads=kv_heads)
+    tensors = {"alibi_slopes(H)": builtin_tensor(SLOPES, {"H": heads}),
+               "doc_ids": doc_ids(batch, kv_len, seed=1),
+               "bias": torch.linspace(-1.0, 1.0, heads),
+               "lengths": torch.tensor([130, 77][:batch])}
+    needed = {key: value for key, value in tensors.items() if key in lower(spec_).tensor_names}
+    got = flex(lower(spec_), q_, k_, v_, needed)
+    expected = reference_attention(spec_, q_, k_, v_, tensors=needed)
+    assert not got.isnan().any()
+    assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+    if name.startswith("padding"):
+        assert (got[1, :, 77:] == 0).all()
+
+
+# --- compilation ---------------------------------------------------------------------------
+
+DOC_ALIBI = spec(ir.And((CAUSAL, DOCUMENT)), softcap(30.0, ALIBI))
+
+
+def compiled_frames(backend, lowereds, device="cpu"):
+    """Run torch.compile(flex_attention) once per Lowered, each time with fresh doc_ids, check
+    each result against the reference, and return how many frames dynamo compiled."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(flex_attention, backend=counter)
+    q_, k_, v_ = (x.to(device) for x in qkv(2, 2, 128, 128))
+    slopes = builtin_tensor(SLOPES, {"H": 2}, device)
+    try:
+        for seed, lowered in enumerate(lowereds):
+            tensors = {"doc_ids": doc_ids(2, 128, seed=seed).to(device), "alibi_slopes(H)": slopes}
+            got = flex(lowered, q_, k_, v_, tensors, attention=compiled)
+            expected = reference_attention(DOC_ALIBI, q_, k_, v_, tensors=tensors)
+            assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+        return counter.frame_count
+    finally:
+        torch._dynamo.reset()
+
+
+def test_fresh_tensors_do_not_recompile():
+    # Dynamo's guards alone decide whether a call recompiles, so the cheap "eager" backend
+    # measures what inductor would do (test_compiled_flex_attention_with_inductor checks it).
+    assert compiled_frames("eager", [lower(DOC_ALIBI)] * 4) == 1
+    # The control: the same text exec'd anew gives new code objects, and each one recompiles.
+    # This is why a Lowered compiles its source once and make_mods only makes closures.
+    assert compiled_frames("eager", [lower.__wrapped__(DOC_ALIBI) for _ in range(3)]) == 3
+
+
+@pytest.mark.slow
+def test_compiled_flex_attention_with_inductor():
+    assert compiled_frames("inductor", [lower(DOC_ALIBI)] * 3) == 1
+
+
+# Every lowering construct at once, for the compiled kernels (inductor on CPU and on CUDA).
+EVERYTHING = spec(
+    ir.And((CAUSAL_BR, DOCUMENT, ir.Or((
+        window(40),
+        op("==", op("%", kv, C(16)), C(0)),
+        op(">", call("floor", op("/", q, C(3.0))), call("max", kv, op("//", KV_LEN, C(2)))),
+        op("<", call("where", op(">", Q_LEN, C(10)), C(1), call("sign", kv)), C(0)))))),
+    op("+", softcap(30.0, ALIBI), op("*", C(0.01), call("clamp", op("-", q, kv), C(-5),
+                                                        call("min", C(7), H)))))
+
+
+def everything_runs(device):
+    lowered = lower(EVERYTHING)
+    compiled = torch.compile(flex_attention)
+    q_, k_, v_ = (x.to(device) for x in qkv(2, 2, 100, 230))
+    tensors = {"doc_ids": doc_ids(2, 230, seed=3).to(device),
+               "alibi_slopes(H)": builtin_tensor(SLOPES, {"H": 2}, device)}
+    got = flex(lowered, q_, k_, v_, tensors, attention=compiled)
+    expected = reference_attention(EVERYTHING, q_, k_, v_, tensors=tensors)
+    assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+
+
+@pytest.mark.slow
+def test_every_construct_compiles_with_inductor():
+    everything_runs("cpu")
+
+
+@pytest.mark.gpu
+def test_every_construct_compiles_on_cuda():
+    everything_runs("cuda")
+    assert compiled_frames("inductor", [lower(DOC_ALIBI)] * 3, device="cuda") == 1

@@ -1,0 +1,427 @@
+"""Backend rules (flexspec.runtime.backends) and the runtime's dispatch on the CPU.
+
+The rules are tested on synthetic :class:`Request` facts (a Hopper GPU with and without FA4, the
+CPU, MPS), so the GPU choices are covered here without a GPU; tests/test_gpu.py runs them there.
+The CPU calls compare each backend's output with the dense float64 reference.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import flexspec
+from flexspec import parse
+from flexspec.runtime import attention as runtime
+from flexspec.runtime.backends import (FLASH_MIN_FLOPS, BackendError, Request, SdpaForm, attention_flops,
+                               choose, sdpa_form, why_not)
+from flexspec.testing import Shape
+
+H200 = Request(device_type="cuda", capability=(9, 0), dtype=torch.bfloat16, batch=4, heads=16,
+               kv_heads=16, q_len=8192, kv_len=8192, head_dim=128, v_head_dim=128, grads=False,
+               table_grads=False, flash_installed=True)
+CPU = dataclasses.replace(H200, device_type="cpu", capability=None, flash_installed=False,
+                          dtype=torch.float32, batch=1, heads=8, q_len=4096, kv_len=4096,
+                          head_dim=64, v_head_dim=64)
+
+
+def ir(text):
+    return parse(text).ir
+
+
+# ---- which specs SDPA runs ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, form", [
+    ("full", SdpaForm(causal=False, factor=1.0)),
+    ("causal", SdpaForm(causal=True, factor=1.0)),
+    ("causal & causal", SdpaForm(causal=True, factor=1.0)),
+    ("causal + scale(0.5)", SdpaForm(causal=True, factor=0.5)),
+    ("scale(2.0) + scale(3.0)", SdpaForm(causal=False, factor=6.0)),
+    ("causal & window(8)", None),
+    ("causal_bottom_right", None),
+    ("causal + alibi", None),
+    ("causal + softcap(30)", None),
+    ("causal + scale(-1.0)", None),  # a negative scale breaks the kernels' running maximum
+    ("causal + scale(0.0)", None),
+])
+def test_sdpa_form(text, form):
+    assert sdpa_form(ir(text)) == form
+
+
+def test_sdpa_form_reads_division_and_left_constants():
+    from flexspec.lang.library import load_text
+
+    library = load_text("score halve = score / 2.0\nscore twice = 2.0 * score\n")
+    assert sdpa_form(parse("causal + halve", library=library).ir).factor == 0.5
+    assert sdpa_form(parse("twice", library=library).ir).factor == 2.0
+
+
+# ---- auto on a GPU -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["full", "causal", "causal & window(1024)", "causal + alibi",
+                                  "causal + softcap(30)"])
+def test_auto_takes_flash_on_hopper_with_fa4(text):
+    choice = choose("auto", H200, ir(text))
+    assert choice.backend == "flash"
+    assert dict(choice.rejected).keys() == {"sdpa", "flex", "reference"}
+
+
+def test_auto_on_a_gpu_without_fa4_takes_cudnn_for_causal_and_flex_otherwise():
+    no_fa4 = dataclasses.replace(H200, flash_installed=False)
+    assert choose("auto", no_fa4, ir("causal")).backend == "sdpa"
+    assert choose("auto", no_fa4, ir("full + scale(0.5)")).backend == "sdpa"
+    choice = choose("auto", no_fa4, ir("causal & window(1024)"))
+    assert choice.backend == "flex"
+    assert "flash_attn.cute" in dict(choice.rejected)["flash"]
+
+
+def test_small_problems_skip_flash():
+    small = dataclasses.replace(H200, batch=1, heads=4, q_len=1024, kv_len=1024)
+    assert small.dense_flops < FLASH_MIN_FLOPS
+    assert choose("auto", small, ir("causal")).backend == "sdpa"
+    choice = choose("auto", small, ir("causal & window(128)"))
+    assert choice.backend == "flex"
+    assert "fixed cost per call" in dict(choice.rejected)["flash"]
+    # asked for explicitly, FLASH still runs
+    assert choose("flash", small, ir("causal & window(128)")).backend == "flash"
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"dtype": torch.float32}, "float16 or bfloat16"),
+    ({"head_dim": 256, "v_head_dim": 256}, "head dimensions 64 and 128"),
+    ({"capability": (8, 0)}, "Hopper or Blackwell GPU (compute capability 9.x or 10.x), this one "
+                             "is 8.0"),
+    ({"table_grads": True, "grads": True}, "gradients of tensors the score reads"),
+    ({"block_size": (64, 64)}, "multiples of 128"),
+    ({"device_type": "cpu", "capability": None}, "CUDA GPUs only"),
+])
+def test_flash_refusals_say_why(change, reason):
+    request = dataclasses.replace(H200, **change)
+    assert reason in why_not("flash", request, ir("causal"))
+    with pytest.raises(BackendError, match="backend 'flash' cannot run this call: .*" +
+                       reason.split("(")[0].strip()):
+        choose("flash", request, ir("causal"))
+    assert choose("auto", request, ir("causal")).backend != "flash"
+
+
+def test_learnable_gradients_on_a_gpu_take_flex():
+    request = dataclasses.replace(H200, grads=True, table_grads=True)
+    assert choose("auto", request, ir("causal + rel_bias")).backend == "flex"
+
+
+def test_gradients_on_a_gpu_keep_flash():
+    # FLASH's backward beat cuDNN and Triton on the H200 (6.7 vs 7.05 vs 10.0 ms, causal)
+    assert choose("auto", dataclasses.replace(H200, grads=True), ir("causal")).backend == "flash"
+
+
+def test_flash_backward_is_not_used_for_scores_that_read_tensors():
+    # FLASH's backward gave NaN gradients for sliding_window + alibi on the H200
+    request = dataclasses.replace(H200, grads=True, score_tensors=True)
+    choice = choose("auto", request, ir("causal + alibi"))
+    assert choice.backend == "flex" and "NaN gradients" in dict(choice.rejected)["flash"]
+    forward = dataclasses.replace(H200, score_tensors=True)
+    assert choose("auto", forward, ir("causal + alibi")).backend == "flash"
+
+
+# ---- auto on the CPU and elsewhere -------------------------------------------------------------
+
+
+def test_auto_on_the_cpu():
+    assert choose("auto", CPU, ir("causal")).backend == "sdpa"
+    assert choose("auto", CPU, ir("causal & window(256)")).backend == "flex"
+    short = dataclasses.replace(CPU, q_len=40, kv_len=40)
+    assert choose("auto", short, ir("causal & window(8)")).backend == "reference"
+    assert choose("auto", short, ir("causal")).backend == "sdpa"
+    causal_cross = dataclasses.replace(CPU, kv_len=5000)
+    assert choose("auto", causal_cross, ir("causal")).backend == "flex"
+
+
+def test_gradients_on_the_cpu():
+    grads = dataclasses.replace(CPU, grads=True)
+    assert choose("auto", grads, ir("causal")).backend == "sdpa"
+    assert choose("auto", grads, ir("causal & window(8)")).backend == "reference"
+    with pytest.raises(BackendError, match="no backward pass on cpu"):
+        choose("flex", grads, ir("causal & window(8)"))
+    huge = dataclasses.replace(grads, reference_fits=False)
+    with pytest.raises(BackendError, match="no backend can run this call .*memory budget"):
+        choose("auto", huge, ir("causal & window(8)"))
+
+
+def test_xpu_gradients_take_flex_which_has_a_backward_there():
+    xpu = dataclasses.replace(CPU, device_type="xpu", grads=True)
+    assert choose("auto", xpu, ir("causal & window(8)")).backend == "flex"
+    assert choose("auto", dataclasses.replace(xpu, device_type="mps"),
+                  ir("causal & window(8)")).backend == "reference"
+
+
+def test_mps_without_gradients_takes_sdpa_or_flex():
+    mps = dataclasses.replace(CPU, device_type="mps")
+    assert choose("auto", mps, ir("causal")).backend == "sdpa"
+    assert choose("auto", mps, ir("causal & window(8)")).backend == "flex"
+
+
+def test_explicit_backends_and_their_errors():
+    assert choose("flex", CPU, ir("causal")).reason == "backend='flex' was asked for"
+    with pytest.raises(BackendError, match="SDPA runs only full attention .* mask "
+                                           "`q >= kv & abs"):
+        choose("sdpa", CPU, ir("causal & window(8)"))
+    with pytest.raises(BackendError, match="Q_LEN == KV_LEN, got 4096 and 5000"):
+        choose("sdpa", dataclasses.replace(CPU, kv_len=5000), ir("causal"))
+    with pytest.raises(BackendError, match="unknown backend 'flsh'. Did you mean 'flash'"):
+        why_not("flsh", CPU, ir("causal"))
+    with pytest.raises(BackendError, match="'auto' is not one backend .* use choose"):
+        why_not("auto", CPU, ir("causal"))
+
+
+@given(device=st.sampled_from(["cpu", "cuda", "mps"]), grads=st.booleans(),
+       table_grads=st.booleans(), fa4=st.booleans(), length=st.sampled_from([16, 100, 8192]),
+       text=st.sampled_from(["full", "causal", "causal & window(8)", "causal + rel_bias"]))
+@settings(max_examples=200, deadline=None)
+def test_auto_always_chooses_a_backend_that_can_run(device, grads, table_grads, fa4, length,
+                                                      text):
+    request = dataclasses.replace(
+        H200, device_type=device, capability=(9, 0) if device == "cuda" else None,
+        grads=grads or table_grads, table_grads=table_grads, flash_installed=fa4,
+        q_len=length, kv_len=length)
+    choice = choose("auto", request, ir(text))
+    assert why_not(choice.backend, request, ir(text)) is None
+    assert {name for name, _ in choice.rejected} | {choice.backend} == \
+        {"flash", "sdpa", "flex", "reference"}
+
+
+def test_flops_count_the_backward_as_two_and_a_half_forwards():
+    assert attention_flops(10, 64, 32, backward=False) == 2 * 10 * (64 + 32)
+    assert attention_flops(10, 64, 64, backward=True) == 3.5 * 2 * 10 * 128
+
+
+def test_triton_backward_needs_blocks_of_128_on_cuda():
+    small = dataclasses.replace(H200, block_size=(64, 128))
+    assert choose("flex", small, ir("causal & window(8)")).backend == "flex"
+    training = dataclasses.replace(small, grads=True)
+    with pytest.raises(BackendError, match="no kernel for blocks of 64x128 .* use "
+                                           "block_size=128 for training"):
+        choose("flex", training, ir("causal & window(8)"))
+    # auto says why nothing runs, FLASH included; SDPA ignores block sizes
+    with pytest.raises(BackendError, match="flash: FLASH needs block sizes .* flex: "):
+        choose("auto", training, ir("causal & window(8)"))
+    assert choose("auto", training, ir("causal")).backend == "sdpa"
+    assert choose("auto", dataclasses.replace(training, block_size=(256, 128)),
+                  ir("causal & window(8)")).backend == "flash"
+
+
+@given(q_block=st.integers(1, 24).map(lambda n: 16 * n),
+       kv_block=st.integers(1, 24).map(lambda n: 16 * n), table_grads=st.booleans())
+def test_triton_tiles_divide_the_blocks(q_block, kv_block, table_grads):
+    request = dataclasses.replace(H200, block_size=(q_block, kv_block), grads=table_grads,
+                                  table_grads=table_grads)
+    options = runtime._kernel_options("flex", request) or {}
+    if q_block % 128 == 0 and kv_block % 128 == 0:
+        # torch's own tiles divide these: nothing is overridden but the table-gradient stages
+        assert not any("BLOCK" in key for key in options)
+    else:
+        tiles_q = [options[k] for k in ("fwd_BLOCK_M", "bwd_BLOCK_M1", "bwd_BLOCK_M2")]
+        tiles_kv = [options[k] for k in ("fwd_BLOCK_N", "bwd_BLOCK_N1", "bwd_BLOCK_N2")]
+        assert all(16 <= t <= 64 and q_block % t == 0 for t in tiles_q)
+        assert all(16 <= t <= 64 and kv_block % t == 0 for t in tiles_kv)
+        # the backward kernels need matching tiles on both sides
+        assert options["bwd_BLOCK_N1"] % options["bwd_BLOCK_M1"] == 0
+        assert options["bwd_BLOCK_M2"] % options["bwd_BLOCK_N2"] == 0
+    assert (options.get("num_stages") == 1) == table_grads
+    assert runtime._kernel_options("flash", request) == {"BACKEND": "FLASH"}
+
+
+# ---- the runtime on the CPU --------------------------------------------------------------------
+
+
+@given(text=st.sampled_from(["full", "causal", "causal + scale(0.5)", "full + scale(3.0)"]),
+       shape=st.builds(Shape, B=st.integers(1, 2), Hq=st.just(4), Hkv=st.sampled_from([1, 2, 4]),
+                       Q_LEN=st.integers(1, 90), KV_LEN=st.integers(1, 90), D=st.just(8)),
+       scale=st.sampled_from([None, 0.3]))
+@settings(max_examples=25, deadline=None)
+def test_sdpa_backend_equals_the_reference(text, shape, scale):
+    if text.startswith("causal"):
+        shape = shape._replace(KV_LEN=shape.Q_LEN)
+    attn = flexspec.compile(text, backend="sdpa")
+    q, k, v = shape.qkv(seed=1)
+    torch.testing.assert_close(attn(q, k, v, scale=scale), attn.reference(q, k, v, scale=scale),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_gradients_equal_the_reference():
+    attn = flexspec.compile("causal + scale(0.7)")
+    q, k, v = Shape(1, 2, 2, 30, 30, 8).qkv(seed=2)
+    grads = []
+    for run in (attn, attn.reference):
+        leaves = [t.clone().double().requires_grad_() for t in (q, k, v)]
+        if run is attn:  # the kernel path takes float32
+            leaves = [t.detach().float().requires_grad_() for t in leaves]
+        out = run(*leaves)
+        out.double().pow(2).sum().backward()
+        grads.append([t.grad.double() for t in leaves])
+    assert attn.explain(*(t.requires_grad_() for t in (q, k, v))).choice.backend == "sdpa"
+    for mine, reference in zip(*grads):
+        torch.testing.assert_close(mine, reference, atol=1e-5, rtol=1e-4)
+
+
+def test_auto_uses_sdpa_for_causal_on_the_cpu():
+    q, k, v = Shape(1, 2, 2, 100, 100, 8).qkv(seed=0)
+    explanation = flexspec.compile("causal").explain(q, k, v)
+    assert explanation.choice.backend == "sdpa"
+    assert "SDPA beat compiled FlexAttention" in explanation.choice.reason
+
+
+def test_sdpa_refusals_at_compile_and_call_time():
+    with pytest.raises(BackendError, match="backend 'sdpa' cannot run 'causal & window\\(8\\)'"):
+        flexspec.compile("causal & window(8)", backend="sdpa")
+    q = torch.randn(1, 1, 10, 8)
+    k = torch.randn(1, 1, 12, 8)
+    with pytest.raises(BackendError, match="Q_LEN == KV_LEN, got 10 and 12"):
+        flexspec.compile("causal", backend="sdpa")(q, k, k)
+
+
+def test_flash_on_the_cpu_says_why_not():
+    q = torch.randn(1, 1, 100, 8)
+    with pytest.raises(BackendError, match="FLASH runs on CUDA GPUs only, not on cpu"):
+        flexspec.compile("causal", backend="flash")(q, q, q)
+
+
+def test_explicit_flex_with_gradients_on_the_cpu_is_refused():
+    q = torch.randn(1, 1, 100, 8, requires_grad=True)
+    with pytest.raises(BackendError, match="no backward pass on cpu"):
+        flexspec.compile("causal & window(8)", backend="flex")(q, q, q)
+
+
+def test_scale_must_be_a_number():
+    q = torch.randn(1, 1, 10, 8)
+    with pytest.raises(flexspec.BindingError, match="scale must be a finite number"):
+        flexspec.compile("causal")(q, q, q, scale="0.5")
+    with pytest.raises(flexspec.BindingError, match="scale must be a finite number"):
+        flexspec.compile("causal")(q, q, q, scale=math.nan)
+
+
+# ---- explain ------------------------------------------------------------------------------------
+
+
+def test_explain_counts_exactly():
+    q, k, v = Shape(2, 4, 2, 200, 300, 16).qkv(seed=0)
+    attn = flexspec.compile("causal & window(20)")
+    explanation = attn.explain(q, k, v)
+    rows = torch.arange(200).reshape(-1, 1)
+    cols = torch.arange(300).reshape(1, -1)
+    visible = int(((rows >= cols) & (rows - cols <= 20)).sum())
+    assert explanation.density == visible / (200 * 300)
+    assert explanation.flops == 2 * 2 * 4 * visible * (16 + 16)
+    text = str(explanation)
+    assert "B=2 H=4 (KV heads 2) Q_LEN=200 KV_LEN=300 D=16 float32 on cpu" in text
+    assert "backend:  flex" in text and "not sdpa: SDPA runs only" in text
+
+
+def test_explain_with_batch_dependent_bindings_counts_every_row():
+    attn = flexspec.compile("document")
+    q, k, v = Shape(2, 1, 1, 100, 100, 8).qkv(seed=0)
+    ids = torch.stack([torch.arange(100) // 50, torch.arange(100) // 25])  # 2 and 4 documents
+    explanation = attn.explain(q, k, v, doc_ids=ids)
+    dense = attn.dense_mask(100, 100, batch=2, doc_ids=ids)
+    assert explanation.density == dense.float().mean().item() == (0.5 + 0.25) / 2
+
+
+def test_the_plan_is_reused_and_fresh_bindings_still_count(monkeypatch):
+    attn = flexspec.compile("causal & document")
+    q, k, v = Shape(1, 2, 2, 200, 200, 8).qkv(seed=0)
+    first = torch.arange(200) // 50
+    assert attn.explain(q, k, v, doc_ids=first).choice.backend == "flex"
+    attn(q, k, v, doc_ids=first)
+    plans = []
+    original = attn._plan
+    monkeypatch.setattr(attn, "_plan", lambda *a: plans.append(1) or original(*a))
+    second = torch.arange(200) // 10
+    out = attn(q, k, v, doc_ids=second)
+    assert plans == []
+    torch.testing.assert_close(out, attn.reference(q, k, v, doc_ids=second), atol=2e-5,
+                               rtol=1e-5)
+    second.fill_(0)  # in place: the version counter changes, so the block mask is rebuilt
+    torch.testing.assert_close(attn(q, k, v, doc_ids=second),
+                               attn.reference(q, k, v, doc_ids=second), atol=2e-5, rtol=1e-5)
+
+
+def test_a_reused_plan_still_checks_value_dependent_indices():
+    from flexspec.lang.library import load_text
+
+    library = load_text("mask same_group(group: int[KV_LEN]) = group[group[q]] == group[kv]\n")
+    attn = flexspec.compile("same_group", library=library, backend="reference")
+    q = torch.randn(1, 1, 8, 4)
+    attn(q, q, q, group=torch.zeros(8, dtype=torch.int64))
+    with pytest.raises(flexspec.BindingError, match="'group' is indexed by group\\[q\\]"):
+        attn(q, q, q, group=torch.full((8,), 9, dtype=torch.int64))
+
+
+def test_inputs_requiring_gradients_under_no_grad_run_the_kernel():
+    attn = flexspec.compile("causal & window(8)")
+    q, k, v = (t.requires_grad_() for t in Shape(1, 2, 2, 200, 200, 8).qkv(seed=0))
+    with torch.no_grad():
+        assert attn.explain(q, k, v).choice.backend == "flex"
+        out = attn(q, k, v)
+    torch.testing.assert_close(out, attn.reference(q, k, v).detach(), atol=2e-5, rtol=1e-5)
+
+
+def test_auto_falls_back_to_flex_when_flash_cannot_compile(monkeypatch):
+    """Simulated on the CPU: the plan is told to take FLASH, and its compile fails the way
+    CuTeDSL's did on the H200 for a clamped lookup."""
+    from flexspec.runtime import attention as runtime
+    from flexspec.runtime.backends import Choice
+    from flexspec.kernels.lower import lower
+
+    monkeypatch.setattr(runtime, "_FLASH_FAILED", {})
+    monkeypatch.setattr(runtime, "choose", lambda backend, request, spec: Choice("flash", "test"))
+    real = runtime._run_compiled
+
+    def compile_or_fail(entry, *args):
+        if args[-1] == runtime.FLASH_OPTIONS:
+            raise RuntimeError("backend='inductor' raised:\n=====\nCuteDSL template failed: "
+                               "UNSUPPORTED CUTEDSL OPERATION: 'maximum'\nmore")
+        return real(entry, *args)
+
+    monkeypatch.setattr(runtime, "_run_compiled", compile_or_fail)
+    attn = flexspec.compile("causal & window(8)")
+    q, k, v = Shape(1, 2, 2, 200, 200, 8).qkv(seed=0)
+    with pytest.warns(UserWarning, match="FLASH could not compile 'causal & window\\(8\\)' "
+                                         "\\(CuteDSL template failed"):
+        out = attn(q, k, v)
+    torch.testing.assert_close(out, attn.reference(q, k, v), atol=2e-5, rtol=1e-5)
+    plan = next(iter(attn._plans.values()))
+    assert plan.choice.backend == "flex"
+    assert "failed to compile" in dict(plan.choice.rejected)["flash"]
+    assert "'maximum'" in runtime._FLASH_FAILED[lower(plan.spec)]
+    # asked for explicitly, the same failure is an error that says so
+    explicit = flexspec.compile("causal & window(9)", backend="flash")
+    with pytest.raises(BackendError, match="backend 'flash' could not compile this spec: "
+                                           "CuteDSL template failed"):
+        explicit(q, k, v)
+
+
+def test_a_remembered_flash_failure_is_a_reason():
+    request = dataclasses.replace(H200, flash_failed="CuteDSL template failed: 'maximum'")
+    choice = choose("auto", request, ir("causal & window(8)"))
+    assert choice.backend == "flex"
+    assert dict(choice.rejected)["flash"] == ("FLASH failed to compile this spec: CuteDSL "
+                                              "template failed: 'maximum'")
+
+
+def test_the_same_binding_object_reuses_its_block_mask(monkeypatch):
+    attn = flexspec.compile("causal & document")
+    q, k, v = Shape(1, 2, 2, 200, 200, 8).qkv(seed=0)
+    ids = torch.arange(200) // 50
+    attn(q, k, v, doc_ids=ids)
+    builds = []
+    original = attn._block_mask
+    monkeypatch.setattr(attn, "_block_mask", lambda *a: builds.append(1) or original(*a))
+    attn(q, k, v, doc_ids=ids)
+    assert builds == []  # same tensor, same version: no lookup at all
+    ids[:100] = 0  # in place: the version counter moves on
+    out = attn(q, k, v, doc_ids=ids)
+    assert builds == [1]
+    torch.testing.assert_close(out, attn.reference(q, k, v, doc_ids=ids), atol=2e-5, rtol=1e-5)

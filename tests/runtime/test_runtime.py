@@ -1,0 +1,536 @@
+"""Example tests of the runtime's documented behaviour: flexspec.compile, Attention, SpecAttention.
+
+Compiling FlexAttention on a small CPU takes 10-30 s per spec, so every compiled call in the
+default run uses ONE spec (:data:`SPEC`), one dtype and one set of shapes (:data:`SHAPE`): the
+compiled kernel is built once per process and never recompiled. Other dtypes are ``slow``.
+"""
+
+import inspect
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch.nn.attention.flex_attention import create_mask
+
+import flexspec
+from flexspec import BindingError, SpecError
+from flexspec.runtime import attention as runtime
+from flexspec.lang.library import load_text
+from flexspec.kernels.lower import lower
+from flexspec.testing import Shape
+
+# A document mask with ~causal: every query sees the later keys of its own document, so the last
+# query of each document sees nothing (a fully masked row). Plus a per-head bias and a cap.
+SPEC = "document & ~causal + alibi + softcap(20.0)"
+SHAPE = Shape(B=2, Hq=4, Hkv=2, Q_LEN=140, KV_LEN=150, D=16)
+# Row 0: documents [0, 40), [40, 90), [90, 150). Row 1: [0, 20), [20, 150).
+BOUNDS = ((40, 90), (20,))
+
+
+def doc_ids(bounds=BOUNDS, length=SHAPE.KV_LEN):
+    rows = []
+    for row in bounds:
+        ids = torch.zeros(length, dtype=torch.int64)
+        for start in row:
+            ids[start:] += 1
+        rows.append(ids)
+    return torch.stack(rows)
+
+
+def random_doc_ids(seed, shape=(SHAPE.B, SHAPE.KV_LEN), docs=4):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, docs, shape, generator=gen).sort(dim=-1).values
+
+
+@pytest.fixture(scope="module")
+def attn():
+    return flexspec.compile(SPEC)
+
+
+@pytest.fixture(scope="module")
+def qkv():
+    # The same q, k, v in both batch rows, so rows can only differ through doc_ids.
+    q, k, v = SHAPE._replace(B=1).qkv(seed=0)
+    return tuple(t.expand(SHAPE.B, -1, -1, -1).contiguous() for t in (q, k, v))
+
+
+@pytest.fixture(scope="module")
+def compiled_out(attn, qkv):
+    """The first compiled call of the module (pays for the compile once)."""
+    with torch.no_grad():
+        return attn(*qkv, doc_ids=doc_ids())
+
+
+# --- bindings ----------------------------------------------------------------------------
+
+
+def binding_error(attn, qkv, **bindings) -> str:
+    with pytest.raises(BindingError) as info:
+        attn(*qkv, **bindings)
+    return str(info.value)
+
+
+def test_missing_binding(attn, qkv):
+    message = binding_error(attn, qkv)
+    assert "missing binding 'doc_ids'" in message
+    assert "int[B, KV_LEN] = [2, 150]" in message
+
+
+def test_unexpected_binding_suggests_the_right_name(attn, qkv):
+    message = binding_error(attn, qkv, doc_ids=doc_ids(), doc_id=doc_ids())
+    assert "unexpected binding 'doc_id'" in message
+    assert "Did you mean 'doc_ids'?" in message
+
+
+def test_binding_for_a_spec_without_tensors(qkv):
+    message = binding_error(flexspec.compile("causal"), qkv, doc_ids=doc_ids())
+    assert "unexpected binding 'doc_ids'" in message and "no tensors" in message
+
+
+@pytest.mark.parametrize("value, expected", [
+    (torch.zeros(2, 149, dtype=torch.int64), "dimension 1 should be 150"),
+    (torch.zeros(3, 150, dtype=torch.int64), "dimension 0 should be 2"),
+    (torch.zeros(2, 1, 150, dtype=torch.int64), "has shape [2, 1, 150]"),
+    (torch.zeros(149, dtype=torch.int64), "dimension 1 should be 150"),
+])
+def test_misshaped_binding(attn, qkv, value, expected):
+    message = binding_error(attn, qkv, doc_ids=value)
+    assert "'doc_ids'" in message and expected in message
+    assert "int[B, KV_LEN] = [2, 150]" in message
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_binding_with_the_wrong_dtype(attn, qkv, dtype):
+    message = binding_error(attn, qkv, doc_ids=torch.zeros(2, 150, dtype=dtype))
+    assert "'doc_ids'" in message and str(dtype) in message
+    assert "int[B, KV_LEN] = [2, 150]" in message
+
+
+def test_binding_that_is_not_a_tensor(attn, qkv):
+    message = binding_error(attn, qkv, doc_ids=[[0] * 150] * 2)
+    assert "'doc_ids' must be a torch.Tensor of int[B, KV_LEN] = [2, 150]" in message
+
+
+def test_binding_on_another_device(attn, qkv):
+    # The meta device is always there: no second accelerator needed.
+    message = binding_error(attn, qkv, doc_ids=doc_ids().to("meta"))
+    assert "'doc_ids' is on meta" in message and "q is on cpu" in message
+
+
+@pytest.mark.gpu
+def test_binding_on_cuda_for_cpu_inputs(attn, qkv):
+    message = binding_error(attn, qkv, doc_ids=doc_ids().to("cuda"))
+    assert "'doc_ids' is on cuda" in message
+
+
+def test_float_binding_of_the_wrong_shape_names_its_shape(qkv):
+    attn = flexspec.compile("causal + head_bias")
+    message = binding_error(attn, qkv, bias=torch.zeros(3))
+    assert "'bias'" in message and "float[H] = [4]" in message
+
+
+def test_document_mask_with_more_queries_than_keys():
+    attn = flexspec.compile("causal & document")
+    q = torch.randn(1, 2, 20, 8)
+    k = torch.randn(1, 2, 12, 8)
+    with pytest.raises(BindingError, match=r"'doc_ids' is indexed by q .* 0\.\.19 .*12 entries"):
+        attn(q, k, k, doc_ids=torch.zeros(1, 12, dtype=torch.int64))
+    with pytest.raises(BindingError, match="'doc_ids' is indexed by q"):
+        attn.block_mask(20, 12, doc_ids=torch.zeros(12, dtype=torch.int64))
+
+
+# --- q, k, v ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("q_shape, k_shape, dtypes, expected", [
+    ((2, 10, 8), (1, 2, 10, 8), None, "q must have 4 dimensions"),
+    ((1, 2, 10, 8), (2, 10, 8), None, "k must have 4 dimensions"),
+    ((1, 3, 10, 8), (1, 2, 10, 8), None, "3 query heads must be a multiple of 2"),
+    ((1, 2, 10, 8), (1, 2, 10, 8), (torch.float32, torch.float16), "must share one dtype"),
+    ((1, 2, 10, 8), (1, 2, 10, 8), (torch.int64, torch.int64), "has dtype torch.int64"),
+    ((2, 2, 10, 8), (1, 2, 10, 8), None, "batch sizes differ"),
+    ((1, 2, 10, 8), (1, 2, 10, 4), None, "same head dimension"),
+    ((1, 2, 0, 8), (1, 2, 10, 8), None, "at least one position"),
+])
+def test_qkv_validation(q_shape, k_shape, dtypes, expected):
+    q_dtype, k_dtype = dtypes or (torch.float32, torch.float32)
+    q = torch.zeros(q_shape, dtype=q_dtype)
+    k = torch.zeros(k_shape, dtype=k_dtype)
+    with pytest.raises(BindingError, match=expected):
+        flexspec.compile("causal")(q, k, k)
+
+
+def test_q_that_is_not_a_tensor():
+    k = torch.zeros(1, 2, 10, 8)
+    with pytest.raises(BindingError, match="q must be a torch.Tensor"):
+        flexspec.compile("causal")(k.tolist(), k, k)
+
+
+def test_k_and_v_must_agree():
+    q = torch.zeros(1, 2, 10, 8)
+    with pytest.raises(BindingError, match="must have the same heads and length"):
+        flexspec.compile("causal")(q, q, torch.zeros(1, 2, 11, 8))
+
+
+def test_unknown_backend_and_bad_block_size():
+    with pytest.raises(SpecError, match="unknown backend 'flexx'. Did you mean 'flex'?"):
+        flexspec.compile("causal", backend="flexx")
+    with pytest.raises(SpecError, match="block_size must be a positive multiple of 16"):
+        flexspec.compile("causal", block_size=100)
+
+
+# --- block masks -------------------------------------------------------------------------
+
+
+def test_block_mask_cache_hits_for_the_same_binding(attn):
+    ids = doc_ids()
+    first = attn.block_mask(100, 150, batch=2, doc_ids=ids)
+    assert attn.block_mask(100, 150, batch=2, doc_ids=ids) is first
+    # Another tensor is another binding, even with equal values: built anew, equal content.
+    other = attn.block_mask(100, 150, batch=2, doc_ids=ids.clone())
+    assert other is not first
+    assert torch.equal(other.to_dense(), first.to_dense())
+
+
+def test_block_mask_cache_hits_for_a_broadcast_binding():
+    attn = flexspec.compile("causal & document")
+    ids = doc_ids()[0]
+    first = attn.block_mask(100, 150, batch=2, doc_ids=ids)
+    assert attn.block_mask(100, 150, batch=2, doc_ids=ids) is first
+
+
+def test_block_mask_cache_without_bindings():
+    attn = flexspec.compile("causal & window(20)")
+    first = attn.block_mask(300, 300)
+    assert attn.block_mask(300, 300) is first
+    assert attn.block_mask(300, 301) is not first
+    assert first.shape == (1, 1, 300, 300)
+
+
+def test_block_mask_cache_is_bounded():
+    attn = flexspec.compile("causal")
+    first = attn.block_mask(17, 17)
+    for length in range(18, 18 + runtime.BLOCK_MASK_CACHE_SIZE):
+        attn.block_mask(length, length)
+    assert attn.block_mask(17, 17) is not first
+
+
+def test_block_mask_is_rebuilt_after_an_in_place_change(attn):
+    ids = doc_ids()
+    before = attn.block_mask(100, 150, batch=2, doc_ids=ids)
+    ids[0] = 0  # one document in row 0: now row 0 matches row 1's first block structure
+    after = attn.block_mask(100, 150, batch=2, doc_ids=ids)
+    assert after is not before
+    expected = attn.dense_mask(100, 150, batch=2, doc_ids=ids)
+    assert torch.equal(create_mask(after.mask_mod, 2, 1, 100, 150), expected)
+
+
+def test_per_batch_block_masks_for_per_batch_doc_ids():
+    attn = flexspec.compile("causal & document")
+    # Row 0: documents of 128 tokens; row 1: one document. Block (1, 0) is skipped in row 0
+    # and full in row 1.
+    ids = torch.stack([torch.arange(200) // 128, torch.zeros(200, dtype=torch.int64)])
+    block_mask = attn.block_mask(200, 200, batch=2, doc_ids=ids)
+    assert block_mask.kv_num_blocks.shape[0] == 2
+    assert block_mask.shape[0] == 2
+    dense = block_mask.to_dense()
+    assert not torch.equal(dense[0], dense[1])
+    assert dense[0, 0, 1, 0] == 0 and dense[1, 0, 1, 0] == 1
+    # Its mask_mod reads row b, never row 0 for every batch.
+    assert torch.equal(create_mask(block_mask.mask_mod, 2, 1, 200, 200),
+                       attn.dense_mask(200, 200, batch=2, doc_ids=ids))
+
+
+def test_shared_block_mask_for_broadcast_doc_ids():
+    attn = flexspec.compile("causal & document")
+    ids = torch.arange(200) // 64
+    block_mask = attn.block_mask(200, 200, batch=3, doc_ids=ids)
+    assert block_mask.kv_num_blocks.shape[0] == 1 and block_mask.shape[0] == 1
+    for same in (ids[None], ids[None].expand(3, -1)):
+        # [1, KV_LEN] broadcasts like [KV_LEN]; [B, KV_LEN] with equal rows is per batch.
+        mask = attn.block_mask(200, 200, batch=3, doc_ids=same)
+        assert torch.equal(mask.to_dense()[0], block_mask.to_dense()[0])
+
+
+def test_head_dependent_masks_get_a_head_dimension():
+    attn = flexspec.compile("causal & window(3) + alibi")
+    assert attn.block_mask(40, 40, batch=2, heads=4).shape[:2] == (1, 1)
+    assert attn.dense_mask(40, 40, batch=2, heads=4).shape == (1, 1, 40, 40)
+    library = load_text("mask per_head = kv <= q + 7 * h\n")
+    per_head = flexspec.compile("per_head", library=library)
+    block_mask = per_head.block_mask(300, 300, batch=2, heads=4)
+    assert block_mask.shape[:2] == (1, 4)
+    assert torch.equal(create_mask(block_mask.mask_mod, 1, 4, 300, 300),
+                       per_head.dense_mask(300, 300, batch=2, heads=4))
+
+
+# --- compiled calls (one spec, one shape, one dtype) ---------------------------------------
+
+
+def test_compiled_call_matches_the_reference(attn, qkv, compiled_out):
+    expected = attn.reference(*qkv, doc_ids=doc_ids())
+    assert compiled_out.dtype == torch.float32 and compiled_out.shape == qkv[0].shape
+    torch.testing.assert_close(compiled_out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_call_reads_each_batch_row(compiled_out):
+    # Same q, k, v in both rows, different documents: a mask broadcast from b=0 would make them
+    # equal.
+    assert not torch.allclose(compiled_out[0], compiled_out[1])
+
+
+def test_fully_masked_rows_are_zeros(compiled_out):
+    assert not compiled_out.isnan().any()
+    # The last query of each document in row 0 (39 and 89), of the first one in row 1 (19).
+    for b, q in ((0, 39), (0, 89), (1, 19)):
+        assert torch.equal(compiled_out[b, :, q], torch.zeros_like(compiled_out[b, :, q]))
+    assert compiled_out[0, :, 38].abs().sum() > 0
+
+
+def test_fully_masked_everywhere_on_the_reference_backend():
+    q = torch.randn(1, 2, 30, 8)
+    out = flexspec.compile("~full", backend="reference")(q, q, q)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_fresh_doc_ids_do_not_recompile(attn, qkv, compiled_out):
+    spec_ir = attn.ir  # doc_ids of shape [B, KV_LEN]: the IR stays as it is
+    entry = runtime._compiled_entry(lower(spec_ir))
+    graphs = counters["stats"]["unique_graphs"]
+    misses = runtime._compiled_entry.cache_info().misses
+    with torch.no_grad():
+        for seed in range(3):
+            ids = random_doc_ids(seed)
+            out = attn(*qkv, doc_ids=ids)
+            torch.testing.assert_close(out, attn.reference(*qkv, doc_ids=ids),
+                                       rtol=1e-4, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert runtime._compiled_entry.cache_info().misses == misses
+    assert runtime._compiled_entry(lower(spec_ir)) is entry
+
+
+def test_equal_specs_share_the_lowering_and_the_mod_code():
+    first = flexspec.compile("causal & window(3) + softcap(5.0)")
+    second = flexspec.compile("causal & window(3) + softcap(c=5.0)")
+    inlined = flexspec.compile("sliding_window(3) + softcap(5.0)")
+    assert lower(first.ir) is lower(second.ir) is lower(inlined.ir)
+    mods = [a.mods(q_len=10, kv_len=10) for a in (first, second, inlined)]
+    assert mods[0][0] is not mods[1][0]  # fresh closures ...
+    assert mods[0][0].__code__ is mods[1][0].__code__ is mods[2][0].__code__  # ... same code
+    assert mods[0][1].__code__ is mods[1][1].__code__ is mods[2][1].__code__
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+def test_low_precision_inputs_on_cpu(attn, qkv, dtype, tol):
+    # Another compile per dtype (~10 s each on a 2-core CPU).
+    q, k, v = (t.to(dtype) for t in qkv)
+    with torch.no_grad():
+        out = attn(q, k, v, doc_ids=doc_ids())
+    assert out.dtype == dtype and not out.isnan().any()
+    expected = attn.reference(*(t.double() for t in (q, k, v)), doc_ids=doc_ids())
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+# --- descriptions --------------------------------------------------------------------------
+
+
+def test_source_is_python_with_both_mods():
+    attn = flexspec.compile("causal & document + alibi + softcap(5.0)")
+    source = attn.source()
+    namespace = {}
+    exec(compile(source, "<flexspec source>", "exec"), namespace)
+    assert list(inspect.signature(namespace["mask_mod"]).parameters) == ["b", "h", "q_idx",
+                                                                         "kv_idx"]
+    assert list(inspect.signature(namespace["score_mod"]).parameters) == ["score", "b", "h",
+                                                                          "q_idx", "kv_idx"]
+    # Pasteable: given its free names, the mask_mod gives the reference mask.
+    ids = doc_ids()
+    namespace.update(doc_ids=ids, alibi_slopes_H=2.0 ** (-8.0 * torch.arange(1, 5) / 4))
+    assert "doc_ids" in source and "alibi_slopes_H" in source
+    assert torch.equal(create_mask(namespace["mask_mod"], 2, 1, 100, 150),
+                       attn.dense_mask(100, 150, batch=2, doc_ids=ids))
+
+
+def test_source_of_a_mask_only_spec_has_no_score_mod():
+    source = flexspec.compile("causal").source()
+    assert "def mask_mod(b, h, q_idx, kv_idx):" in source and "score_mod(" not in source
+
+
+def test_repr():
+    assert repr(flexspec.compile("causal&window(3)+alibi")) == \
+        "Attention('causal & window(3) + alibi', backend='auto')"
+    assert repr(flexspec.compile("causal", backend="reference")) == \
+        "Attention('causal', backend='reference')"
+    module = flexspec.SpecAttention("causal + rel_bias(max_distance=4)", num_heads=2)
+    assert "'causal + rel_bias(max_distance=4)', num_heads=2" in repr(module)
+
+
+def test_bindings_property():
+    assert flexspec.compile("causal & document + head_bias").bindings == ["doc_ids", "bias"]
+    assert flexspec.compile("causal + rel_bias").bindings == []
+
+
+# --- gradients on the CPU ------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(runtime, "_warned", set())
+
+
+def test_requires_grad_on_cpu_falls_back_to_the_reference_with_one_warning(fresh_warnings):
+    attn = flexspec.compile("causal & window(4) + softcap(5.0)")
+    q, k, v = Shape(1, 2, 2, 33, 33, 8).qkv(seed=1, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = attn(q, k, v)
+        attn(q, k, v)
+    messages = [str(w.message) for w in caught if "no backward" in str(w.message)]
+    assert len(messages) == 1, [str(w.message) for w in caught]
+    assert "reference" in messages[0]
+    torch.testing.assert_close(out, attn.reference(q, k, v))
+    out.square().sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and t.grad.abs().sum() > 0
+
+
+def test_gradients_reach_a_bound_float_tensor(fresh_warnings):
+    # (a per-head constant such as head_bias would not do: softmax ignores it, its gradient is 0)
+    attn = flexspec.compile("causal + alibi(slopes=my_slopes)")
+    q, k, v = Shape(1, 2, 1, 17, 17, 8).qkv(seed=3)
+    slopes = torch.tensor([0.5, 0.25], requires_grad=True)
+    with pytest.warns(UserWarning, match="no backward"):
+        out = attn(q, k, v, my_slopes=slopes)
+    (out * torch.randn_like(out)).sum().backward()
+    assert slopes.grad is not None and slopes.grad.abs().sum() > 0
+
+
+def test_spec_attention_parameters_and_gradients(fresh_warnings):
+    module = flexspec.SpecAttention("causal + rel_bias(max_distance=4)", num_heads=4)
+    params = dict(module.named_parameters())
+    assert list(params) == ["tables.rel_bias_table"]
+    table = params["tables.rel_bias_table"]
+    assert table.shape == (4, 9) and table.requires_grad and torch.equal(table, torch.zeros(4, 9))
+    with torch.no_grad():
+        table.copy_(torch.randn(4, 9))
+    q, k, v = Shape(1, 4, 2, 20, 20, 8).qkv(seed=2, requires_grad=True)
+    with pytest.warns(UserWarning, match="no backward"):
+        out = module(q, k, v)
+    expected = module.attention.reference(q, k, v, rel_bias_table=table.detach())
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    assert table.grad is not None and table.grad.abs().sum() > 0
+    assert q.grad is not None and q.grad.abs().sum() > 0
+    # Only the distances a causal query can see (kv - q in -4..0) get gradients.
+    assert torch.equal(table.grad[:, 5:], torch.zeros(4, 4))
+
+
+def test_spec_attention_checks_its_heads():
+    module = flexspec.SpecAttention("causal + rel_bias(max_distance=4)", num_heads=4)
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(BindingError, match="built for 4 heads, but q has 2"):
+        module(q, q, q)
+
+
+def test_learnable_tables_start_at_zero_and_can_be_passed_by_name():
+    attn = flexspec.compile("causal + rel_bias(max_distance=2)")
+    q = torch.randn(1, 2, 7, 8)
+    # A fresh table initialised to zeros: the same as no bias.
+    torch.testing.assert_close(attn.reference(q, q, q),
+                               flexspec.compile("causal").reference(q, q, q))
+    table = torch.randn(2, 5)
+    biased = attn.reference(q, q, q, rel_bias_table=table)
+    assert not torch.allclose(biased, attn.reference(q, q, q))
+    with pytest.raises(BindingError, match=r"'rel_bias_table' has shape \[2, 4\]"):
+        attn.reference(q, q, q, rel_bias_table=torch.randn(2, 4))
+
+
+def test_two_learnable_tables_of_one_pattern():
+    # each use of a learnable pattern has its own table, named by order of use
+    module = flexspec.SpecAttention("rel_bias(max_distance=3) + rel_bias(max_distance=2)",
+                                    num_heads=2)
+    assert len(list(module.parameters())) == 2
+    assert sorted(module.tables) == ["rel_bias_table", "rel_bias_table_2"]
+    assert module.tables["rel_bias_table"].shape == (2, 7)
+    assert module.tables["rel_bias_table_2"].shape == (2, 5)
+    q = torch.randn(1, 2, 9, 8)
+    module.attention.reference(q, q, q)
+
+
+def test_t5_bias_beyond_its_exact_buckets():
+    # Regression: the lookup check bounded where(...)'s branches without its condition and
+    # refused every length beyond the exact buckets.
+    attn = flexspec.compile("causal + t5_bias")
+    q = torch.randn(1, 2, 40, 8)
+    table = torch.randn(2, 32)
+    out = attn.reference(q, q, q, t5_bias_table=table)
+    assert out.shape == q.shape
+
+
+def test_short_cpu_sequences_run_on_the_reference():
+    # torch 2.13's compiled CPU kernel gave wrong values for sequences shorter than one
+    # 128-position block, so these run densely; longer ones take the kernel.
+    attn = flexspec.compile("causal & window(3)")
+    short = Shape(1, 2, 2, 120, 120, 8).qkv(seed=0)
+    long = Shape(1, 2, 2, 130, 200, 8).qkv(seed=0)
+    assert attn.explain(*short).choice.backend == "reference"
+    assert attn.explain(*long).choice.backend == "flex"
+    torch.testing.assert_close(attn(*short), attn.reference(*short))
+
+
+def test_mods_read_sizes_off_the_bindings_and_ask_for_the_rest():
+    mask_mod, score_mod = flexspec.compile("causal").mods()
+    assert score_mod is None and mask_mod is not None
+    ids = torch.tensor([0, 0, 1, 1, 1])
+    mask_mod, _ = flexspec.compile("causal & doc").mods(doc_ids=ids)
+    b, h = torch.tensor(0), torch.tensor(0)
+    assert bool(mask_mod(b, h, torch.tensor(1), torch.tensor(0)))
+    assert not bool(mask_mod(b, h, torch.tensor(2), torch.tensor(1)))  # different documents
+    with pytest.raises(flexspec.BindingError, match="needs KV_LEN, Q_LEN; pass kv_len"):
+        flexspec.compile("causal_bottom_right").mods()
+    with pytest.raises(flexspec.BindingError, match="needs H; pass heads"):
+        flexspec.compile("alibi").mods()
+
+
+@pytest.mark.slow
+def test_reaching_the_recompile_limit_is_a_flexspec_error():
+    # A spec that keeps changing shapes would make dynamo give up and silently fall back to the
+    # unfused kernel (which materialises S^2 scores); flexspec raises instead.
+    attn = flexspec.compile("causal & window(3)")
+    first = Shape(1, 2, 2, 136, 136, 8).qkv(seed=0)
+    second = Shape(1, 2, 2, 152, 152, 8).qkv(seed=0)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        attn(*first)
+        with pytest.raises(flexspec.runtime.CompileLimitError, match="recompile limit"):
+            attn(*second)
+
+
+@pytest.mark.slow
+def test_every_shape_gets_its_own_static_kernel():
+    # dynamic=False semantics without its per-call cost: compiles happen under static-shape
+    # settings, so a third shape compiles again (automatic dynamic shapes would have made the
+    # second graph dynamic and reused it), and a shape seen before does not
+    attn = flexspec.compile("causal & window(5) + softcap(10.0)")
+    shapes = [Shape(1, 2, 2, n, n, 8).qkv(seed=0) for n in (136, 152, 168)]
+    graphs = counters["stats"]["unique_graphs"]
+    for qkv in shapes:
+        attn(*qkv)
+    assert counters["stats"]["unique_graphs"] == graphs + 3
+    out = attn(*shapes[0])
+    assert counters["stats"]["unique_graphs"] == graphs + 3
+    torch.testing.assert_close(out, attn.reference(*shapes[0]), atol=2e-5, rtol=1e-5)
+
+
+def test_compiled_calls_refuse_graph_breaks():
+    # fullgraph=True's meaning without its per-call cost: a graph break while compiling is an
+    # error (a broken graph would run flex_attention unfused), not a silent split
+    def breaks(x):
+        torch._dynamo.graph_break()
+        return x + 1
+
+    entry = torch.compile(breaks)
+    with pytest.raises(Exception, match="graph_break|graph break"):
+        runtime._run_compiled(entry, torch.ones(3))
+    torch._dynamo.reset()
