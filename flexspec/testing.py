@@ -406,7 +406,7 @@ def lookups_fit(spec, shape: Shape, *, exact: bool = True) -> bool:
     """
     from flexspec.ir.intervals import lookup_ranges
     from flexspec.kernels.reference import evaluate, index_grid
-    from flexspec.kernels.tensors import declared_shape
+    from flexspec.ir.specialize import declared_shape
 
     spec_ir = _as_ir(spec)
     sizes = shape.sizes
@@ -461,18 +461,17 @@ def shapes(draw, max_len: int = 300, *, spec=None, max_batch: int = 3, max_kv_he
 def _tensor_value(draw, tensor: ir.Tensor, sizes: dict, broadcast: bool):
     import torch
 
-    from flexspec.kernels.tensors import declared_shape
+    from flexspec.ir.specialize import broadcast_dims, declared_shape
 
     shape = list(declared_shape(tensor, sizes))
     if broadcast:
-        for dim, expr in enumerate(tensor.shape):
-            sized_by_b_or_h = isinstance(expr, ir.Var) and expr.name in ("B", "H")
-            if sized_by_b_or_h and draw(st.integers(0, 3)) == 0:
+        may_broadcast = broadcast_dims(tensor)
+        for dim, allowed in enumerate(may_broadcast):
+            if allowed and draw(st.integers(0, 3)) == 0:
                 shape[dim] = 1
         # Leading size-1 dimensions may be left out: [KV_LEN] for [1, KV_LEN].
         lead = 0
-        while lead < len(shape) and shape[lead] == 1 and isinstance(tensor.shape[lead], ir.Var) \
-                and tensor.shape[lead].name in ("B", "H"):
+        while lead < len(shape) and shape[lead] == 1 and may_broadcast[lead]:
             lead += 1
         if lead and draw(st.booleans()):
             shape = shape[lead:]

@@ -9,10 +9,10 @@ from flexspec.ir.nodes import (ALL_VARS, ARITH_OPS, COMPARE_OPS, FALSE, FUNCTION
                                SCORE, SCORE_VAR, SIZE_VARS, TRUE, And, AttentionIR, Binary, Call,
                                Const, Expr, Lookup, Or, Param, Tensor, Unary, Var, children,
                                depends_on, format_number, free_vars, rebuild, substitute,
-                               to_text, transform, type_of, walk)
+                               tensor_key, to_text, transform, type_of, walk)
 
 __all__ = ["ALL_VARS", "ARITH_OPS", "COMPARE_OPS", "FALSE", "FUNCTIONS", "INDEX_VARS", "SCORE",
            "SCORE_VAR", "SIZE_VARS", "TRUE", "And", "AttentionIR", "Binary", "Call", "Const",
            "Expr", "Lookup", "Or", "Param", "Tensor", "Unary", "Var", "children", "depends_on",
-           "format_number", "free_vars", "rebuild", "substitute", "to_text", "transform",
+           "format_number", "free_vars", "rebuild", "substitute", "tensor_key", "to_text", "transform",
            "type_of", "walk"]

@@ -265,6 +265,18 @@ def depends_on(node: Expr, name: str) -> bool:
     return name in free_vars(node)
 
 
+def tensor_key(t: Tensor) -> str:
+    """The stable, unique name under which a tensor's value is stored.
+
+    >>> tensor_key(Tensor("alibi_slopes", (Var("H"),), origin="builtin",
+    ...                    builtin="alibi_slopes", args=(Var("H"),)))
+    'alibi_slopes(H)'
+    """
+    # Two builtins with different arguments (alibi_slopes(H) vs alibi_slopes(8)) are different
+    # tensors, so a builtin is keyed by its whole call text, not by its name.
+    return to_text(t) if t.origin == "builtin" else t.name
+
+
 # ---------------------------------------------------------------------------------------------
 # Types
 

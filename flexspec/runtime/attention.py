@@ -50,8 +50,9 @@ from flexspec.ir.intervals import lookup_ranges
 from flexspec.kernels.lower import Lowered, lower
 from flexspec.kernels.reference import MAX_BYTES, dense_mask, evaluate, index_grid, reference_attention
 from flexspec.lang.spec import Spec
-from flexspec.kernels.tensors import (add_leading_dims, builtin_tensor, declared_shape, init_learnable,
-                      specialize_ir, tensor_key)
+from flexspec.ir import tensor_key
+from flexspec.ir.specialize import broadcast_dims, declared_shape, specialize_ir
+from flexspec.kernels.tensors import add_leading_dims, builtin_tensor, init_learnable
 
 # How block masks are built: interval analysis refined inside partial tiles (equal to
 # create_block_mask), interval analysis alone, or torch's create_block_mask (S^2 evaluations).
@@ -209,9 +210,9 @@ def _check_binding(tensor: ir.Tensor, value, sizes: dict, device) -> torch.Tenso
     if value.dim() > len(shape):
         raise BindingError(f"binding '{name}' has shape {list(value.shape)}, expected {expected}")
     value = add_leading_dims(value, len(shape))
-    for dim, (got, want, expr) in enumerate(zip(value.shape, shape, tensor.shape)):
-        broadcast = got == 1 and isinstance(expr, ir.Var) and expr.name in ("B", "H")
-        if got != want and not broadcast:
+    for dim, (got, want, may_broadcast) in enumerate(zip(value.shape, shape,
+                                                         broadcast_dims(tensor))):
+        if got != want and not (got == 1 and may_broadcast):
             raise BindingError(f"binding '{name}' has shape {list(value.shape)}, expected "
                                f"{expected} (dimension {dim} should be {want})")
     return value

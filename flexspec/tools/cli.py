@@ -471,7 +471,7 @@ def _shape_binds(attn, flat: dict, sizes: dict) -> dict:
     import math
 
     from flexspec import ir
-    from flexspec.kernels.tensors import declared_shape
+    from flexspec.ir.specialize import declared_shape
 
     tensors = {t.name: t for t in attn.ir.tensors()}
     shaped = {}

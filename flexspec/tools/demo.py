@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from flexspec import SpecError, compile as compile_spec, load
-from flexspec.kernels.tensors import declared_shape
+from flexspec.ir.specialize import declared_shape
 from flexspec.resources import data_path
 
 

@@ -30,7 +30,8 @@ import torch
 from flexspec import ir
 from flexspec.errors import SpecError
 from flexspec.kernels.reference import check_budget, evaluate, index_grid
-from flexspec.kernels.tensors import NORMAL_INIT_STD, declared_shape, prepare, torch_dtype
+from flexspec.ir.specialize import broadcast_dims, declared_shape
+from flexspec.kernels.tensors import NORMAL_INIT_STD, prepare, torch_dtype
 
 # Widest mask picture, in characters (= kv columns), before blocks are downsampled.
 DEFAULT_WIDTH = 128
@@ -203,12 +204,11 @@ def demo_bindings(attn_or_spec, q_len: int, kv_len: int, *, batch: int = 0,
     for tensor in attn.ir.tensors():
         if tensor.origin == "builtin" or tensor.name in given:
             continue
-        shape = [1 if isinstance(d, ir.Var) and d.name in ("B", "H") else n
-                 for d, n in zip(tensor.shape, declared_shape(tensor, sizes))]
+        may_broadcast = broadcast_dims(tensor)
+        shape = [1 if one else n for one, n in zip(may_broadcast, declared_shape(tensor, sizes))]
         dtype = torch_dtype(tensor)
         if tensor.origin == "learnable":
-            table = [i for i, d in enumerate(tensor.shape)
-                     if not (isinstance(d, ir.Var) and d.name in ("B", "H"))]
+            table = [i for i, one in enumerate(may_broadcast) if not one]
             if table:
                 # entry i holds i: the heat then shows which entry each (q, kv) pair reads
                 dim = table[-1]

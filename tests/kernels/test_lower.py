@@ -11,7 +11,8 @@ from flexspec import ir
 from flexspec.errors import BindingError
 from flexspec.kernels.lower import lower
 from flexspec.kernels.reference import dense_mask, reference_attention
-from flexspec.kernels.tensors import builtin_tensor, specialize_ir
+from flexspec.ir.specialize import specialize_ir
+from flexspec.kernels.tensors import builtin_tensor
 from ir_examples import (ALIBI, BIAS, CAUSAL, CAUSAL_BR, DILATED, DOC_IDS, DOCUMENT, KV_LEN,
                          PADDING, Q_LEN, SCORE, SLOPES, B, C, H, b, call, h, kv, lookup, op, q,
                          sliding_window, softcap, spec, window)

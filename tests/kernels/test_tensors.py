@@ -5,8 +5,9 @@ import torch
 
 from flexspec import ir
 from flexspec.errors import SpecError
-from flexspec.kernels.tensors import (add_leading_dims, builtin_tensor, eval_size_expr, init_learnable,
-                              prepare, specialize, specialize_ir, tensor_key)
+from flexspec.ir import tensor_key
+from flexspec.ir.specialize import eval_size_expr, specialize, specialize_ir
+from flexspec.kernels.tensors import add_leading_dims, builtin_tensor, init_learnable, prepare
 from ir_examples import (B, BIAS, DOC_IDS, DOCUMENT, H, KV_LEN, LENGTHS, Q_LEN, SLOPES, C, b, call,
                          h, kv, lookup, op, q, spec)
 
