@@ -116,13 +116,18 @@ def _check_module(module: ast.Module, name: str, parent: Scope | None) -> tuple:
     return sorted(unique.values(), key=lambda e: (e.line or 0, e.column or 0)), scope, spec_irs
 
 
+def check_module(module: ast.Module, name: str = "<file>") -> list[SpecError]:
+    """All errors of a parsed ``.attn`` file, in source order (empty when it is clean)."""
+    return _check_module(module, name, None)[0]
+
+
 def check_text(text: str, name: str = "<file>") -> list[SpecError]:
     """All errors of an ``.attn`` text (empty when it is clean)."""
     try:
         module = parse_file(text, name)
     except SpecError as err:
         return [err]
-    return _check_module(module, name, None)[0]
+    return check_module(module, name)
 
 
 def load_text(text: str, name: str = "<file>") -> Library:

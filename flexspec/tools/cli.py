@@ -185,14 +185,14 @@ def _add_check(subparsers) -> None:
 
 def cmd_check(args) -> int:
     from flexspec.lang import ast
-    from flexspec.lang.library import check_text
+    from flexspec.lang.library import check_module
     from flexspec.lang.parser import parse_file
 
     status = EXIT_OK
     for path in args.files:
         try:
-            text = _read(path)
-            errors = check_text(text, path)
+            module = parse_file(_read(path), path)
+            errors = check_module(module, path)
         except SpecError as err:
             errors = [err]
         if errors:
@@ -200,7 +200,7 @@ def cmd_check(args) -> int:
                 _err(str(err))
             status = EXIT_ERROR
             continue
-        statements = parse_file(text, path).statements
+        statements = module.statements
         specs = sum(isinstance(s, ast.SpecDef) for s in statements)
         definitions = len(statements) - specs
         _out(f"{path}: ok ({specs} spec{'s' * (specs != 1)}, "
@@ -334,6 +334,7 @@ def _explain_call(spec, args):
 
     from flexspec import compile as compile_spec
     from flexspec.runtime.attention import _device
+    from flexspec.tools.values import bindings_from_text, parse_binds
 
     kv_len = args.q_len if args.kv_len is None else args.kv_len
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
@@ -354,7 +355,7 @@ def _explain_call(spec, args):
     q, k, v = placeholder(args.heads, args.q_len), placeholder(kv_heads, kv_len), \
         placeholder(kv_heads, kv_len)
     sizes = {"B": args.batch, "H": args.heads, "Q_LEN": args.q_len, "KV_LEN": kv_len}
-    bindings, notes = _bindings(attn, _parse_binds(attn, args.bind), sizes)
+    bindings, notes = bindings_from_text(attn, parse_binds(attn, args.bind), sizes)
     bindings = {name: value.to(device) for name, value in bindings.items()}
     explanation = attn.explain(q, k, v, **bindings)
     if notes:
@@ -401,121 +402,10 @@ def _add_render(subparsers) -> None:
                    help="colour the score heat (auto: when writing to a terminal)")
 
 
-_TRUE, _FALSE = ("true", "1"), ("false", "0")
-
-
-def _bind_scalar(text: str, dtype: str, name: str):
-    word = text.strip()
-    try:
-        if dtype == "bool":
-            if word.lower() in _TRUE + _FALSE:
-                return word.lower() in _TRUE
-            raise ValueError
-        if dtype == "int":
-            return int(word)
-        return float(word)
-    except ValueError:
-        kind = {"bool": "booleans (true, false)", "int": "ints", "float": "numbers"}[dtype]
-        raise SpecError(f"--bind {name}: '{word}' is not a valid value; '{name}' holds "
-                        f"{kind}") from None
-
-
-def _bind_values(text: str, dtype: str, name: str) -> list:
-    values = []
-    for item in text.split(","):
-        value, star, count = item.partition("*")
-        repeat = 1
-        if star:
-            try:
-                repeat = int(count)
-            except ValueError:
-                repeat = 0
-            if repeat < 1:
-                raise SpecError(f"--bind {name}: '{item.strip()}' repeats a value a positive "
-                                "number of times, like 0*4")
-        if not value.strip():
-            raise SpecError(f"--bind {name}: an empty value in '{text}'")
-        values += [_bind_scalar(value, dtype, name)] * repeat
-    return values
-
-
-def _parse_binds(attn, binds: list[str]) -> dict:
-    """``--bind NAME=VALUES`` options as flat tensors of each tensor's declared dtype."""
-    import torch
-
-    from flexspec.kernels.tensors import torch_dtype
-
-    tensors = {t.name: t for t in attn.ir.tensors() if t.origin != "builtin"}
-    result = {}
-    for bind in binds:
-        name, equals, text = bind.partition("=")
-        name = name.strip()
-        if not equals or not name:
-            raise SpecError(f"--bind expects NAME=VALUES, got '{bind}'")
-        if name not in tensors:
-            if not tensors:
-                raise SpecError(f"--bind {name}: this spec reads no runtime tensors")
-            raise SpecError(f"--bind {name}: the spec reads no tensor '{name}'."
-                            f"{did_you_mean(name, tensors)} It reads: {', '.join(tensors)}")
-        if name in result:
-            raise SpecError(f"--bind {name} is given twice")
-        tensor = tensors[name]
-        result[name] = torch.tensor(_bind_values(text, tensor.dtype, name),
-                                    dtype=torch_dtype(tensor))
-    return result
-
-
-def _shape_binds(attn, flat: dict, sizes: dict) -> dict:
-    """Each flat ``--bind`` value shaped for its tensor: one value per position of the last
-    dimension (leading dimensions broadcast), every value in order, or one value filling it."""
-    import math
-
-    from flexspec import ir
-    from flexspec.ir.specialize import declared_shape
-
-    tensors = {t.name: t for t in attn.ir.tensors()}
-    shaped = {}
-    for name, value in flat.items():
-        tensor = tensors[name]
-        declared = declared_shape(tensor, sizes)
-        # B never has to be spelled out: a batch dimension of 1 broadcasts
-        full = [1 if isinstance(d, ir.Var) and d.name == "B" else n
-                for d, n in zip(tensor.shape, declared)]
-        n = value.numel()
-        if not declared:
-            if n != 1:
-                raise SpecError(f"--bind {name}: one value expected, got {n}")
-            shaped[name] = value.reshape(())
-        elif n == 1:
-            shaped[name] = value.reshape([1] * len(full)).expand(full).clone()
-        elif n == math.prod(full):
-            shaped[name] = value.reshape(full)
-        elif n == declared[-1]:
-            shaped[name] = value
-        else:
-            dims = ", ".join(str(d) for d in tensor.shape)
-            counts = sorted({declared[-1], math.prod(full)})
-            need = " or ".join(str(c) for c in counts)
-            raise SpecError(f"--bind {name}: {n} values given, but {tensor.dtype}[{dims}] = "
-                            f"[{', '.join(str(d) for d in declared)}] needs {need} (or 1 to "
-                            "fill it)")
-    return shaped
-
-
-def _bindings(attn, flat: dict, sizes: dict) -> tuple[dict, list[str]]:
-    """The runtime tensors for ``render`` and ``explain``: the ``--bind`` values shaped for
-    their tensors, demo values for the rest, and one note per demo value."""
-    from flexspec.tools.render import demo_bindings
-
-    given = _shape_binds(attn, flat, sizes)
-    demo, notes = demo_bindings(attn, sizes["Q_LEN"], sizes["KV_LEN"], batch=sizes["B"] - 1,
-                                heads=sizes["H"], given=given)
-    return {**demo, **given}, notes
-
-
 def cmd_render(args) -> int:
     from flexspec import compile as compile_spec
     from flexspec.tools.render import DEFAULT_WIDTH, render_png, render_text, resolve_heads
+    from flexspec.tools.values import bindings_from_text, parse_binds
 
     kv = args.q if args.kv is None else args.kv
     for option, value in (("--q", args.q), ("--kv", kv)):
@@ -534,10 +424,10 @@ def cmd_render(args) -> int:
     spec = _spec(args)
     attn = compile_spec(spec)
 
-    flat = _parse_binds(attn, args.bind)
+    flat = parse_binds(attn, args.bind)
     heads = resolve_heads(attn, args.head, args.heads, flat)
     sizes = {"B": args.batch + 1, "H": heads, "Q_LEN": args.q, "KV_LEN": kv}
-    bindings, notes = _bindings(attn, flat, sizes)
+    bindings, notes = bindings_from_text(attn, flat, sizes)
 
     tty = sys.stdout.isatty()
     width = args.width

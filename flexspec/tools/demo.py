@@ -1,7 +1,7 @@
 """The CPU demo (``./run demo``): compile every spec of an ``.attn`` file, run it, check it.
 
-For each named spec of the file it draws random q, k, v (and random values for the spec's
-runtime bindings), runs it on the backend ``auto`` chooses (``Attention.explain`` says which),
+For each named spec of the file it draws random q, k, v (the spec's runtime bindings get the
+example values of :mod:`flexspec.tools.values`), runs it on the backend ``auto`` chooses (``Attention.explain`` says which),
 compares the result with the dense float64 reference, and prints one table row: spec, mask
 density, the backend, max error, and the time per call.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from flexspec import SpecError, compile as compile_spec, load
-from flexspec.ir.specialize import declared_shape
 from flexspec.resources import data_path
+from flexspec.tools.values import demo_bindings
 
 
 
@@ -26,22 +26,6 @@ def default_file() -> Path:
     if path is not None:
         return path
     raise SpecError("the example file model.attn is missing: the installation is incomplete")
-
-
-def random_bindings(attn, sizes: dict, generator: torch.Generator) -> dict:
-    """Plausible values for every runtime binding: sorted document ids (about 4 documents),
-    a few global tokens, small float biases."""
-    values = {}
-    for tensor in attn.ir.bindings():
-        shape = declared_shape(tensor, sizes)
-        if tensor.dtype == "int":
-            cuts = torch.randint(0, 4, shape, generator=generator)
-            values[tensor.name] = torch.sort(cuts, dim=-1).values
-        elif tensor.dtype == "bool":
-            values[tensor.name] = torch.rand(shape, generator=generator) < 0.05
-        else:
-            values[tensor.name] = torch.randn(shape, generator=generator) * 0.1
-    return values
 
 
 def _time(fn, repeats: int) -> float:
@@ -63,8 +47,7 @@ def run(path: Path, *, seq_len: int, heads: int, dim: int, repeats: int, out=sys
     for name in library:
         attn = compile_spec(library[name])
         q, k, v = (torch.randn(1, heads, seq_len, dim, generator=generator) for _ in range(3))
-        sizes = {"B": 1, "H": heads, "Q_LEN": seq_len, "KV_LEN": seq_len}
-        bindings = random_bindings(attn, sizes, generator)
+        bindings, _ = demo_bindings(attn, seq_len, seq_len, heads=heads)
         started = time.perf_counter()
         out_kernel = attn(q, k, v, **bindings)
         first = time.perf_counter() - started

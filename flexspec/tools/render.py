@@ -30,13 +30,11 @@ import torch
 from flexspec import ir
 from flexspec.errors import SpecError
 from flexspec.kernels.reference import check_budget, evaluate, index_grid
-from flexspec.ir.specialize import broadcast_dims, declared_shape
-from flexspec.kernels.tensors import NORMAL_INIT_STD, prepare, torch_dtype
+from flexspec.kernels.tensors import prepare
+from flexspec.tools.values import DEFAULT_HEADS, attention_of, demo_bindings
 
 # Widest mask picture, in characters (= kv columns), before blocks are downsampled.
 DEFAULT_WIDTH = 128
-# H when the spec reads heads (alibi's slopes depend on it) and nothing else fixes it.
-DEFAULT_HEADS = 8
 # The shades of the heat picture, lowest value first.
 SHADES = "░▒▓█"
 # 256-colour ANSI foregrounds for the shades when colour is asked for (dark blue to yellow).
@@ -80,16 +78,6 @@ class Picture:
 # Computing what to draw
 
 
-def _attention(attn_or_spec):
-    from flexspec.runtime.attention import Attention
-
-    if isinstance(attn_or_spec, Attention):
-        return attn_or_spec
-    from flexspec import compile as compile_spec
-
-    return compile_spec(attn_or_spec)
-
-
 def _reads_heads(spec: ir.AttentionIR) -> bool:
     return bool({"h", "H"} & (ir.free_vars(spec.mask) | ir.free_vars(spec.score)))
 
@@ -131,7 +119,7 @@ def resolve_heads(attn_or_spec, head: int = 0, heads: int | None = None,
     else ``head + 1``."""
     if heads is not None:
         return heads
-    attn = _attention(attn_or_spec)
+    attn = attention_of(attn_or_spec)
     inferred = _infer_size(attn, bindings or {}, "H")
     if inferred is not None:
         return inferred
@@ -148,7 +136,7 @@ def picture(attn_or_spec, q_len: int, kv_len: int, *, batch: int = 0, head: int 
     checked as ``Attention.dense_mask`` checks them; a learnable tensor that is not bound is
     drawn at its initial value.
     """
-    attn = _attention(attn_or_spec)
+    attn = attention_of(attn_or_spec)
     q_len = _check_length("q_len", q_len)
     kv_len = _check_length("kv_len", kv_len)
     batch = _check_index("batch", batch)
@@ -178,84 +166,6 @@ def picture(attn_or_spec, q_len: int, kv_len: int, *, batch: int = 0, head: int 
             raise SpecError(f"the score pipeline '{ir.to_text(attn.ir.score)}' is not numeric")
         scores = result.to(torch.float64).expand(1, 1, q_len, kv_len)[0, 0]
     return Picture(str(attn.spec), batch, head, heads, mask.cpu(), scores, reads_heads)
-
-
-# ---------------------------------------------------------------------------------------------
-# Demo values for the command line
-
-
-def _positional(expr: ir.Expr) -> bool:
-    return bool({"Q_LEN", "KV_LEN"} & ir.free_vars(expr))
-
-
-def demo_bindings(attn_or_spec, q_len: int, kv_len: int, *, batch: int = 0,
-                  heads: int = DEFAULT_HEADS, given: dict | None = None) -> tuple[dict, list[str]]:
-    """Example values for the tensors a spec reads that ``given`` lacks, and one line per value
-    saying what it is. Along a position dimension (``[KV_LEN]``) an int tensor holds 3 equal
-    documents (``0 0 0 0 1 1 1 1 2 2 2 2``) and a bool tensor marks the first position only;
-    everything else is zeros (False). Dimensions ``B`` and ``H`` get size 1 (broadcast).
-    A learnable table (a dimension other than ``B``, ``H``) holds its own index along its last
-    dimension, so the heat shows which entry each pair reads (the bucket of ``t5_bias``); other
-    learnable tensors get their initial value (a seeded one for random inits)."""
-    attn = _attention(attn_or_spec)
-    given = given or {}
-    sizes = {"B": batch + 1, "H": heads, "Q_LEN": q_len, "KV_LEN": kv_len}
-    values, notes = {}, []
-    for tensor in attn.ir.tensors():
-        if tensor.origin == "builtin" or tensor.name in given:
-            continue
-        may_broadcast = broadcast_dims(tensor)
-        shape = [1 if one else n for one, n in zip(may_broadcast, declared_shape(tensor, sizes))]
-        dtype = torch_dtype(tensor)
-        if tensor.origin == "learnable":
-            table = [i for i, one in enumerate(may_broadcast) if not one]
-            if table:
-                # entry i holds i: the heat then shows which entry each (q, kv) pair reads
-                dim = table[-1]
-                line = [1] * len(shape)
-                line[dim] = shape[dim]
-                values[tensor.name] = torch.arange(shape[dim], dtype=torch.float32) \
-                    .reshape(line).expand(shape).clone()
-                notes.append(f"{tensor.name}: learnable (initial value {tensor.init or 'zeros'}); "
-                             "drawn with entry i = i, so the heat shows which entry each pair "
-                             "reads")
-            elif tensor.init == "normal":
-                generator = torch.Generator().manual_seed(0)
-                values[tensor.name] = torch.randn(shape, generator=generator) * NORMAL_INIT_STD
-                notes.append(f"{tensor.name}: learnable, drawn at a seeded initial value "
-                             f"(normal, std {NORMAL_INIT_STD})")
-            else:
-                values[tensor.name] = torch.zeros(shape)
-                notes.append(f"{tensor.name}: learnable, drawn at its initial value (zeros)")
-            continue
-        positions = [i for i, d in enumerate(tensor.shape) if _positional(d)]
-        value = torch.zeros(shape, dtype=dtype)
-        if positions and tensor.dtype in ("int", "bool"):
-            dim = positions[-1]
-            n = shape[dim]
-            line = [1] * len(shape)
-            line[dim] = n
-            ids = torch.arange(n) * 3 // n
-            if tensor.dtype == "int":
-                value = ids.reshape(line).expand(shape).clone()
-                what = "3 equal documents"
-            else:
-                value = (torch.arange(n) == 0).reshape(line).expand(shape).clone()
-                what = "only the first position set"
-            if n <= 24:
-                shown = " ".join(str(int(v)) for v in value.reshape(line).reshape(-1).tolist())
-            elif tensor.dtype == "int":
-                shown = ", ".join(f"{d} at {int(ids.eq(d).nonzero().min())}.."
-                                  f"{int(ids.eq(d).nonzero().max())}" for d in range(3))
-            else:
-                shown = f"True at 0, False at 1..{n - 1}"
-        else:
-            what = "all False" if tensor.dtype == "bool" else "zeros"
-            shown = None
-        values[tensor.name] = value
-        note = f"{tensor.name}: demo value, {what}"
-        notes.append(note + (f" ({shown})" if shown is not None else ""))
-    return values, notes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,12 +344,11 @@ def _heat_text(pic: Picture, limit: int, color: bool) -> list[str]:
     return out
 
 
-
 def render_example(spec, size: int = 16) -> str:
     """A small picture of ``spec`` (``size x size``) with demo values for every tensor it reads
     (:func:`demo_bindings`, listed under the picture): what ``flexspec show`` and the catalogue
     print for a pattern's example."""
-    attn = _attention(spec)
+    attn = attention_of(spec)
     heads = resolve_heads(attn)
     values, notes = demo_bindings(attn, size, size, heads=heads)
     text = render_text(attn, size, size, heads=heads, **values)

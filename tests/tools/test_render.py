@@ -1,5 +1,5 @@
 """Pictures of a spec (flexspec.tools.render): the text picture cell by cell, density, downsampling,
-the score heat, demo bindings and the PNG. Everything runs on the dense reference at small sizes
+the score heat and the PNG. Everything runs on the dense reference at small sizes
 (no torch.compile)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import flexspec
-from flexspec.tools.render import (DEFAULT_HEADS, SHADES, demo_bindings, heat_lines, mask_lines, picture,
-                             render_example, render_png, render_text, resolve_heads)
+from flexspec.tools.render import (DEFAULT_HEADS, SHADES, heat_lines, mask_lines, picture,
+                                   render_example, render_png, render_text, resolve_heads)
 
 GLYPH = {" ": (False, False), "▀": (True, False), "▄": (False, True), "█": (True, True)}
 
@@ -192,21 +192,6 @@ def test_resolve_heads():
     assert resolve_heads("alibi", heads=2) == 2
 
 
-def test_demo_bindings():
-    values, notes = demo_bindings("causal & document", 12, 12)
-    assert values["doc_ids"].reshape(-1).tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]
-    assert notes == ["doc_ids: demo value, 3 equal documents (0 0 0 0 1 1 1 1 2 2 2 2)"]
-    values, notes = demo_bindings("window(1) | global_tokens", 5, 5)
-    assert values["is_global"].reshape(-1).tolist() == [True, False, False, False, False]
-    values, _ = demo_bindings("causal + head_bias", 4, 4, heads=3)
-    assert values["bias"].tolist() == [0.0]  # broadcast over H
-    values, notes = demo_bindings("causal + rel_bias(max_distance=2)", 4, 4)
-    assert values["rel_bias_table"].reshape(-1).tolist() == [0, 1, 2, 3, 4]
-    assert "entry i = i" in notes[0]
-    given, _ = demo_bindings("causal & document", 4, 4, given={"doc_ids": torch.zeros(4)})
-    assert given == {}
-    _, notes = demo_bindings("causal & document", 600, 600)
-    assert "0 at 0..199, 1 at 200..399, 2 at 400..599" in notes[0]
 
 
 def test_every_pattern_example_has_a_picture():
