@@ -187,8 +187,27 @@ class Checker:
                 if constraint.type != "bool":
                     raise SpecCheckError(f"the constraint of '{param.name}' must be a boolean "
                                          "expression", param.constraint.span)
+        self._check_default_constraints(definition, env)
         with self._inlining(definition, definition.body):
             self._definition_body(definition, env)
+
+    def _check_default_constraints(self, definition: Definition, symbolic: dict) -> None:
+        """A literal default must meet its parameter's constraint: with every literal default in
+        place (the other parameters symbolic), no constraint of a defaulted parameter may
+        simplify to false."""
+        env = dict(symbolic)
+        for param in definition.params:
+            if not param.is_tensor and isinstance(param.default, (ast.Int, ast.Float, ast.Bool)):
+                env[param.name] = self._default(definition, param, env)
+        for param in definition.params:
+            if param.constraint is None or param.name not in env or param.default is None \
+                    or isinstance(env[param.name], ir.Param):
+                continue
+            if simplify(self.expr(param.constraint, dict(env), definition)) == ir.FALSE:
+                raise SpecCheckError(
+                    f"the default of '{param.name}' ({format_node(param.default)}) breaks its "
+                    f"constraint {format_node(param.constraint)}; change one of them",
+                    param.default.span or param.constraint.span or param.span)
 
     # ------------------------------------------------------------------------------------------
     # argument binding

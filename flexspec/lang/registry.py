@@ -8,6 +8,7 @@ A malformed file raises :class:`RegistryError` naming the file and line.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,7 +71,15 @@ class _File:
     def __init__(self, path: Path):
         self.path = path
         self.name = str(path)
-        self.text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
+        try:
+            self.text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            line = data.count(b"\n", 0, err.start)
+            column = err.start - (data.rfind(b"\n", 0, err.start) + 1)
+            raise RegistryError(f"not UTF-8 text: byte 0x{data[err.start]:02x} cannot start a "
+                                "character; save the file as UTF-8", source_name=self.name,
+                                line=line + 1, column=column + 1) from None
         try:
             self.root = yaml.compose(self.text)
         except yaml.YAMLError as err:
@@ -79,6 +88,9 @@ class _File:
                                 source_name=self.name,
                                 line=mark.line + 1 if mark else None,
                                 column=mark.column + 1 if mark else None) from None
+        except RecursionError:
+            raise RegistryError("the YAML is nested too deeply to read", source_name=self.name,
+                                line=1, column=1) from None
         if not isinstance(self.root, yaml.MappingNode):
             self.fail("a pattern file must be a mapping of keys such as name, kind, definition",
                       self.root)
@@ -116,8 +128,10 @@ class _File:
             self.fail(f"{what} must be a list", node)
         return tuple(self.string(item, f"each entry of {what}") for item in node.value)
 
-    def source(self, node) -> Source:
-        """The scalar's text as a Source placed where it stands in the file."""
+    def source(self, node, what: str) -> Source:
+        """The text of a scalar (``what`` names it in the error when it is not one) as a Source
+        placed where it stands in the file."""
+        self.string(node, what)
         line, column = node.start_mark.line, node.start_mark.column
         if node.style in ('"', "'"):
             column += 1
@@ -127,32 +141,42 @@ class _File:
             column = len(following) - len(following.lstrip())
         return Source(node.value, self.name, line_offset=line, column_offset=column)
 
-    def scalar(self, node):
-        return yaml.safe_load(yaml.serialize(node))
+    def scalar(self, node, what: str):
+        """A plain YAML value (number, bool, text); other nodes and tags are refused."""
+        if not isinstance(node, yaml.ScalarNode):
+            self.fail(f"{what} must be a single value, not a list or mapping", node)
+        try:
+            return yaml.safe_load(yaml.serialize(node))
+        except yaml.YAMLError as err:
+            self.fail(f"{what} is not a plain value ({getattr(err, 'problem', None) or err}); "
+                      "write a number, true/false, or an expression in quotes", node)
 
 
 def _default_node(file: _File, node) -> ast.Node:
-    value = file.scalar(node)
+    value = file.scalar(node, "a default")
     if isinstance(value, bool):
         return ast.Bool(value)
     if isinstance(value, int):
         return ast.Int(value)
     if isinstance(value, float):
+        if math.isnan(value):
+            file.fail("a default cannot be NaN", node)
         return ast.Float(value)
     if isinstance(value, str):
-        return parse_expr(file.source(node))
+        return parse_expr(file.source(node, "a default"))
     file.fail("a default must be a number, true/false, or an expression in quotes", node)
 
 
 def _load_param(file: _File, node) -> ParamSpec:
     keys = file.mapping(node, PARAM_KEYS, ("name", "type"), "a parameter")
     name = file.string(keys["name"], "a parameter's name")
-    type_node = parse_type(file.source(keys["type"]))
+    type_node = parse_type(file.source(keys["type"], "a parameter's type"))
     if type_node.name not in SCALAR_TYPES:
         file.fail(f"parameter type '{type_node.name}' is unknown; use int, float or bool, with "
                   "dims for a tensor: int[B, KV_LEN]", keys["type"])
     default = _default_node(file, keys["default"]) if "default" in keys else None
-    constraint = parse_expr(file.source(keys["constraint"])) if "constraint" in keys else None
+    constraint = parse_expr(file.source(keys["constraint"], "a constraint")) \
+        if "constraint" in keys else None
     doc = file.string(keys["doc"], "doc") if "doc" in keys else ""
     return ParamSpec(name, type_node.name, type_node.dims, default, constraint, doc)
 
@@ -189,7 +213,7 @@ def load_pattern(path: Path) -> tuple[Pattern, _File, dict]:
         if not url.startswith(("http://", "https://")):
             file.fail("a reference url must start with http:// or https://", ref_keys["url"])
         references.append(Reference(file.string(ref_keys["title"], "title"), url))
-    body = parse_expr(file.source(keys["definition"]))
+    body = parse_expr(file.source(keys["definition"], "definition"))
     pattern = Pattern(
         name=name, kind=kind, params=params,
         summary=file.string(keys["summary"], "summary"),

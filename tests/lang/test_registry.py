@@ -97,3 +97,56 @@ def test_reference_urls_and_aliases_are_validated(tmp_path):
 def test_an_example_that_does_not_check_is_an_error(tmp_path):
     err = error_of(tmp_path, GOOD.replace("example: band(0, 3)", "example: band(0)"))
     assert "needs a value for 'hi'" in err.message
+
+
+SOFTCAP_LIKE = """name: cap
+kind: score
+summary: A cap.
+params:
+  - name: c
+    type: float
+    default: 50.0
+    constraint: c > 0 & c < inf
+definition: c * tanh(score / c)
+references:
+  - title: A test pattern
+    url: https://example.org/cap
+example: causal + cap
+"""
+
+
+@pytest.mark.parametrize("text, message", [
+    (GOOD.replace("summary: Keys", "summary: \xffKeys"), "not UTF-8 text"),
+    (GOOD.replace("definition: q - kv >= lo & q - kv <= hi", "definition: [q >= kv]"),
+     "definition must be text"),
+    (GOOD.replace("definition: q - kv >= lo & q - kv <= hi", "definition: {a: 1}"),
+     "definition must be text"),
+    (GOOD.replace("    type: int\n    constraint", "    type: [int]\n    constraint"),
+     "a parameter's type must be text"),
+    (SOFTCAP_LIKE.replace("default: 50.0", "default: .nan"), "a default cannot be NaN"),
+    (SOFTCAP_LIKE.replace("default: 50.0", "default: !!python/name:os.system"),
+     "a default is not a plain value"),
+    (SOFTCAP_LIKE.replace("default: 50.0", "default: [1, 2]"), "a default must be a single value"),
+    (SOFTCAP_LIKE.replace("default: 50.0", "default: .inf"),
+     "the default of 'c' (inf) breaks its constraint c > 0 & c < inf"),
+    (SOFTCAP_LIKE.replace("default: 50.0", "default: -1"),
+     "the default of 'c' (-1) breaks its constraint"),
+    (GOOD.replace("references:", "tags: " + "[" * 2000 + "]" * 2000 + "\nreferences:"),
+     "nested too deeply"),
+])
+def test_malformed_files_raise_registry_errors_only(tmp_path, text, message):
+    """Red-team findings: each of these escaped as UnicodeDecodeError, AttributeError,
+    ValueError, yaml's ConstructorError or RecursionError, or (out-of-range defaults) loaded."""
+    name = "cap.yaml" if text.startswith("name: cap") else "band.yaml"
+    folder = tmp_path / "patterns"
+    shutil.copytree(patterns_dir(), folder)
+    (folder / name).write_bytes(text.encode("utf-8").replace("\xff".encode("utf-8"), b"\xff"))
+    with pytest.raises(RegistryError) as caught:
+        Registry(folder)
+    assert message in caught.value.message
+    assert caught.value.source_name.endswith(name)
+
+
+def test_a_default_that_meets_its_constraint_loads(tmp_path):
+    registry = registry_with(tmp_path, SOFTCAP_LIKE, "cap.yaml")
+    assert "tanh" in str(check_spec(parse_spec("cap"), registry.scope).score)
