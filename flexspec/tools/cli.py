@@ -21,6 +21,8 @@ from flexspec.errors import SpecError, did_you_mean
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 SIGNATURE_WIDTH = 48  # `list` shortens longer signatures
+# .attn files are a few kilobytes; a limit keeps `flexspec check /dev/zero` from reading forever
+MAX_FILE_CHARS = 16 * 1024 * 1024
 
 
 def _out(text: str = "") -> None:
@@ -32,13 +34,17 @@ def _err(text: str) -> None:
 
 
 def _read(path: str) -> str:
-    """A file's text; an unreadable file is a :class:`SpecError` naming it."""
+    """A file's text; an unreadable or oversized file is a :class:`SpecError` naming it."""
     try:
         with open(path, encoding="utf-8", newline="") as f:
-            return f.read()
+            text = f.read(MAX_FILE_CHARS + 1)
     except (OSError, UnicodeDecodeError) as err:
         reason = getattr(err, "strerror", None) or str(err)
         raise SpecError(f"cannot read {path}: {reason}") from None
+    if len(text) > MAX_FILE_CHARS:
+        raise SpecError(f"cannot read {path}: it is longer than {MAX_FILE_CHARS} characters, "
+                        "which no .attn file needs")
+    return text
 
 
 def _shorten(text: str, width: int) -> str:
@@ -479,6 +485,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (argparse's usage errors give 2)."""
+    for stream in (sys.stdout, sys.stderr):
+        # a terminal or pipe whose encoding lacks the picture's glyphs (cp1252, ascii) gets '?'
+        # for them rather than a UnicodeEncodeError
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

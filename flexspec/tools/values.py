@@ -107,6 +107,9 @@ def demo_bindings(attn_or_spec, q_len: int, kv_len: int, *, batch: int = 0,
 
 
 _TRUE, _FALSE = ("true", "1"), ("false", "0")
+# --bind values are typed in by hand: a few million is already far more than a picture shows.
+MAX_BIND_VALUES = 1 << 24
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _bind_scalar(text: str, dtype: str, name: str):
@@ -117,8 +120,14 @@ def _bind_scalar(text: str, dtype: str, name: str):
                 return word.lower() in _TRUE
             raise ValueError
         if dtype == "int":
-            return int(word)
-        return float(word)
+            value = int(word)
+            if not -2**63 <= value < 2**63:
+                raise SpecError(f"--bind {name}: {word} does not fit in an int64 tensor")
+            return value
+        value = float(word)
+        if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+            raise SpecError(f"--bind {name}: {word} is not a finite float32 value")
+        return value
     except ValueError:
         kind = {"bool": "booleans (true, false)", "int": "ints", "float": "numbers"}[dtype]
         raise SpecError(f"--bind {name}: '{word}' is not a valid value; '{name}' holds "
@@ -126,7 +135,7 @@ def _bind_scalar(text: str, dtype: str, name: str):
 
 
 def _bind_values(text: str, dtype: str, name: str) -> list:
-    values = []
+    values, total = [], 0
     for item in text.split(","):
         value, star, count = item.partition("*")
         repeat = 1
@@ -140,6 +149,10 @@ def _bind_values(text: str, dtype: str, name: str) -> list:
                                 "number of times, like 0*4")
         if not value.strip():
             raise SpecError(f"--bind {name}: an empty value in '{text}'")
+        total += repeat
+        if total > MAX_BIND_VALUES:
+            raise SpecError(f"--bind {name}: more than {MAX_BIND_VALUES} values; the command "
+                            "line draws and explains small examples")
         values += [_bind_scalar(value, dtype, name)] * repeat
     return values
 

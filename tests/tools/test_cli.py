@@ -445,3 +445,34 @@ def test_python_m_flexspec():
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("NAME")
     assert "\ncausal " in result.stdout
+
+
+@pytest.mark.parametrize("command", ["check", "fmt"])
+def test_endless_files_are_refused_not_read_forever(capsys, command):
+    code, _, err = run(capsys, command, "/dev/zero")
+    assert code == 1 and "longer than" in err and "/dev/zero" in err
+
+
+@pytest.mark.parametrize("bind, message", [
+    ("doc_ids=0*99999999999", "more than 16777216 values"),
+    ("doc_ids=" + "9" * 30, "does not fit in an int64 tensor"),
+])
+def test_bind_values_beyond_what_a_tensor_holds(capsys, bind, message):
+    code, _, err = run(capsys, "render", "causal & document", "--q", "4", "--bind", bind)
+    assert code == 1 and message in err
+
+
+@pytest.mark.parametrize("bind", ["bias=1e39", "bias=inf", "bias=nan"])
+def test_bind_floats_must_be_finite_float32(capsys, bind):
+    code, _, err = run(capsys, "render", "causal + head_bias", "--q", "4", "--bind", bind)
+    assert code == 1 and "is not a finite float32 value" in err
+
+
+@pytest.mark.parametrize("encoding", ["cp1252", "ascii"])
+def test_render_to_a_narrow_encoding_does_not_crash(encoding):
+    env = {**__import__("os").environ, "PYTHONIOENCODING": encoding}
+    result = subprocess.run([sys.executable, "-m", "flexspec", "render", "causal", "--q", "8"],
+                            capture_output=True, text=True, timeout=120, env=env,
+                            encoding=encoding, errors="replace")
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr and "density" in result.stdout
