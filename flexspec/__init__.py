@@ -24,6 +24,9 @@ def parse(text, *, library: Library | None = None) -> Spec:
 
     if isinstance(text, Spec):
         return text
+    if library is not None and not isinstance(library, Library):
+        raise SpecError(f"library must be a flexspec.Library (from flexspec.load), got "
+                        f"{type(library).__name__}")
     scope = library.scope if library is not None else _registry().scope
     node = parse_spec(text)
     return Spec(node, check_spec(node, scope))

@@ -7,6 +7,7 @@ pattern), may be used before they are defined, and must not form cycles.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from flexspec.lang import ast
@@ -136,6 +137,9 @@ def load_text(text: str, name: str = "<file>") -> Library:
 
 def load(path) -> Library:
     """Load and check an ``.attn`` file."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise SpecError(f"load() takes the path of an .attn file, got {type(path).__name__}; "
+                        "for .attn text use flexspec.lang.library.load_text")
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")

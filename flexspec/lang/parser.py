@@ -254,6 +254,10 @@ def _parse(text: str, start: str, source: Source):
     if not isinstance(text, str):
         raise SpecSyntaxError(f"expected spec text (a str), got {type(text).__name__}",
                               source_name=source.name)
+    if text.startswith("\ufeff"):
+        # a byte-order mark, as some editors save UTF-8: a space of the same length keeps every
+        # position (and so every caret) where it is
+        text = " " + text[1:]
     try:
         tree = build_parser().parse(text, start=start)
     except UnexpectedInput as err:

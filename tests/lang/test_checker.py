@@ -573,3 +573,12 @@ def test_error_rendering_in_a_file():
     assert text.splitlines()[0].startswith("m.attn:3:12: mask 'a' must be a boolean")
     assert text.splitlines()[1] == "    mask a =   q + kv"
     assert text.splitlines()[2] == "    " + " " * 11 + "^" * len("q + kv")
+
+
+def test_load_and_library_arguments_of_the_wrong_type_are_spec_errors():
+    with pytest.raises(flexspec.SpecError, match="load\\(\\) takes the path of an .attn file"):
+        flexspec.load(None)
+    with pytest.raises(flexspec.SpecError, match="library must be a flexspec.Library"):
+        flexspec.parse("causal", library="x")
+    with pytest.raises(flexspec.SpecError, match="library must be a flexspec.Library"):
+        flexspec.compile("causal", library="x")

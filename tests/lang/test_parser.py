@@ -539,3 +539,10 @@ def test_nesting_near_the_recursion_limit_never_crashes():
 def test_moderate_nesting_parses():
     assert parse_spec("(" * 200 + "causal" + ")" * 200) == N("causal")
     assert parse_spec("~" * 100 + "causal").operand is not None
+
+
+def test_a_byte_order_mark_is_whitespace_and_keeps_positions():
+    assert parse_spec("\ufeffcausal & window(3)") == parse_spec("causal & window(3)")
+    with pytest.raises(SpecSyntaxError) as caught:
+        parse_file("\ufeffmask m = q >= \n")
+    assert (caught.value.line, caught.value.column) == (1, 15)
