@@ -19,14 +19,9 @@ __version__ = "0.1.0"
 
 def parse(text, *, library: Library | None = None) -> Spec:
     """Parse and check a spec expression; names resolve in ``library`` first, then the registry."""
-    from flexspec.lang.checker import check_spec
-    from flexspec.lang.parser import parse_spec
+    from flexspec.lang.api import parse as parse_spec
 
-    if isinstance(text, Spec):
-        return text
-    scope = library.scope if library is not None else _registry().scope
-    node = parse_spec(text)
-    return Spec(node, check_spec(node, scope))
+    return parse_spec(text, library=library)
 
 
 def compile(spec, *, library: Library | None = None, backend: str = "auto", block_size=128,
@@ -34,10 +29,11 @@ def compile(spec, *, library: Library | None = None, backend: str = "auto", bloc
     """Compile a spec (text or :class:`Spec`) into an :class:`~flexspec.runtime.Attention`.
 
     ``backend`` is ``"auto"`` (per call, the fastest backend that can run it; ``explain`` says
-    which), ``"flash"``, ``"sdpa"``, ``"flex"`` or ``"reference"`` (see
-    :mod:`flexspec.runtime.backends`). ``block_size`` is an int or a (q, kv) pair; ``block_masks`` picks how block masks are built:
-    ``"exact"`` (interval analysis refined inside partial tiles; the default), ``"intervals"``
-    (the analysis alone) or ``"dense"`` (torch's ``create_block_mask``).
+    which) or one of the backends registered in :mod:`flexspec.runtime.backends`
+    (``flexspec.runtime.backends.BACKENDS`` lists every name). ``block_size`` is an int or a
+    (q, kv) pair; ``block_masks`` picks how block masks are built: ``"exact"`` (interval
+    analysis refined inside partial tiles; the default), ``"intervals"`` (the analysis alone) or
+    ``"dense"`` (torch's ``create_block_mask``).
     """
     from flexspec.runtime.attention import Attention
 
@@ -60,7 +56,7 @@ def pattern(name: str) -> Pattern:
 def __getattr__(name):
     # torch is imported on first use of the runtime, not by `import flexspec`.
     if name in ("Attention", "SpecAttention"):
-        from flexspec.runtime import attention as runtime
+        from flexspec import runtime
         return getattr(runtime, name)
     raise AttributeError(f"module 'flexspec' has no attribute {name!r}")
 
