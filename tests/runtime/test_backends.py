@@ -14,8 +14,8 @@ from hypothesis import given, settings, strategies as st
 
 import flexspec
 from flexspec import parse
-from flexspec.runtime.backends import (FLASH_MIN_FLOPS, REGISTRY, BackendError, Request, SdpaForm,
-                                       choose, sdpa_form, why_not)
+from flexspec.runtime.backends import (BACKENDS, FLASH_MIN_FLOPS, REGISTRY, BackendError, Request,
+                                       SdpaForm, auto_order, choose, sdpa_form, why_not)
 from flexspec.runtime.explanation import attention_flops
 from flexspec.testing import Shape
 
@@ -232,6 +232,24 @@ def test_triton_tiles_divide_the_blocks(q_block, kv_block, table_grads):
         assert options["bwd_BLOCK_M2"] % options["bwd_BLOCK_N2"] == 0
     assert (options.get("num_stages") == 1) == table_grads
     assert REGISTRY["flash"].kernel_options(request) == {"BACKEND": "FLASH"}
+
+
+def test_auto_order_per_device():
+    def order(request):
+        return [name for name, _ in auto_order(request)]
+
+    assert order(H200) == ["flash", "sdpa", "flex"]
+    for device in ("cpu", "mps"):
+        request = dataclasses.replace(CPU, device_type=device)
+        assert order(request) == ["sdpa", "flex", "reference"]
+        assert order(dataclasses.replace(request, grads=True)) == ["sdpa", "reference", "flex"]
+    xpu = dataclasses.replace(CPU, device_type="xpu", grads=True)
+    assert order(xpu) == ["sdpa", "flex", "reference"]
+
+
+def test_the_registry_names_the_backends():
+    assert BACKENDS == ("auto", *REGISTRY) == ("auto", "flash", "sdpa", "flex", "reference")
+    assert all(backend.name == name for name, backend in REGISTRY.items())
 
 
 # ---- the runtime on the CPU --------------------------------------------------------------------

@@ -24,7 +24,8 @@ FLASH_OPTIONS: FlexKernelOptions = {"BACKEND": "FLASH"}
 # Below this much dense forward work (B * H * Q_LEN * KV_LEN * 2 * (D + Dv) FLOPs) FLASH's fixed
 # cost per call outweighs its speed (docs/performance.md#why-the-backend-rules-are-what-they-are).
 FLASH_MIN_FLOPS = 2e11
-# Head dimensions FLASH ran correctly with flexspec's block sizes (H200, FA4 4.0.0b36).
+# Head dimensions FLASH ran correctly with flexspec's block sizes (see docs/performance.md,
+# why-the-backend-rules-are-what-they-are).
 FLASH_HEAD_DIMS = (64, 128)
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # Compute capabilities (major) of the GPUs FA4 supports: Hopper (9) and Blackwell (10).

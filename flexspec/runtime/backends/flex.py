@@ -25,7 +25,7 @@ except ImportError:  # torch before FlexKernelOptions was public
     FlexKernelOptions = dict
 
 # On the CPU, sequences shorter than one 128-position block run elsewhere: torch 2.13's compiled
-# CPU kernel gave wrong results for them (docs/performance.md#why-the-backend-rules-are-what-they-are).
+# CPU kernel gave wrong results for them (see docs/performance.md, the backend rules).
 SHORT_CPU_LENGTH = 128
 # A score that reads a tensor requiring gradients gets one pipeline stage in Triton's backward:
 # the default ran out of shared memory at D=128 on the H200 (see docs/performance.md).

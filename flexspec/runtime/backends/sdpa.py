@@ -94,7 +94,7 @@ class SdpaBackend(Backend):
         return None
 
     def rank(self, request: Request) -> Rank:
-        # first everywhere but behind FLASH on CUDA: see docs/performance.md#why-the-backend-rules-are-what-they-are
+        # first everywhere but behind FLASH on CUDA (see docs/performance.md, the backend rules)
         device = request.device_type
         if device == "cuda":
             return Rank(1, "plain full or causal attention: cuDNN SDPA beat FlexAttention's "
