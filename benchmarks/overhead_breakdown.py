@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flexspec import runtime  # noqa: E402
+from flexspec.runtime import compiled  # noqa: E402
 from gpu import OVERHEAD_SPECS, OverheadCase, alternate, median_difference  # noqa: E402
 
 
@@ -37,21 +37,22 @@ def breakdown(text: str, device, calls: int, rounds: int) -> list[str]:
     case.ours()  # builds the plan
     q, k, v = case.qkv
     plan = next(iter(case.attn._plans.values()))
-    our_mask = plan.block_mask if plan.block_mask is not None else plan.last_block_mask
-    fresh_entry = runtime._compiled_entry(plan.lowered)
-    entry = plan.entry
+    call = plan.prepared  # a FlexCall: the plan of the flex and flash backends
+    our_mask = call.block_mask if call.block_mask is not None else call.last_block_mask
+    fresh_entry = compiled.compiled_entry(call.lowered)
+    entry = call.entry
     functions = {
         "hand": case.hand,
         "entry+hand mods": lambda: fresh_entry(q, k, v, case.score_mod, case.block_mask, None,
-                                               False, plan.kernel_options),
-        "entry+our mods": lambda: entry(q, k, v, plan.score_mod, our_mask, None, False,
-                                        plan.kernel_options),
+                                               False, call.kernel_options),
+        "entry+our mods": lambda: entry(q, k, v, call.score_mod, our_mask, None, False,
+                                        call.kernel_options),
         "flexspec": case.ours,
     }
     times = alternate(functions, device, calls, rounds)
-    plan.entry = lambda *args: args[0]
+    call.entry = lambda *args: args[0]
     stubbed = alternate({"stub": case.ours}, device, calls * 5, rounds)
-    plan.entry = entry
+    call.entry = entry
     cells = [f"{statistics.median(times[name]):.1f} "
              f"({median_difference(times[name], times['hand']):+.1f})" for name in functions]
     return [text, *cells, f"{statistics.median(stubbed['stub']):.1f}"]

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from flexspec.errors import (BindingError, RegistryError, SpecCheckError, SpecError, SpecSyntaxError)
+from flexspec.lang.api import parse
 from flexspec.lang.library import Library, load
 from flexspec.lang.registry import Pattern
 from flexspec.lang.registry import registry as _registry
@@ -17,30 +18,16 @@ from flexspec.lang.spec import Spec
 __version__ = "0.1.0"
 
 
-def parse(text, *, library: Library | None = None) -> Spec:
-    """Parse and check a spec expression; names resolve in ``library`` first, then the registry."""
-    from flexspec.lang.checker import check_spec
-    from flexspec.lang.parser import parse_spec
-
-    if isinstance(text, Spec):
-        return text
-    if library is not None and not isinstance(library, Library):
-        raise SpecError(f"library must be a flexspec.Library (from flexspec.load), got "
-                        f"{type(library).__name__}")
-    scope = library.scope if library is not None else _registry().scope
-    node = parse_spec(text)
-    return Spec(node, check_spec(node, scope))
-
-
 def compile(spec, *, library: Library | None = None, backend: str = "auto", block_size=128,
             block_masks: str = "exact"):
     """Compile a spec (text or :class:`Spec`) into an :class:`~flexspec.runtime.Attention`.
 
     ``backend`` is ``"auto"`` (per call, the fastest backend that can run it; ``explain`` says
-    which), ``"flash"``, ``"sdpa"``, ``"flex"`` or ``"reference"`` (see
-    :mod:`flexspec.runtime.backends`). ``block_size`` is an int or a (q, kv) pair; ``block_masks`` picks how block masks are built:
-    ``"exact"`` (interval analysis refined inside partial tiles; the default), ``"intervals"``
-    (the analysis alone) or ``"dense"`` (torch's ``create_block_mask``).
+    which) or one of the backends registered in :mod:`flexspec.runtime.backends`
+    (``flexspec.runtime.backends.BACKENDS`` lists every name). ``block_size`` is an int or a
+    (q, kv) pair; ``block_masks`` picks how block masks are built: ``"exact"`` (interval
+    analysis refined inside partial tiles; the default), ``"intervals"`` (the analysis alone) or
+    ``"dense"`` (torch's ``create_block_mask``).
     """
     from flexspec.runtime.attention import Attention
 
@@ -58,16 +45,18 @@ def pattern(name: str) -> Pattern:
     return _registry().get(name)
 
 
+# The runtime's public names: importing them imports torch, so on first use, not by
+# `import flexspec` (which `flexspec check` and `fmt` keep torch-free).
+_RUNTIME_NAMES = ("Attention", "BackendError", "CompileLimitError", "SpecAttention")
 
 
 def __getattr__(name):
-    # torch is imported on first use of the runtime, not by `import flexspec`.
-    if name in ("Attention", "SpecAttention"):
-        from flexspec.runtime import attention as runtime
+    if name in _RUNTIME_NAMES:
+        from flexspec import runtime
         return getattr(runtime, name)
     raise AttributeError(f"module 'flexspec' has no attribute {name!r}")
 
 
-__all__ = ["Attention", "BindingError", "Library", "Pattern", "RegistryError", "Spec",
-           "SpecAttention", "SpecCheckError", "SpecError", "SpecSyntaxError", "compile", "load",
+__all__ = ["Attention", "BackendError", "BindingError", "CompileLimitError", "Library", "Pattern",
+           "RegistryError", "Spec", "SpecAttention", "SpecCheckError", "SpecError", "SpecSyntaxError", "compile", "load",
            "parse", "pattern", "patterns"]

@@ -19,7 +19,8 @@ from torch.nn.attention.flex_attention import create_mask, flex_attention, noop_
 
 import flexspec
 from flexspec import ir
-from flexspec.runtime import attention as runtime
+from flexspec import runtime
+from flexspec.runtime.masks import mask_extent
 from flexspec.kernels.blocks import count_visible
 from flexspec.lang.checker import Checker
 from flexspec.kernels.reference import dense_mask, dense_scores
@@ -208,7 +209,7 @@ def test_counted_visible_pairs_equal_the_reference_mask(case, block):
     attn = case.attention(block_size=block)
     sizes = case.shape.sizes
     values, spec = attn._tensors(sizes, case.bindings, torch.device("cpu"), mask_only=True)
-    batch, heads, _ = runtime._mask_extent(spec.mask, sizes)
+    batch, heads, _ = mask_extent(spec.mask, sizes)
     counted = count_visible(spec.mask, sizes, block, values, "cpu", batch=batch, heads=heads)
     dense = attn.dense_mask(case.shape.Q_LEN, case.shape.KV_LEN, batch=case.shape.B,
                             heads=case.shape.Hq, **case.bindings)

@@ -1,2 +1,12 @@
-"""Running specs on real tensors: backends and their choice, plans, block-mask caches, the
-:class:`Attention` object ``flexspec.compile`` returns and the ``SpecAttention`` module."""
+"""Running specs on real tensors: the backends and their choice (:mod:`.backends`), a call's
+inputs (:mod:`.inputs`), block masks (:mod:`.masks`), plans (:mod:`.plan`), compiled entry points
+(:mod:`.compiled`), the :class:`Attention` facade ``flexspec.compile`` returns
+(:mod:`.attention`), its ``explain`` report (:mod:`.explanation`) and the ``SpecAttention``
+module (:mod:`.module`)."""
+
+from flexspec.runtime.attention import Attention
+from flexspec.runtime.backends import BackendError
+from flexspec.runtime.compiled import CompileLimitError
+from flexspec.runtime.module import SpecAttention
+
+__all__ = ["Attention", "BackendError", "CompileLimitError", "SpecAttention"]

@@ -297,9 +297,8 @@ def _add_explain(subparsers) -> None:
                    help="input dtype (default bfloat16)")
     p.add_argument("--device", default="cpu", help="device, e.g. cpu or cuda (default cpu)")
     p.add_argument("--grad", action="store_true", help="the inputs require gradients")
-    p.add_argument("--backend", default="auto",
-                   help="the backend asked for (default auto): auto, flash, sdpa, flex, "
-                        "reference")
+    p.add_argument("--backend", default="auto", action=_BackendOption,
+                   help="the backend asked for (default auto)")
     p.add_argument("--block-size", type=int, default=128, metavar="N",
                    help="block size of the block mask (default 128)")
     p.add_argument("--bind", action="append", default=[], metavar="NAME=VALUES",
@@ -333,13 +332,31 @@ def cmd_explain(args) -> int:
     return EXIT_OK
 
 
+class _BackendOption(argparse.Action):
+    """``--backend``, whose help lists the registered backends: read only when help is shown,
+    so other commands never import torch."""
+
+    @property
+    def help(self):
+        from flexspec.runtime.backends import BACKENDS
+
+        return f"{self._help}: {', '.join(BACKENDS)}"
+
+    @help.setter
+    def help(self, text):
+        self._help = text
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+
+
 def _explain_call(spec, args):
     """The runtime explanation of a call of the sizes the options give, without allocating q,
     k and v (only their shapes, dtype and device matter)."""
     import torch
 
     from flexspec import compile as compile_spec
-    from flexspec.runtime.attention import _device
+    from flexspec.runtime.inputs import as_device
     from flexspec.tools.values import bindings_from_text, parse_binds
 
     kv_len = args.q_len if args.kv_len is None else args.kv_len
@@ -350,7 +367,7 @@ def _explain_call(spec, args):
         if value < 1:
             raise SpecError(f"{option} must be at least 1, got {value}")
     attn = compile_spec(spec, backend=args.backend, block_size=args.block_size)
-    device = _device(args.device)
+    device = as_device(args.device)
     dtype = getattr(torch, args.dtype)
 
     def placeholder(heads, length):

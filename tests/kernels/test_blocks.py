@@ -607,12 +607,12 @@ def test_runtime_modes_agree(block_size):
 
 
 def test_runtime_uses_the_analysis_by_default(monkeypatch):
-    from flexspec.runtime import attention as runtime
+    from flexspec.runtime import masks
 
     def refuse(*args, **kwargs):
         raise AssertionError("create_block_mask was called")
 
-    monkeypatch.setattr(runtime, "create_block_mask", refuse)
+    monkeypatch.setattr(masks, "create_block_mask", refuse)
     attn = flexspec.compile("causal & window(100)")
     assert attn.block_masks == "exact"
     attn.block_mask(700, 900)

@@ -14,9 +14,9 @@ from hypothesis import given, settings, strategies as st
 
 import flexspec
 from flexspec import parse
-from flexspec.runtime import attention as runtime
-from flexspec.runtime.backends import (FLASH_MIN_FLOPS, BackendError, Request, SdpaForm, attention_flops,
-                               choose, sdpa_form, why_not)
+from flexspec.runtime.backends import (BACKENDS, FLASH_MIN_FLOPS, REGISTRY, BackendError, Request,
+                                       SdpaForm, auto_order, choose, sdpa_form, why_not)
+from flexspec.runtime.explanation import attention_flops
 from flexspec.testing import Shape
 
 H200 = Request(device_type="cuda", capability=(9, 0), dtype=torch.bfloat16, batch=4, heads=16,
@@ -218,7 +218,7 @@ def test_triton_backward_needs_blocks_of_128_on_cuda():
 def test_triton_tiles_divide_the_blocks(q_block, kv_block, table_grads):
     request = dataclasses.replace(H200, block_size=(q_block, kv_block), grads=table_grads,
                                   table_grads=table_grads)
-    options = runtime._kernel_options("flex", request) or {}
+    options = REGISTRY["flex"].kernel_options(request) or {}
     if q_block % 128 == 0 and kv_block % 128 == 0:
         # torch's own tiles divide these: nothing is overridden but the table-gradient stages
         assert not any("BLOCK" in key for key in options)
@@ -231,7 +231,25 @@ def test_triton_tiles_divide_the_blocks(q_block, kv_block, table_grads):
         assert options["bwd_BLOCK_N1"] % options["bwd_BLOCK_M1"] == 0
         assert options["bwd_BLOCK_M2"] % options["bwd_BLOCK_N2"] == 0
     assert (options.get("num_stages") == 1) == table_grads
-    assert runtime._kernel_options("flash", request) == {"BACKEND": "FLASH"}
+    assert REGISTRY["flash"].kernel_options(request) == {"BACKEND": "FLASH"}
+
+
+def test_auto_order_per_device():
+    def order(request):
+        return [name for name, _ in auto_order(request)]
+
+    assert order(H200) == ["flash", "sdpa", "flex"]
+    for device in ("cpu", "mps"):
+        request = dataclasses.replace(CPU, device_type=device)
+        assert order(request) == ["sdpa", "flex", "reference"]
+        assert order(dataclasses.replace(request, grads=True)) == ["sdpa", "reference", "flex"]
+    xpu = dataclasses.replace(CPU, device_type="xpu", grads=True)
+    assert order(xpu) == ["sdpa", "flex", "reference"]
+
+
+def test_the_registry_names_the_backends():
+    assert BACKENDS == ("auto", *REGISTRY) == ("auto", "flash", "sdpa", "flex", "reference")
+    assert all(backend.name == name for name, backend in REGISTRY.items())
 
 
 # ---- the runtime on the CPU --------------------------------------------------------------------
@@ -371,21 +389,21 @@ def test_inputs_requiring_gradients_under_no_grad_run_the_kernel():
 def test_auto_falls_back_to_flex_when_flash_cannot_compile(monkeypatch):
     """Simulated on the CPU: the plan is told to take FLASH, and its compile fails the way
     CuTeDSL's did on the H200 for a clamped lookup."""
-    from flexspec.runtime import attention as runtime
-    from flexspec.runtime.backends import Choice
+    from flexspec.runtime import compiled, plan as planning
+    from flexspec.runtime.backends import Choice, flash
     from flexspec.kernels.lower import lower
 
-    monkeypatch.setattr(runtime, "_FLASH_FAILED", {})
-    monkeypatch.setattr(runtime, "choose", lambda backend, request, spec: Choice("flash", "test"))
-    real = runtime._run_compiled
+    monkeypatch.setattr(flash, "FAILED", {})
+    monkeypatch.setattr(planning, "choose", lambda backend, request, spec: Choice("flash", "test"))
+    real = compiled.run_compiled
 
     def compile_or_fail(entry, *args):
-        if args[-1] == runtime.FLASH_OPTIONS:
+        if args[-1] == flash.FLASH_OPTIONS:
             raise RuntimeError("backend='inductor' raised:\n=====\nCuteDSL template failed: "
                                "UNSUPPORTED CUTEDSL OPERATION: 'maximum'\nmore")
         return real(entry, *args)
 
-    monkeypatch.setattr(runtime, "_run_compiled", compile_or_fail)
+    monkeypatch.setattr(compiled, "run_compiled", compile_or_fail)
     attn = flexspec.compile("causal & window(8)")
     q, k, v = Shape(1, 2, 2, 200, 200, 8).qkv(seed=0)
     with pytest.warns(UserWarning, match="FLASH could not compile 'causal & window\\(8\\)' "
@@ -395,7 +413,7 @@ def test_auto_falls_back_to_flex_when_flash_cannot_compile(monkeypatch):
     plan = next(iter(attn._plans.values()))
     assert plan.choice.backend == "flex"
     assert "failed to compile" in dict(plan.choice.rejected)["flash"]
-    assert "'maximum'" in runtime._FLASH_FAILED[lower(plan.spec)]
+    assert "'maximum'" in flash.FAILED[lower(plan.spec)]
     # asked for explicitly, the same failure is an error that says so
     explicit = flexspec.compile("causal & window(9)", backend="flash")
     with pytest.raises(BackendError, match="backend 'flash' could not compile this spec: "
@@ -417,11 +435,19 @@ def test_the_same_binding_object_reuses_its_block_mask(monkeypatch):
     ids = torch.arange(200) // 50
     attn(q, k, v, doc_ids=ids)
     builds = []
-    original = attn._block_mask
-    monkeypatch.setattr(attn, "_block_mask", lambda *a: builds.append(1) or original(*a))
+    original = attn._masks.get
+    monkeypatch.setattr(attn._masks, "get", lambda *a: builds.append(1) or original(*a))
     attn(q, k, v, doc_ids=ids)
     assert builds == []  # same tensor, same version: no lookup at all
     ids[:100] = 0  # in place: the version counter moves on
     out = attn(q, k, v, doc_ids=ids)
     assert builds == [1]
     torch.testing.assert_close(out, attn.reference(q, k, v, doc_ids=ids), atol=2e-5, rtol=1e-5)
+
+
+def test_runtime_errors_are_exported_at_the_top_level():
+    assert flexspec.BackendError is flexspec.runtime.BackendError
+    assert issubclass(flexspec.BackendError, flexspec.SpecError)
+    assert issubclass(flexspec.CompileLimitError, flexspec.SpecError)
+    with pytest.raises(flexspec.BackendError):
+        flexspec.compile("causal & window(3)", backend="sdpa")

@@ -15,7 +15,7 @@ from torch.nn.attention.flex_attention import create_mask
 
 import flexspec
 from flexspec import BindingError, SpecError
-from flexspec.runtime import attention as runtime
+from flexspec.runtime import compiled, masks, notices
 from flexspec.lang.library import load_text
 from flexspec.kernels.lower import lower
 from flexspec.testing import Shape
@@ -211,7 +211,7 @@ def test_block_mask_cache_without_bindings():
 def test_block_mask_cache_is_bounded():
     attn = flexspec.compile("causal")
     first = attn.block_mask(17, 17)
-    for length in range(18, 18 + runtime.BLOCK_MASK_CACHE_SIZE):
+    for length in range(18, 18 + masks.BLOCK_MASK_CACHE_SIZE):
         attn.block_mask(length, length)
     assert attn.block_mask(17, 17) is not first
 
@@ -296,9 +296,9 @@ def test_fully_masked_everywhere_on_the_reference_backend():
 
 def test_fresh_doc_ids_do_not_recompile(attn, qkv, compiled_out):
     spec_ir = attn.ir  # doc_ids of shape [B, KV_LEN]: the IR stays as it is
-    entry = runtime._compiled_entry(lower(spec_ir))
+    entry = compiled.compiled_entry(lower(spec_ir))
     graphs = counters["stats"]["unique_graphs"]
-    misses = runtime._compiled_entry.cache_info().misses
+    misses = compiled.compiled_entry.cache_info().misses
     with torch.no_grad():
         for seed in range(3):
             ids = random_doc_ids(seed)
@@ -306,8 +306,8 @@ def test_fresh_doc_ids_do_not_recompile(attn, qkv, compiled_out):
             torch.testing.assert_close(out, attn.reference(*qkv, doc_ids=ids),
                                        rtol=1e-4, atol=1e-4)
     assert counters["stats"]["unique_graphs"] == graphs
-    assert runtime._compiled_entry.cache_info().misses == misses
-    assert runtime._compiled_entry(lower(spec_ir)) is entry
+    assert compiled.compiled_entry.cache_info().misses == misses
+    assert compiled.compiled_entry(lower(spec_ir)) is entry
 
 
 def test_equal_specs_share_the_lowering_and_the_mod_code():
@@ -377,7 +377,7 @@ def test_bindings_property():
 
 @pytest.fixture
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(runtime, "_warned", set())
+    monkeypatch.setattr(notices, "_warned", set())
 
 
 def test_requires_grad_on_cpu_falls_back_to_the_reference_with_one_warning(fresh_warnings):
@@ -532,5 +532,5 @@ def test_compiled_calls_refuse_graph_breaks():
 
     entry = torch.compile(breaks)
     with pytest.raises(Exception, match="graph_break|graph break"):
-        runtime._run_compiled(entry, torch.ones(3))
+        compiled.run_compiled(entry, torch.ones(3))
     torch._dynamo.reset()

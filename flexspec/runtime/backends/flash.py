@@ -1,0 +1,137 @@
+"""The ``flash`` backend: FlexAttention with ``kernel_options={"BACKEND": "FLASH"}``, i.e.
+FlashAttention-4 generated through CuTeDSL (needs the ``flash_attn.cute`` package and a Hopper or
+Blackwell GPU).
+
+It is the ``flex`` call with other kernel options and stricter rules. CuTeDSL supports fewer
+score functions than Triton, so a first call may fail to compile: asked for explicitly, that is a
+:class:`BackendError`; under ``auto`` the plan is handed to the ``flex`` backend (one warning),
+and the failure is remembered so later plans of the spec skip FLASH (``explain`` says why).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from flexspec.runtime.backends.base import REGISTRY, BackendError, Choice, Rank, Request
+from flexspec.runtime.backends.flex import FlexBackend, FlexKernelOptions
+from flexspec.runtime.compiled import CompileLimitError
+from flexspec.runtime.notices import warn_once
+
+FLASH_OPTIONS: FlexKernelOptions = {"BACKEND": "FLASH"}
+# Below this much dense forward work (B * H * Q_LEN * KV_LEN * 2 * (D + Dv) FLOPs) FLASH's fixed
+# cost per call outweighs its speed (docs/performance.md#why-the-backend-rules-are-what-they-are).
+FLASH_MIN_FLOPS = 2e11
+# Head dimensions FLASH ran correctly with flexspec's block sizes (see docs/performance.md,
+# why-the-backend-rules-are-what-they-are).
+FLASH_HEAD_DIMS = (64, 128)
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+# Compute capabilities (major) of the GPUs FA4 supports: Hopper (9) and Blackwell (10).
+FLASH_CAPABILITIES = (9, 10)
+
+# Lowered specs FLASH failed to compile, with the gist of the error.
+FAILED: dict = {}
+
+
+@functools.cache
+def flash_installed() -> bool:
+    """Whether FlashAttention-4's CuTeDSL package (``flash_attn.cute``) can be imported."""
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except Exception:  # a missing or broken parent package raises while being looked up
+        return False
+
+
+class FlashBackend(FlexBackend):
+    name = "flash"
+
+    def why_not(self, request, spec):
+        device = request.device_type
+        if device != "cuda":
+            return f"FLASH runs on CUDA GPUs only, not on {device}"
+        if not request.flash_installed:
+            return ("FLASH needs FlashAttention-4 (the flash_attn.cute package), which is not "
+                    "installed: pip install flash-attn-4")
+        if request.capability is None or request.capability[0] not in FLASH_CAPABILITIES:
+            found = "unknown" if request.capability is None else \
+                ".".join(str(n) for n in request.capability)
+            return ("FLASH needs a Hopper or Blackwell GPU (compute capability 9.x or 10.x), "
+                    f"this one is {found}")
+        if request.dtype not in FLASH_DTYPES:
+            return f"FLASH needs float16 or bfloat16 inputs, got {request.dtype}"
+        if request.head_dim not in FLASH_HEAD_DIMS or request.v_head_dim != request.head_dim:
+            return ("FLASH is verified for head dimensions "
+                    f"{' and '.join(str(d) for d in FLASH_HEAD_DIMS)} (equal for q, k and v), "
+                    f"got {request.head_dim} and {request.v_head_dim}")
+        if request.table_grads:
+            return ("FLASH cannot compute gradients of tensors the score reads (a learnable "
+                    "table requires gradients)")
+        if request.grads and request.score_tensors:
+            return ("FLASH's backward gave NaN gradients for a score that reads a tensor "
+                    "(sliding_window + alibi on the H200, FA4 4.0.0b36), so flexspec runs such "
+                    "backward passes elsewhere")
+        if not request.blocks_of_128:
+            return f"FLASH needs block sizes that are multiples of 128, got {request.block_size}"
+        if request.flash_failed is not None:
+            return f"FLASH failed to compile this spec: {request.flash_failed}"
+        return None
+
+    def rank(self, request: Request) -> Rank | None:
+        if request.device_type != "cuda":
+            return None
+        return Rank(0, "FlashAttention-4 was the fastest kernel measured on Hopper for every "
+                       "spec at this size, forward and backward")
+
+    def auto_veto(self, request):
+        if request.dense_flops < FLASH_MIN_FLOPS:
+            return (f"the problem is small ({request.dense_flops / 1e9:.3g} GFLOP dense < "
+                    f"{FLASH_MIN_FLOPS / 1e9:.3g}): FLASH's fixed cost per call (about "
+                    "0.22 ms) outweighs its speed")
+        return None
+
+    def facts(self, device, lowered):
+        return {"flash_installed": device.type == "cuda" and flash_installed(),
+                "flash_failed": FAILED.get(lowered)}
+
+    def kernel_options(self, request):
+        return FLASH_OPTIONS
+
+    def launch(self, plan, args):
+        try:
+            return super().launch(plan, args)
+        except CompileLimitError:
+            raise
+        except Exception as err:  # noqa: BLE001 - inductor's errors have no stable type
+            return self._fall_back(plan, args, err)
+
+    @staticmethod
+    def _fall_back(plan, args: tuple, err: Exception):
+        """Hand a plan whose FLASH compile failed to the ``flex`` backend, or raise when FLASH
+        was asked for."""
+        summary = first_line(err)
+        FAILED[plan.prepared.lowered] = summary
+        if plan.asked == "flash":
+            raise BackendError(f"backend 'flash' could not compile this spec: {summary}. "
+                               "backend='auto' falls back to the Triton kernel") from err
+        warn_once(f"flash-failed-{id(plan.prepared.lowered)}",
+                  f"flexspec: FLASH could not compile '{plan.text}' ({summary}); running it "
+                  "with FlexAttention's Triton kernel instead", stacklevel=5)
+        flex = REGISTRY["flex"]
+        rejected = tuple((name, reason) for name, reason in plan.choice.rejected
+                         if name != "flex") + (("flash", f"failed to compile: {summary}"),)
+        plan.choice = Choice("flex", "FlexAttention runs every spec (FLASH could not compile "
+                                     "this one)", rejected)
+        plan.backend = flex
+        plan.prepared.kernel_options = flex.kernel_options(plan.request)
+        return flex.launch(plan, args[:-1] + (plan.prepared.kernel_options,))
+
+
+def first_line(err: Exception) -> str:
+    """The gist of a compile error: its first lines that say something (inductor's start with
+    "backend='inductor' raised:" and a banner)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip().strip("=")]
+    lines = [line for line in lines if not line.endswith("raised:")]
+    text = " ".join(lines[:2]) if lines else type(err).__name__
+    return text if len(text) <= 200 else text[:197] + "..."

@@ -1,0 +1,165 @@
+"""The ``flex`` backend: FlexAttention through ``torch.compile`` with its default kernel (the
+Triton template on a GPU, the C++ template on the CPU). FLASH (:mod:`.flash`) is the same call
+with other kernel options, so it subclasses this one.
+
+A plan keeps the lowered spec, its compiled entry point, the kernel options, and the block mask
+and ``score_mod`` when they read no binding; a call fetches the block mask of its bindings and
+launches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from flexspec import ir
+from flexspec.kernels.lower import Lowered, lower
+from flexspec.runtime import compiled
+from flexspec.runtime.backends.base import Backend, Rank, Request
+
+try:
+    from torch.nn.attention.flex_attention import FlexKernelOptions
+except ImportError:  # torch before FlexKernelOptions was public
+    FlexKernelOptions = dict
+
+# On the CPU, sequences shorter than one 128-position block run elsewhere: torch 2.13's compiled
+# CPU kernel gave wrong results for them (see docs/performance.md, the backend rules).
+SHORT_CPU_LENGTH = 128
+# A score that reads a tensor requiring gradients gets one pipeline stage in Triton's backward:
+# the default ran out of shared memory at D=128 on the H200 (see docs/performance.md).
+TABLE_GRAD_OPTIONS: FlexKernelOptions = {"num_stages": 1}
+# Triton's tiles must divide the block mask's blocks, and its default tiles are up to 128 wide,
+# so smaller blocks get tiles of their own, at most this wide.
+LARGEST_SMALL_TILE = 64
+
+
+@dataclass(eq=False)
+class FlexCall:
+    """What a FlexAttention plan keeps between calls."""
+
+    lowered: Lowered
+    entry: object                            # compiled.compiled_entry(lowered)
+    kernel_options: FlexKernelOptions | None
+    masks: object                            # the Attention's BlockMasks cache
+    mask_bindings: tuple = ()                # names of the bindings the mask reads
+    block_mask: BlockMask | None = None      # the block mask when the mask reads no binding
+    last_bindings: tuple = ()                # (tensor, version) of those in the last call
+    last_block_mask: BlockMask | None = None
+    score_varies: bool = True                # the score_mod captures this call's bindings
+    score_mod: object = None
+    warm: bool = False                       # the compiled entry has run once for this plan
+
+    def same_mask_bindings(self, bindings: dict) -> bool:
+        """Whether the mask's bindings are the very tensors of the previous call, unchanged in
+        place since (same object, same version counter): then so is its block mask, and the
+        cache lookup (storage identity, hashing) is skipped."""
+        if self.last_block_mask is None:
+            return False
+        for name, (value, version) in zip(self.mask_bindings, self.last_bindings):
+            given = bindings[name]
+            if given is not value or given._version != version:
+                return False
+        return True
+
+
+class FlexBackend(Backend):
+    name = "flex"
+
+    def why_not(self, request, spec):
+        device = request.device_type
+        if request.grads and device in ("cpu", "mps"):
+            return f"FlexAttention has no backward pass on {device}"
+        if request.grads and device == "cuda" and not request.blocks_of_128:
+            return ("FlexAttention's Triton backward found no kernel for blocks of "
+                    f"{request.block_size[0]}x{request.block_size[1]} (torch filters its backward "
+                    "tiles, up to 128 wide, before it reads kernel options; H200, torch 2.11): "
+                    "use block_size=128 for training, or call without gradients")
+        if device == "cpu" and min(request.q_len, request.kv_len) < SHORT_CPU_LENGTH:
+            return (f"torch's compiled CPU FlexAttention gave wrong results for sequences "
+                    f"shorter than one block ({SHORT_CPU_LENGTH} positions), so flexspec does "
+                    "not run it there")
+        return None
+
+    def rank(self, request: Request) -> Rank:
+        # behind the specialised kernels, ahead of the reference where the kernel can run
+        place = 1 if request.device_type != "cuda" and not (
+            request.grads and request.device_type in ("cpu", "mps")) else 2
+        return Rank(place, "FlexAttention runs every spec; its block mask skips the empty tiles")
+
+    def kernel_options(self, request: Request) -> FlexKernelOptions | None:
+        """The kernel options of a compiled FlexAttention call for ``request``."""
+        options = {}
+        if request.device_type in ("cuda", "xpu") and not request.blocks_of_128:
+            options.update(small_block_tiles(*request.block_size))
+        if request.table_grads and request.device_type == "cuda" and request.head_dim > 64:
+            options.update(TABLE_GRAD_OPTIONS)
+        return options or None
+
+    def prepare(self, plan, values, masks):
+        lowered = lower(plan.spec)
+        call = FlexCall(lowered=lowered, entry=compiled.compiled_entry(lowered),
+                        kernel_options=self.kernel_options(plan.request), masks=masks)
+        call.mask_bindings = tuple(slot.name for slot in plan.slots
+                                   if slot.key in plan.mask.reads)
+        if not call.mask_bindings:
+            # a mask-free spec needs no block mask on a GPU (faster there); the CPU kernel needs
+            # one (see Attention.block_mask)
+            if plan.spec.mask != ir.Const(True) or plan.request.device_type != "cuda":
+                call.block_mask = masks.get(plan.spec, plan.sizes, values, plan.device, plan.mask)
+        score_keys = plan.score_keys
+        float64 = any(values[key].dtype == torch.float64 for key in score_keys)
+        if not (score_keys & {slot.key for slot in plan.slots}) and not float64:
+            call.score_mod = lowered.make_mods(plan.sizes, values)[1]
+            call.score_varies = False
+        plan.prepared = call
+        plan.needs_values = plan.needs_values or call.score_varies
+
+    def run(self, plan, q, k, v, scale, bindings, values):
+        call: FlexCall = plan.prepared
+        if not call.mask_bindings:
+            block_mask = call.block_mask
+        elif call.same_mask_bindings(bindings):
+            block_mask = call.last_block_mask
+        else:
+            block_mask = call.masks.get(plan.spec, plan.sizes,
+                                        values or plan.values(bindings), q.device, plan.mask)
+            call.last_block_mask = block_mask
+            call.last_bindings = tuple((bindings[name], bindings[name]._version)
+                                       for name in call.mask_bindings)
+        if call.score_varies:
+            # the kernel computes scores in float32: a float64 table would turn them into float64
+            kernel_values = {key: value.float() if value.dtype == torch.float64 else value
+                             for key, value in values.items()}
+            score_mod = call.lowered.make_mods(plan.sizes, kernel_values)[1]
+        else:
+            score_mod = call.score_mod
+        if plan.detach:
+            q, k, v = q.detach(), k.detach(), v.detach()
+        args = (q, k, v, score_mod, block_mask, scale, plan.gqa, call.kernel_options)
+        if call.warm:
+            # a warm plan cannot recompile (see compiled.run_compiled): no watch needed
+            return call.entry(*args)
+        out = self.launch(plan, args)
+        call.warm = True
+        return out
+
+    def launch(self, plan, args: tuple):
+        """The first call of a plan, which may compile."""
+        return compiled.run_compiled(plan.prepared.entry, *args)
+
+
+def small_block_tiles(q_block: int, kv_block: int) -> FlexKernelOptions:
+    """Triton tiles that divide blocks of ``q_block`` x ``kv_block`` positions (multiples of
+    16): the largest power of two that divides each, at most LARGEST_SMALL_TILE; the backward
+    kernels take the smaller of the two on both sides."""
+    def tile(size: int) -> int:
+        return min(size & -size, LARGEST_SMALL_TILE)
+
+    m, n = tile(q_block), tile(kv_block)
+    both = min(m, n)
+    # the fwd_/bwd_ prefixed names are accepted by torch though FlexKernelOptions lists only the
+    # unprefixed ones
+    return {"fwd_BLOCK_M": m, "fwd_BLOCK_N": n, "bwd_BLOCK_M1": both, "bwd_BLOCK_N1": both,
+            "bwd_BLOCK_M2": both, "bwd_BLOCK_N2": both}

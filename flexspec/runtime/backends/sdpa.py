@@ -1,0 +1,114 @@
+"""The ``sdpa`` backend: ``torch.nn.functional.scaled_dot_product_attention`` (cuDNN first on a
+GPU), for specs whose IR is exactly full attention or top-left causal attention with
+Q_LEN == KV_LEN, times an optional positive constant."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+
+from flexspec import ir
+from flexspec.runtime.backends.base import Backend, Rank, Request
+
+
+@dataclass(frozen=True)
+class SdpaForm:
+    """A spec SDPA can run: ``causal`` or full attention, logits times ``factor``."""
+
+    causal: bool
+    factor: float
+
+
+def sdpa_form(spec: ir.AttentionIR) -> SdpaForm | None:
+    """The SDPA form of a spec, or ``None`` when SDPA cannot run it exactly.
+
+    >>> from flexspec import parse
+    >>> sdpa_form(parse("causal + scale(2.0)").ir)
+    SdpaForm(causal=True, factor=2.0)
+    >>> sdpa_form(parse("causal & window(8)").ir) is None
+    True
+    """
+    mask = spec.mask
+    if mask == ir.Const(True):
+        causal = False
+    elif mask in (ir.Binary(">=", ir.Var("q"), ir.Var("kv")),
+                  ir.Binary("<=", ir.Var("kv"), ir.Var("q"))):
+        causal = True
+    else:
+        return None
+    factor, score = 1.0, spec.score
+    while score != ir.Var("score"):
+        step = _constant_factor(score)
+        if step is None:
+            return None
+        constant, score = step
+        factor *= constant
+    # a negative or zero scale breaks the kernels' running row maximum; infinity is not a scale
+    if not (math.isfinite(factor) and factor > 0):
+        return None
+    return SdpaForm(causal=causal, factor=factor)
+
+
+def _number(node: ir.Expr) -> float | None:
+    if isinstance(node, ir.Const) and isinstance(node.value, (int, float)) \
+            and not isinstance(node.value, bool):
+        return float(node.value)
+    return None
+
+
+def _constant_factor(node: ir.Expr) -> tuple | None:
+    """``(c, rest)`` when ``node`` is ``rest * c``, ``c * rest`` or ``rest / c`` for a number c."""
+    if not isinstance(node, ir.Binary):
+        return None
+    if node.op == "*" and _number(node.right) is not None:
+        return _number(node.right), node.left
+    if node.op == "*" and _number(node.left) is not None:
+        return _number(node.left), node.right
+    if node.op == "/" and _number(node.right):
+        return 1.0 / _number(node.right), node.left
+    return None
+
+
+def not_sdpa(spec: ir.AttentionIR) -> str:
+    """Why SDPA cannot run a spec that :func:`sdpa_form` rejects."""
+    return ("SDPA runs only full attention or top-left causal attention, optionally times a "
+            f"positive constant; this spec has mask `{ir.to_text(spec.mask)}` and score "
+            f"`{ir.to_text(spec.score)}`")
+
+
+class SdpaBackend(Backend):
+    name = "sdpa"
+
+    def cannot_run(self, spec):
+        return not_sdpa(spec) if sdpa_form(spec) is None else None
+
+    def why_not(self, request, spec):
+        form = sdpa_form(spec)
+        if form is None:
+            return not_sdpa(spec)
+        if form.causal and request.q_len != request.kv_len:
+            return (f"SDPA's is_causal equals `causal` only when Q_LEN == KV_LEN, got "
+                    f"{request.q_len} and {request.kv_len}")
+        return None
+
+    def rank(self, request: Request) -> Rank:
+        # first everywhere but behind FLASH on CUDA (see docs/performance.md, the backend rules)
+        device = request.device_type
+        if device == "cuda":
+            return Rank(1, "plain full or causal attention: cuDNN SDPA beat FlexAttention's "
+                           "Triton kernel for it")
+        if request.grads and device in ("cpu", "mps"):
+            return Rank(0, f"SDPA has a backward pass on {device}")
+        return Rank(0, "plain full or causal attention: SDPA beat compiled FlexAttention for it "
+                       f"on {device}")
+
+    def prepare(self, plan, values, masks):
+        plan.prepared = sdpa_form(plan.spec)
+
+    def run(self, plan, q, k, v, scale, bindings, values):
+        form: SdpaForm = plan.prepared
+        base = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=form.causal,
+                                              scale=base * form.factor, enable_gqa=plan.gqa)

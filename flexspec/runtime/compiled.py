@@ -1,0 +1,77 @@
+"""Compiled ``flex_attention`` entry points, one per lowered spec, and the dynamo settings the
+calls that may compile run under (static shapes, no graph breaks, an error at the recompile
+limit)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import linecache
+
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+from flexspec.errors import SpecError
+from flexspec.kernels.lower import Lowered
+
+
+class CompileLimitError(SpecError):
+    """torch.compile reached its recompile limit for one spec (too many distinct shapes)."""
+
+
+_entry_counter = itertools.count(1)
+
+
+@functools.lru_cache(maxsize=256)
+def compiled_entry(lowered: Lowered):
+    """A compiled ``flex_attention`` call whose code object belongs to this spec alone, so each
+    spec has its own dynamo cache and recompile budget."""
+    text = ("def run(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options):\n"
+            "    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,\n"
+            "                          scale=scale, enable_gqa=enable_gqa,\n"
+            "                          kernel_options=kernel_options)\n")
+    filename = f"<flexspec-entry-{next(_entry_counter)}>"
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    namespace = {"flex_attention": flex_attention}
+    exec(compile(text, filename, "exec"), namespace)
+    # Neither dynamic=False nor fullgraph=True: both cost work around every call (see
+    # docs/performance.md#why-the-backend-rules-are-what-they-are); run_compiled asks for the
+    # same around the calls that compile instead
+    return torch.compile(namespace["run"])
+
+
+# Dynamo settings for the calls that may compile: static shapes (a kernel per shape, as
+# dynamic=False gives), and an error instead of a silent eager fallback at the recompile limit.
+COMPILE_SETTINGS = {"fail_on_recompile_limit_hit": True, "automatic_dynamic_shapes": False,
+                    "assume_static_by_default": True}
+# torch.compile's graph-break switch as a context manager (torch >= 2.9); fullgraph=True's
+# meaning without its per-call cost
+_NO_GRAPH_BREAKS = getattr(torch._dynamo, "error_on_graph_break",
+                           lambda _: contextlib.nullcontext())
+
+
+def run_compiled(entry, *args):
+    """Run a compiled entry under :data:`COMPILE_SETTINGS`, with graph breaks made errors (as
+    ``fullgraph=True`` would), turning torch's recompile limit into :class:`CompileLimitError`
+    (by default dynamo would silently fall back to an unfused kernel that materialises the
+    scores). Calls of a warm plan skip this: dynamo's guards depend only on what the plan's key
+    holds, so they cannot recompile."""
+    config = torch._dynamo.config
+    before = {name: getattr(config, name) for name in COMPILE_SETTINGS}
+    for name, value in COMPILE_SETTINGS.items():
+        setattr(config, name, value)
+    try:
+        with _NO_GRAPH_BREAKS(True):
+            return entry(*args)
+    except Exception as err:  # dynamo's own exception type moves between torch versions
+        if "recompile" in type(err).__name__.lower() or "RecompileLimit" in str(err):
+            raise CompileLimitError(
+                f"torch.compile reached its recompile limit "
+                f"({torch._dynamo.config.recompile_limit}) for this spec, because it ran with "
+                "too many distinct shapes, dtypes or devices. Pad inputs to a few fixed lengths, "
+                "or raise torch._dynamo.config.recompile_limit") from err
+        raise
+    finally:
+        for name, value in before.items():
+            setattr(config, name, value)

@@ -1,0 +1,95 @@
+"""What ``Attention.explain`` reports: the canonical spec, the call's sizes, how much of the score
+matrix is visible, the work in FLOPs, and the backend chosen with its reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flexspec import ir
+from flexspec.kernels.blocks import count_visible
+from flexspec.runtime.backends import Choice
+
+# Forward+backward work in forwards: the backward does 2.5 forwards' matrix products (five
+# against two), as FlashAttention counts it.
+FORWARD_AND_BACKWARD = 3.5
+
+
+def attention_flops(pairs: float, head_dim: int, v_head_dim: int, *, backward: bool) -> float:
+    """FLOPs of attention over ``pairs`` visible (query, key) pairs: 2*D for q.k and 2*Dv for
+    p.v per pair forward; the backward does 2.5 times the forward's work (five products against
+    two), as FlashAttention counts it."""
+    forward = 2.0 * pairs * (head_dim + v_head_dim)
+    return forward * FORWARD_AND_BACKWARD if backward else forward
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What ``Attention.explain`` reports (see the module docstring)."""
+
+    spec: str
+    mask: str             # the canonical IR the backends are chosen from
+    score: str
+    sizes: dict
+    head_dim: int
+    dtype: torch.dtype
+    device: str
+    density: float        # visible (q, kv) pairs / all pairs
+    tile_density: float   # tiles a block-sparse kernel computes / all tiles
+    block_size: tuple
+    flops: float          # forward FLOPs of the visible pairs
+    grads: bool
+    choice: Choice
+
+    def __str__(self) -> str:
+        s = self.sizes
+        kv_heads = s.get("KV_HEADS", s["H"])
+        heads = f"H={s['H']}" + (f" (KV heads {kv_heads})" if kv_heads != s["H"] else "")
+        lines = [
+            f"spec:     {self.spec}",
+            f"mask:     {self.mask}",
+            f"score:    {self.score}",
+            f"call:     B={s['B']} {heads} Q_LEN={s['Q_LEN']} KV_LEN={s['KV_LEN']} "
+            f"D={self.head_dim} {str(self.dtype).replace('torch.', '')} on {self.device}"
+            + (", with gradients" if self.grads else ""),
+            f"density:  {self.density:.2%} of (q, kv) pairs visible; {self.tile_density:.2%} "
+            f"of {self.block_size[0]}x{self.block_size[1]} tiles computed",
+            f"work:     {_flops_text(self.flops)} forward"
+            + (f", {_flops_text(self.flops * FORWARD_AND_BACKWARD)} forward+backward"
+               if self.grads else ""),
+            f"backend:  {self.choice.backend}: {self.choice.reason}",
+        ]
+        for name, reason in self.choice.rejected:
+            lines.append(f"  not {name}: {reason}")
+        return "\n".join(lines)
+
+
+def _flops_text(flops: float) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if flops >= scale:
+            return f"{flops / scale:.3g} {unit}"
+    return f"{flops:.3g} FLOP"
+
+
+def explain_plan(plan, values: dict, block_mask, text: str, q, k, v) -> Explanation:
+    """The explanation of a planned call, given its tensor values and its block mask.
+
+    The visible pairs are counted by classifying the tiles once more (count_visible): the block
+    mask's tables say which tiles are partial but not how many pairs inside them are visible."""
+    sizes, spec, mask = plan.sizes, plan.spec, plan.mask
+    block_size = plan.request.block_size
+    visible = count_visible(spec.mask, sizes, block_size, values, q.device,
+                            batch=mask.batch, heads=mask.heads)
+    tiles = int(block_mask.kv_num_blocks.sum()) + int(block_mask.full_kv_num_blocks.sum())
+    nq = -(-sizes["Q_LEN"] // block_size[0])
+    nk = -(-sizes["KV_LEN"] // block_size[1])
+    pairs = visible * (sizes["B"] // mask.batch) * (sizes["H"] // mask.heads)
+    return Explanation(
+        spec=text, mask=ir.to_text(spec.mask), score=ir.to_text(spec.score),
+        sizes={**sizes, "KV_HEADS": k.shape[1]}, head_dim=q.shape[-1], dtype=q.dtype,
+        device=str(q.device),
+        density=visible / (mask.batch * mask.heads * sizes["Q_LEN"] * sizes["KV_LEN"]),
+        tile_density=tiles / (mask.batch * mask.heads * nq * nk), block_size=block_size,
+        flops=attention_flops(pairs, q.shape[-1], v.shape[-1], backward=False),
+        grads=plan.request.grads, choice=plan.choice)

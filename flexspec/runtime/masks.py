@@ -1,0 +1,93 @@
+"""Block masks for the runtime: which extents a mask needs, a small key standing for a mask at
+given sizes, and the bounded cache of built block masks one :class:`Attention` keeps."""
+
+from __future__ import annotations
+
+import collections
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, noop_mask
+
+from flexspec import ir
+from flexspec.ir import tensor_key
+from flexspec.kernels.blocks import build_block_mask
+from flexspec.kernels.lower import lower
+from flexspec.runtime.inputs import identity
+
+# How block masks are built: interval analysis refined inside partial tiles (equal to
+# create_block_mask), interval analysis alone, or torch's create_block_mask (S^2 evaluations).
+BlockMaskMode = Literal["exact", "intervals", "dense"]
+BLOCK_MASK_MODES: tuple[BlockMaskMode, ...] = ("exact", "intervals", "dense")
+BLOCK_MASK_CACHE_SIZE = 32
+
+
+@dataclass(frozen=True, slots=True)
+class MaskKey:
+    """A mask at given sizes and device: a small int ``token`` standing for it (so hot paths
+    never hash the IR), its batch and head extents, and the keys of the tensors it reads."""
+
+    token: int
+    batch: int
+    heads: int
+    reads: tuple
+
+
+def mask_extent(mask: ir.Expr, sizes: dict) -> tuple:
+    """``(batch, heads, keys)``: the batch and head extents a mask needs (1 unless it reads ``b``
+    or ``h``) and the keys of the tensors it reads."""
+    reads_b, reads_h, keys = _mask_facts(mask)
+    return sizes["B"] if reads_b else 1, sizes["H"] if reads_h else 1, keys
+
+
+@functools.lru_cache(maxsize=1024)
+def _mask_facts(mask: ir.Expr) -> tuple:
+    free = ir.free_vars(mask)
+    keys = frozenset(tensor_key(n) for n in ir.walk(mask) if isinstance(n, ir.Tensor))
+    return "b" in free, "h" in free, keys
+
+
+class BlockMasks:
+    """The block masks of one Attention: built in ``mode`` with ``block_size`` blocks, cached
+    (least recently used first out) by mask token and the identity of the tensors it reads."""
+
+    def __init__(self, mode: BlockMaskMode, block_size: tuple):
+        self.mode = mode
+        self.block_size = block_size
+        self._tokens: dict = {}
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+
+    def key(self, spec: ir.AttentionIR, sizes: dict, device) -> MaskKey:
+        """The :class:`MaskKey` of ``spec``'s mask at ``sizes`` on ``device``."""
+        batch, heads, reads = mask_extent(spec.mask, sizes)
+        full = (spec.mask, batch, heads, sizes["Q_LEN"], sizes["KV_LEN"], str(device))
+        token = self._tokens.get(full)
+        if token is None:
+            token = self._tokens[full] = len(self._tokens)
+        return MaskKey(token, batch, heads, tuple(sorted(reads)))
+
+    def get(self, spec: ir.AttentionIR, sizes: dict, values: dict, device,
+            key: MaskKey | None = None) -> BlockMask:
+        """The block mask of ``spec`` for these tensor values, from the cache or built."""
+        key = key or self.key(spec, sizes, device)
+        cache_key = (key.token,) + tuple(identity(values[name]) for name in key.reads)
+        cached = self._cache.get(cache_key)
+        if cached is not None:
+            self._cache.move_to_end(cache_key)
+            return cached[0]
+        mask_mod, _ = lower(spec).make_mods(sizes, values)
+        if self.mode == "dense":
+            block_mask = create_block_mask(mask_mod or noop_mask, key.batch, key.heads,
+                                           sizes["Q_LEN"], sizes["KV_LEN"], device=device,
+                                           BLOCK_SIZE=self.block_size)
+        else:
+            block_mask = build_block_mask(spec.mask, sizes, self.block_size, values, device,
+                                          batch=key.batch, heads=key.heads, mask_mod=mask_mod,
+                                          exact=self.mode == "exact")
+        # the values stay alive with the mask, so their memory cannot be reused while cached
+        self._cache[cache_key] = (block_mask, values)
+        if len(self._cache) > BLOCK_MASK_CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return block_mask
+

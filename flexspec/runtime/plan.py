@@ -1,0 +1,141 @@
+"""Planning: everything about a call that depends only on its input signature (shapes, dtypes,
+devices, strides, ``requires_grad``, grad mode, scale and binding names), decided once and kept
+in a :class:`Plan`.
+
+:func:`make_plan` checks the inputs, specializes the IR to the bindings' shapes, proves tensor
+lookups in range where it can, chooses the backend and lets it prepare what its calls reuse.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from flexspec import ir
+from flexspec.ir import tensor_key
+from flexspec.ir.specialize import declared_shape
+from flexspec.kernels.lower import lower
+from flexspec.kernels.reference import MAX_BYTES
+from flexspec.kernels.tensors import add_leading_dims
+from flexspec.runtime.backends import REGISTRY, Backend, Choice, Request, choose
+from flexspec.runtime.inputs import (Tensors, check_lookups, check_qkv, check_scale, identity,
+                                     meta, shapes_key, unproven_lookups)
+from flexspec.runtime.masks import BlockMasks, MaskKey
+
+PLAN_CACHE_SIZE = 64
+
+
+class Slot(NamedTuple):
+    """A tensor given by name at each call: its name, tensor key and declared dimensions."""
+
+    name: str
+    key: str
+    ndim: int
+
+
+@dataclass(eq=False)
+class Plan:
+    """Everything about a call that depends only on its input signature (see the module
+    docstring); ``prepared`` is what the chosen backend keeps (see Backend.prepare)."""
+
+    text: str                       # the spec as the user wrote it, for messages
+    asked: str                      # the backend asked for ("auto", "flex", ...)
+    sizes: dict
+    device: torch.device
+    spec: ir.AttentionIR            # specialized to the bindings' shapes
+    request: Request
+    choice: Choice
+    backend: Backend
+    fixed: dict                     # tensor values that do not change between calls
+    slots: tuple                    # a Slot per tensor passed by name
+    score_keys: frozenset           # keys of the tensors the score reads
+    mask: MaskKey
+    unproven: tuple                 # lookups whose indices are checked by value
+    gqa: bool
+    # Under no_grad, run on detached tensors: FlexAttention refuses inputs that require
+    # gradients where it has no backward, and FLASH captured tables that do, even though
+    # nothing is recorded under no_grad
+    detach: bool
+    checked: tuple = ()             # identity of the values whose lookups were last checked
+    needs_values: bool = False      # calls gather their tensor values (see Plan.values)
+    prepared: object = None
+
+    def values(self, bindings: dict) -> dict:
+        """The tensor values of one call: the plan's fixed ones and this call's bindings."""
+        if not self.slots:
+            return self.fixed
+        values = dict(self.fixed)
+        for name, key, ndim in self.slots:
+            value = bindings[name]
+            value = value if value.dim() == ndim else add_leading_dims(value, ndim)
+            values[key] = value.detach() if self.detach else value
+        return values
+
+    def check_lookups(self, values: dict) -> None:
+        """The lookups interval analysis could not prove in range, checked on these values
+        unless they are the very ones checked last."""
+        found = self.lookup_identity(values)
+        if found != self.checked:
+            check_lookups(self.spec, self.sizes, values, self.unproven)
+            self.checked = found
+
+    def lookup_identity(self, values: dict) -> tuple:
+        return tuple(identity(values[tensor_key(t)]) for t, _, _ in self.unproven)
+
+
+def call_key(q, k, v, scale, bindings: dict, learnables: dict | None) -> tuple:
+    """The input signature a plan is cached under (a TypeError for unhashable arguments)."""
+    return (meta(q), meta(k), meta(v), scale, torch.is_grad_enabled(),
+            tuple((name, meta(value)) for name, value in bindings.items()),
+            None if learnables is None else
+            tuple((name, id(value), meta(value)) for name, value in learnables.items()))
+
+
+def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, block_size: tuple,
+              q, k, v, scale, bindings: dict, learnables: dict | None) -> Plan:
+    """Check a call's inputs and decide everything that depends only on their signature."""
+    sizes = check_qkv(q, k, v, allow_float64=asked == "reference").as_dict()
+    check_scale(scale)
+    device = q.device
+    values, spec = tensors.gather(sizes, bindings, device, learnables)
+    slots = [Slot(t.name, tensor_key(t), len(declared_shape(t, sizes)))
+             for t in spec.bindings() if t.name in bindings]
+    slots += [Slot(t.name, tensor_key(t), len(declared_shape(t, sizes)))  # given by name
+              for t in spec.tensors() if t.origin == "learnable" and t.name in bindings]
+    slot_keys = {slot.key for slot in slots}
+    grad_on = torch.is_grad_enabled()
+    if not grad_on:  # see Plan.detach
+        values = {key: value.detach() for key, value in values.items()}
+    score_keys = frozenset(tensor_key(t) for t in ir.walk(spec.score) if isinstance(t, ir.Tensor))
+    table_grads = grad_on and any(values[key].requires_grad for key in score_keys)
+    grads = table_grads or (grad_on and (q.requires_grad or k.requires_grad or v.requires_grad))
+    lowered = lower(spec)
+    facts = {}
+    for backend in REGISTRY.values():
+        facts.update(backend.facts(device, lowered))
+    request = Request(
+        device_type=device.type,
+        capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
+        dtype=q.dtype, batch=sizes["B"], heads=sizes["H"], kv_heads=k.shape[1],
+        q_len=sizes["Q_LEN"], kv_len=sizes["KV_LEN"], head_dim=q.shape[-1],
+        v_head_dim=v.shape[-1], grads=grads, table_grads=table_grads,
+        score_tensors=bool(score_keys), block_size=block_size,
+        reference_fits=math.prod(q.shape[:3]) * k.shape[2] * 8 <= MAX_BYTES, **facts)
+    if q.dtype == torch.float64 and asked == "reference":
+        choice = Choice("reference", "backend='reference' was asked for")
+    else:
+        choice = choose(asked, request, spec)
+    unproven = unproven_lookups(spec, tuple(sorted(sizes.items())), shapes_key(values))
+    plan = Plan(text=text, asked=asked, sizes=sizes, device=device, spec=spec, request=request,
+                choice=choice, backend=REGISTRY[choice.backend],
+                fixed={key: value for key, value in values.items() if key not in slot_keys},
+                slots=tuple(slots), score_keys=score_keys,
+                mask=masks.key(spec, sizes, device), unproven=unproven,
+                gqa=k.shape[1] != q.shape[1], detach=not grad_on,
+                needs_values=bool(unproven))
+    plan.checked = plan.lookup_identity(values)
+    plan.backend.prepare(plan, values, masks)
+    return plan
