@@ -27,6 +27,7 @@ from torch.nn.attention.flex_attention import BlockMask, noop_mask
 
 from flexspec import ir
 from flexspec.ir.intervals import INF, Analyzer
+from flexspec.ir.ops import FUNCTIONS
 from flexspec.kernels.reference import evaluate
 from flexspec.kernels.tensors import tensor_key
 
@@ -89,11 +90,7 @@ class TorchOps:
 
     @staticmethod
     def apply(fn: str, value):
-        if fn == "exp2":
-            return torch.exp2(value)
-        if fn == "sign":
-            return torch.sign(value)
-        return getattr(torch, fn)(value)
+        return FUNCTIONS[fn].torch_fn(torch)(value)
 
     def lookup(self, node, index_bounds):
         return self._lookup(node, index_bounds)
