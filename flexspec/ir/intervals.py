@@ -26,6 +26,7 @@ from flexspec import ir
 from flexspec.ir.ops import FUNCTIONS, OPERATORS
 
 INF = math.inf
+_TAU = 2 * math.pi
 
 
 class ScalarOps:
@@ -67,10 +68,11 @@ class ScalarOps:
         return float(math.ceil(value)) if math.isfinite(value) else value
 
     @staticmethod
-    def apply(fn: str, value):
-        """The table's Python function, with IEEE results where Python raises instead."""
+    def apply(fn, value):
+        """``fn`` (an entry of the operator table) on a Python float, with IEEE results where
+        Python raises instead."""
         try:
-            return FUNCTIONS[fn].python(value)
+            return fn.python(value)
         except ValueError:  # a domain error: log(-1), sqrt(-1)
             return math.nan
         except OverflowError:  # exp(1000)
@@ -210,11 +212,31 @@ class Analyzer:
         rounding = getattr(self.ops, fn.name)  # ops.floor, ops.ceil: safe on infinities
         return rounding(args[0][0]), rounding(args[0][1])
 
+    def _periodic(self, fn, args):
+        """A function of period 2*pi and range [-1, 1] (sin, cos), at most 1 at ``fn.peak`` and
+        at least -1 half a period later: the extremes the interval holds, else its endpoints."""
+        ops = self.ops
+        lo, hi = args[0]
+        # An interval a whole period wide holds every value. Beyond 2**20 (and for infinite
+        # bounds) the same answer keeps the rest exact: there k * 2pi is off by ~1e-10 at most,
+        # so a peak missed at an endpoint leaves fn(endpoint) within 1e-20 of 1, which rounds to 1.
+        wide = ops.any(hi - lo >= _TAU, ops.maximum(-lo, hi) > 2.0 ** 20)
+        lo, hi = ops.where(wide, ops.const(0.0), lo), ops.where(wide, ops.const(0.0), hi)
+        at_lo, at_hi = ops.apply(fn, lo), ops.apply(fn, hi)
+
+        def holds(point):  # some point + 2*pi*k lies in [lo, hi]: the last one below hi does
+            return ops.floor((hi - point) / _TAU) * _TAU + point >= lo
+
+        top = ops.where(ops.any(wide, holds(fn.peak)), ops.const(1.0), ops.maximum(at_lo, at_hi))
+        bottom = ops.where(ops.any(wide, holds(fn.peak + math.pi)), ops.const(-1.0),
+                           ops.minimum(at_lo, at_hi))
+        return bottom, top
+
     def _increasing(self, fn, args):
         # outside the domain (log of a negative) the bound gives way instead of becoming NaN
         lo, hi = args[0]
         ops = self.ops
-        return ops.fix_nan(ops.apply(fn.name, lo), -INF), ops.fix_nan(ops.apply(fn.name, hi), INF)
+        return ops.fix_nan(ops.apply(fn, lo), -INF), ops.fix_nan(ops.apply(fn, hi), INF)
 
     def _narrow(self, cond: ir.Expr, branch: ir.Expr, bounds, taken: bool):
         """Bounds of a ``where`` branch that the condition itself limits: in

@@ -27,7 +27,6 @@ from torch.nn.attention.flex_attention import BlockMask, noop_mask
 
 from flexspec import ir
 from flexspec.ir.intervals import INF, Analyzer
-from flexspec.ir.ops import FUNCTIONS
 from flexspec.kernels.reference import evaluate
 from flexspec.kernels.tensors import tensor_key
 
@@ -89,8 +88,8 @@ class TorchOps:
         return torch.where(torch.isnan(value), torch.full_like(value, replacement), value)
 
     @staticmethod
-    def apply(fn: str, value):
-        return FUNCTIONS[fn].torch_fn(torch)(value)
+    def apply(fn, value):
+        return fn.torch_fn(torch)(value)
 
     def lookup(self, node, index_bounds):
         return self._lookup(node, index_bounds)

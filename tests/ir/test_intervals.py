@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import flexspec
 from flexspec import ir
+from flexspec.ir import ops
 from flexspec.ir.intervals import INF, Analyzer, ScalarOps, bounds, lookup_ranges
 from flexspec.testing import slow_examples, spec_texts
 from ir_examples import C, b, call, h, kv, op, q
@@ -280,6 +281,52 @@ def test_nan_does_not_vanish_in_min():
     # min(NaN, 1.0) is NaN in torch (the reference), so the comparison is false at kv = 0..3
     expr = op("<", call("min", call("log", op("-", kv, C(3))), C(1.0)), C(2.0))
     assert boolean(expr, kv=(0, 9)) == (False, True)
+
+
+_SINE = ops.Function("sine", 1, "num", "float", math.sin, "torch.sin", "periodic",
+                     peak=math.pi / 2)
+_COSINE = ops.Function("cosine", 1, "num", "float", math.cos, "torch.cos", "periodic", peak=0.0)
+
+
+@pytest.mark.parametrize("fn, lo, hi, expected", [
+    # inside one monotone stretch: the endpoints (sin rises on [-pi/2, pi/2])
+    (_SINE, 0.0, 1.0, (0.0, math.sin(1.0))),
+    (_SINE, -1.0, 1.0, (math.sin(-1.0), math.sin(1.0))),
+    # the peak pi/2 = 1.5708 lies in [1, 2]: the top is 1, the bottom the lower endpoint value
+    (_SINE, 1.0, 2.0, (math.sin(1.0), 1.0)),
+    # the trough 3pi/2 = 4.712 lies in [4, 5]
+    (_SINE, 4.0, 5.0, (-1.0, math.sin(4.0))),
+    # [2, 4] falls from sin 2 = 0.909 through 0 to sin 4 = -0.757
+    (_SINE, 2.0, 4.0, (math.sin(4.0), math.sin(2.0))),
+    # the peak pi/2 + 2pi = 7.854 in [7, 8], two periods on
+    (_SINE, 7.0, 8.0, (math.sin(7.0), 1.0)),
+    # the trough -pi/2 in [-2, -1]
+    (_SINE, -2.0, -1.0, (-1.0, math.sin(-1.0))),
+    # a point
+    (_SINE, 3.0, 3.0, (math.sin(3.0), math.sin(3.0))),
+    # a whole period or more, unbounded, or far out: everything
+    (_SINE, 0.0, 6.3, (-1.0, 1.0)),
+    (_SINE, 0.0, INF, (-1.0, 1.0)),
+    (_SINE, -INF, -INF, (-1.0, 1.0)),
+    (_SINE, 2.0 ** 21, 2.0 ** 21 + 1, (-1.0, 1.0)),
+    # cos: peak at 0, trough at pi
+    (_COSINE, -1.0, 1.0, (math.cos(1.0), 1.0)),
+    (_COSINE, 0.5, 3.0, (math.cos(3.0), math.cos(0.5))),
+    (_COSINE, 3.0, 4.0, (-1.0, math.cos(4.0))),
+    # the peak 2pi = 6.283 in [6, 7]; cos 7 = 0.754 is below cos 6 = 0.960
+    (_COSINE, 6.0, 7.0, (math.cos(7.0), 1.0)),
+])
+def test_periodic_rule(fn, lo, hi, expected):
+    assert Analyzer(ScalarOps, {})._periodic(fn, [(lo, hi)]) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(-50, 50), st.floats(0, 7), st.sampled_from([_SINE, _COSINE]))
+def test_periodic_rule_is_sound(lo, width, fn):
+    low, high = Analyzer(ScalarOps, {})._periodic(fn, [(lo, lo + width)])
+    for i in range(101):
+        value = fn.python(lo + width * i / 100)
+        assert low <= value <= high
 
 
 # ---------------------------------------------------------------------------------------------
