@@ -325,7 +325,7 @@ def test_periodic_rule(fn, lo, hi, expected):
 def test_periodic_rule_is_sound(lo, width, fn):
     low, high = Analyzer(ScalarOps, {})._periodic(fn, [(lo, lo + width)])
     for i in range(101):
-        value = fn.python(lo + width * i / 100)
+        value = fn.python(lo + width * (i / 100))
         assert low <= value <= high
 
 
