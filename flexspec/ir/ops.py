@@ -271,8 +271,12 @@ _FUNCTION_LIST = [
     _float_fn("exp2", lambda x: 2.0 ** x, Form("2.0 ** {0}", PY_POW, PY_UNARY)),
     _float_fn("log", math.log, nan_below=0.0),
     _float_fn("log2", math.log2, nan_below=0.0),
+    _float_fn("log1p", math.log1p, nan_below=-1.0),
     _float_fn("sqrt", math.sqrt, nan_below=0.0),
     _float_fn("sigmoid", _sigmoid, Form("1.0 / (1.0 + math.exp(-{0}))", PY_MUL, PY_UNARY)),
+    _float_fn("erf", math.erf),
+    _float_fn("sin", math.sin, interval="periodic", peak=math.pi / 2, nan_at_inf=True),
+    _float_fn("cos", math.cos, interval="periodic", peak=0.0, nan_at_inf=True),
 ]
 
 FUNCTIONS: dict[str, Function] = {fn.name: fn for fn in _FUNCTION_LIST}

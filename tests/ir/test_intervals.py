@@ -197,6 +197,30 @@ def test_increasing_functions():
     assert num(call("exp", q), q=(0, 10**6)) == (1.0, INF)
     assert num(call("exp2", q), q=(0, 10**6)) == (1.0, INF)
     assert num(call("sigmoid", q), q=(-10**6, 10**6)) == (0.0, 1.0)
+    assert num(call("log1p", q), q=(0, 3)) == (0.0, math.log1p(3))
+    assert num(call("log1p", q), q=(-1, 0)) == (-INF, 0.0)      # log1p(-1) = -inf
+    assert num(call("log1p", q), q=(-3, -2)) == (-INF, INF)     # NaN everywhere
+    assert num(call("erf", q), q=(-1, 2)) == (math.erf(-1), math.erf(2))
+    assert num(call("erf", q), q=(-10**6, 10**6)) == (-1.0, 1.0)
+
+
+def test_sin_and_cos():
+    assert num(call("sin", q), q=(0, 1)) == (0.0, math.sin(1))
+    assert num(call("sin", q), q=(1, 2)) == (math.sin(1), 1.0)       # pi/2 inside
+    assert num(call("sin", q), q=(4, 5)) == (-1.0, math.sin(4))      # 3pi/2 inside
+    assert num(call("sin", q), q=(0, 7)) == (-1.0, 1.0)              # a whole period
+    assert num(call("cos", q), q=(0, 3)) == (math.cos(3), 1.0)       # 0 inside, pi not
+    assert num(call("cos", q), q=(3, 4)) == (-1.0, math.cos(4))      # pi inside
+    assert num(call("sin", op("/", q, kv)), q=(1, 1), kv=(-1, 1)) == (-1.0, 1.0)  # unbounded
+
+
+def test_nan_of_log1p_sin_and_cos():
+    # log1p is NaN below -1: a comparison of it need not hold where q - 3 < -1
+    assert boolean(op("<", call("log1p", op("-", q, C(3))), C(100.0)), q=(0, 9)) == (False, True)
+    assert boolean(op("<", call("log1p", op("-", q, C(1))), C(100.0)), q=(0, 9)) == (True, True)
+    # sin(1 / 0) is sin(inf), NaN: sin < 2 holds only where the argument is finite
+    assert boolean(op("<", call("sin", op("/", C(1.0), q)), C(2.0)), q=(0, 3)) == (False, True)
+    assert boolean(op("<", call("sin", op("/", C(1.0), q)), C(2.0)), q=(1, 3)) == (True, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,8 +434,22 @@ def _sqrt(x: float) -> float:
     return math.sqrt(x)
 
 
+def _log1p(x: float) -> float:
+    return _log(math.log)(1.0 + x) if x <= -1 else math.log1p(x)
+
+
+def _periodic(fn):
+    def apply(x: float) -> float:
+        if math.isinf(x):
+            raise Undefined  # sin(inf) is NaN
+        return fn(x)
+    return apply
+
+
 _FLOAT_FUNCTIONS = {"tanh": math.tanh, "exp": _exp, "exp2": _exp2, "log": _log(math.log),
-                    "log2": _log(math.log2), "sqrt": _sqrt, "sigmoid": _sigmoid}
+                    "log2": _log(math.log2), "sqrt": _sqrt, "sigmoid": _sigmoid,
+                    "log1p": _log1p, "erf": math.erf, "sin": _periodic(math.sin),
+                    "cos": _periodic(math.cos)}
 
 
 def evaluate(node: ir.Expr, env: dict, out: dict):
