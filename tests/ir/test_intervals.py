@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -25,8 +26,12 @@ from hypothesis import strategies as st
 
 import flexspec
 from flexspec import ir
+from flexspec.errors import Source
 from flexspec.ir import ops
 from flexspec.ir.intervals import INF, Analyzer, ScalarOps, bounds, lookup_ranges
+from flexspec.lang.checker import Checker
+from flexspec.lang.definitions import Definition, Scope
+from flexspec.lang.parser import parse_expr
 from flexspec.testing import slow_examples, spec_texts
 from ir_examples import C, b, call, h, kv, op, q
 
@@ -351,6 +356,58 @@ def test_periodic_rule_is_sound(lo, width, fn):
     for i in range(101):
         value = fn.python(lo + width * (i / 100))
         assert low <= value <= high
+
+
+# ---------------------------------------------------------------------------------------------
+# Golden cases: tests/fixtures/intervals.txt
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "intervals.txt"
+_BOOL_EXPECTED = {"must": (True, True), "may": (False, True), "never": (False, False)}
+# names an expected bound may use, evaluated with Python's math (never the code under test)
+_CLOSED_FORMS = {"inf": math.inf, "sin": math.sin, "cos": math.cos, "tanh": math.tanh,
+                 "exp": math.exp, "log1p": math.log1p, "erf": math.erf}
+
+
+def _fixture_ir(text: str) -> ir.Expr:
+    context = Definition("fixture", "score", (), None)
+    return Checker(Scope()).expr(parse_expr(Source(text, "intervals.txt")), {}, context)
+
+
+def _load_interval_cases():
+    cases = []
+    for number, line in enumerate(FIXTURES.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        expr, ranges, expected = (part.strip() for part in line.split(";"))
+        cases.append((number, expr, ranges, expected))
+    return cases
+
+
+INTERVAL_CASES = _load_interval_cases()
+
+
+def test_interval_fixture_has_cases():
+    assert len(INTERVAL_CASES) >= 40
+
+
+@pytest.mark.parametrize("line, text, ranges, expected", INTERVAL_CASES,
+                         ids=[f"{n}:{text} ; {r}" for n, text, r, _ in INTERVAL_CASES])
+def test_interval_fixture(line, text, ranges, expected):
+    bounds_of = {}
+    for item in ranges.split(","):
+        name, span = (part.strip() for part in item.split("="))
+        lo, hi = span.split("..")
+        bounds_of[name] = (int(lo), int(hi))
+    expr = _fixture_ir(text)
+    analyzer = Analyzer(ScalarOps, bounds_of)
+    if expected in _BOOL_EXPECTED:
+        got = analyzer.boolean(expr)
+        assert (bool(got[0]), bool(got[1])) == _BOOL_EXPECTED[expected], f"intervals.txt:{line}"
+    else:
+        want = eval(expected, {"__builtins__": {}}, _CLOSED_FORMS)  # noqa: S307 - our fixture
+        assert list(analyzer.number(expr)) == pytest.approx(want, rel=1e-15), \
+            f"intervals.txt:{line}"
+    check_sound(expr, bounds_of)  # and the concrete values agree with the bounds
 
 
 # ---------------------------------------------------------------------------------------------
