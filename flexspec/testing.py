@@ -48,6 +48,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
                       "pip install 'flexspec[test]' (or pip install hypothesis)") from err
 
 from flexspec import ir
+from flexspec.ir.ops import BINARY_SOURCE, FUNCTIONS, UNARY_SOURCE
 from flexspec.lang import ast
 from flexspec.lang.registry import Pattern, registry
 from flexspec.lang.spec import Spec
@@ -117,6 +118,7 @@ class _Unknown(Exception):
 
 
 def _eval_constraint(node, env: dict):
+    """A parameter's constraint on Python values, with the operator table's Python functions."""
     if isinstance(node, (ast.Int, ast.Float, ast.Bool)):
         return node.value
     if isinstance(node, ast.Name):
@@ -125,28 +127,17 @@ def _eval_constraint(node, env: dict):
         if node.name == "inf":
             return math.inf
         raise _Unknown(node.name)
-    if isinstance(node, ast.Unary):
-        x = _eval_constraint(node.operand, env)
-        return (not x) if node.op == "~" else -x
     if isinstance(node, ast.Call):
-        args = [_eval_constraint(a, env) for a in node.args]
-        fns = {"abs": abs, "min": min, "max": max, "floor": math.floor, "ceil": math.ceil,
-               "clamp": lambda x, lo, hi: min(max(x, lo), hi),
-               "where": lambda c, a, b: a if c else b}
-        if node.func not in fns:
-            raise _Unknown(node.func)
-        return fns[node.func](*args)
-    if isinstance(node, ast.Binary):
-        a, b = _eval_constraint(node.left, env), _eval_constraint(node.right, env)
-        ops = {"&": lambda: bool(a) and bool(b), "|": lambda: bool(a) or bool(b),
-               "+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b,
-               "//": lambda: a // b, "%": lambda: a % b, "<": lambda: a < b,
-               "<=": lambda: a <= b, ">": lambda: a > b, ">=": lambda: a >= b,
-               "==": lambda: a == b, "!=": lambda: a != b}
-        if node.op not in ops:
-            raise _Unknown(node.op)
-        return ops[node.op]()
-    raise _Unknown(type(node).__name__)
+        entry, operands = FUNCTIONS.get(node.func), node.args
+    elif isinstance(node, ast.Unary):
+        entry, operands = UNARY_SOURCE.get(node.op), (node.operand,)
+    elif isinstance(node, ast.Binary):
+        entry, operands = BINARY_SOURCE.get(node.op), (node.left, node.right)
+    else:
+        raise _Unknown(type(node).__name__)
+    if entry is None:
+        raise _Unknown(getattr(node, "func", getattr(node, "op", "")))
+    return entry.python(*(_eval_constraint(a, env) for a in operands))
 
 
 def _satisfies(param, value, env: dict) -> bool:

@@ -23,9 +23,10 @@ from __future__ import annotations
 import math
 
 from flexspec import ir
-from flexspec.ir.simplify import SCALAR_FUNCTIONS
+from flexspec.ir.ops import FUNCTIONS, OPERATORS
 
 INF = math.inf
+_TAU = 2 * math.pi
 
 
 class ScalarOps:
@@ -67,18 +68,19 @@ class ScalarOps:
         return float(math.ceil(value)) if math.isfinite(value) else value
 
     @staticmethod
-    def apply(fn: str, value):
+    def apply(fn, value):
+        """``fn`` (an entry of the operator table) on a Python float, with IEEE results where
+        Python raises instead."""
         try:
-            return SCALAR_FUNCTIONS[fn](value)
-        except (ValueError, OverflowError):
-            return math.nan if fn in ("log", "log2", "sqrt") else INF
+            return fn.python(value)
+        except ValueError:  # a domain error: log(-1), sqrt(-1)
+            return math.nan
+        except OverflowError:  # exp(1000)
+            return INF
 
     @staticmethod
     def lookup(node, index_bounds):
         return None
-
-
-_INCREASING = ("tanh", "exp", "exp2", "log", "log2", "sqrt", "sigmoid", "sign")
 
 
 class Analyzer:
@@ -108,7 +110,8 @@ class Analyzer:
             lo, hi = self.number(node.operand)
             return -hi, -lo
         if isinstance(node, ir.Binary):
-            return self._arith(node.op, self.number(node.left), self.number(node.right))
+            rule = getattr(self, "_" + OPERATORS[node.op].interval)
+            return rule(self.number(node.left), self.number(node.right))
         if isinstance(node, ir.Call):
             return self._call(node)
         if isinstance(node, ir.Lookup):
@@ -124,71 +127,116 @@ class Analyzer:
             lo, hi = ops.minimum(lo, v), ops.maximum(hi, v)
         return lo, hi
 
-    def _arith(self, op: str, a, b):
+    # ---- operator rules, named by the operator table's ``interval``
+    def _add(self, a, b):
+        return a[0] + b[0], a[1] + b[1]
+
+    def _sub(self, a, b):
+        return a[0] - b[1], a[1] - b[0]
+
+    def _mul(self, a, b):
+        (alo, ahi), (blo, bhi) = a, b
+        return self._corners([alo * blo, alo * bhi, ahi * blo, ahi * bhi])
+
+    def _safe_divisor(self, b):
+        """Whether ``b`` spans 0, and ``b`` with such an interval replaced by 1 (to compute with,
+        then discard)."""
+        ops = self.ops
+        spans_zero = ops.all(b[0] <= 0, b[1] >= 0)
+        return spans_zero, (ops.where(spans_zero, ops.const(1.0), b[0]),
+                            ops.where(spans_zero, ops.const(1.0), b[1]))
+
+    def _unless_zero(self, spans_zero, lo, hi):
+        ops = self.ops
+        return ops.where(spans_zero, ops.const(-INF), lo), ops.where(spans_zero, ops.const(INF), hi)
+
+    def _div(self, a, b, floor=False):
+        ops = self.ops
+        (alo, ahi) = a
+        spans_zero, (safe_lo, safe_hi) = self._safe_divisor(b)
+        lo, hi = self._corners([alo / safe_lo, alo / safe_hi, ahi / safe_lo, ahi / safe_hi])
+        if floor:
+            lo, hi = ops.floor(lo), ops.floor(hi)
+        return self._unless_zero(spans_zero, lo, hi)
+
+    def _floordiv(self, a, b):
+        return self._div(a, b, floor=True)
+
+    def _mod(self, a, b):
+        # Python's modulo by a positive divisor lies in [0, divisor - 1]; it is exact (and
+        # monotone) while the dividend stays inside one period of a fixed divisor.
         ops = self.ops
         (alo, ahi), (blo, bhi) = a, b
-        if op == "+":
-            return alo + blo, ahi + bhi
-        if op == "-":
-            return alo - bhi, ahi - blo
-        if op == "*":
-            return self._corners([alo * blo, alo * bhi, ahi * blo, ahi * bhi])
-        spans_zero = ops.all(blo <= 0, bhi >= 0)
-        unbounded = ops.const(-INF), ops.const(INF)
-        # a divisor interval that contains 0: replace it by 1 to compute, then discard
-        safe_lo = ops.where(spans_zero, ops.const(1.0), blo)
-        safe_hi = ops.where(spans_zero, ops.const(1.0), bhi)
-        if op in ("/", "//"):
-            quotients = [alo / safe_lo, alo / safe_hi, ahi / safe_lo, ahi / safe_hi]
-            lo, hi = self._corners(quotients)
-            if op == "//":
-                lo, hi = ops.floor(lo), ops.floor(hi)
-            return ops.where(spans_zero, unbounded[0], lo), ops.where(spans_zero, unbounded[1], hi)
-        if op == "%":
-            # Python's modulo by a positive divisor lies in [0, divisor - 1]; it is exact (and
-            # monotone) while the dividend stays inside one period of a fixed divisor.
-            exact = ops.all(blo == bhi, blo > 0)
-            same_period = ops.all(exact, ops.floor(alo / safe_lo) == ops.floor(ahi / safe_lo))
-            period_lo = alo - ops.floor(alo / safe_lo) * safe_lo
-            period_hi = ahi - ops.floor(ahi / safe_lo) * safe_lo
-            positive = blo > 0
-            lo = ops.where(same_period, period_lo, ops.where(positive, ops.const(0.0), blo + 1))
-            hi = ops.where(same_period, period_hi, ops.where(positive, bhi - 1, ops.const(0.0)))
-            return ops.where(spans_zero, unbounded[0], lo), ops.where(spans_zero, unbounded[1], hi)
-        raise ValueError(f"not an arithmetic operator: {op}")
+        spans_zero, (safe_lo, _) = self._safe_divisor(b)
+        exact = ops.all(blo == bhi, blo > 0)
+        same_period = ops.all(exact, ops.floor(alo / safe_lo) == ops.floor(ahi / safe_lo))
+        period_lo = alo - ops.floor(alo / safe_lo) * safe_lo
+        period_hi = ahi - ops.floor(ahi / safe_lo) * safe_lo
+        positive = blo > 0
+        lo = ops.where(same_period, period_lo, ops.where(positive, ops.const(0.0), blo + 1))
+        hi = ops.where(same_period, period_hi, ops.where(positive, bhi - 1, ops.const(0.0)))
+        return self._unless_zero(spans_zero, lo, hi)
 
+    # ---- function rules, named by the operator table's ``interval``
     def _call(self, node: ir.Call):
+        fn = FUNCTIONS[node.fn]
+        if fn.interval == "where":
+            return self._where(node)
+        return getattr(self, "_" + fn.interval)(fn, [self.number(a) for a in node.args])
+
+    def _where(self, node: ir.Call):
         ops = self.ops
-        fn = node.fn
-        if fn == "where":
-            must, may = self.boolean(node.args[0])
-            (alo, ahi), (blo, bhi) = self.number(node.args[1]), self.number(node.args[2])
-            (alo, ahi), (blo, bhi) = self._narrow(node.args[0], node.args[1], (alo, ahi), True), \
-                self._narrow(node.args[0], node.args[2], (blo, bhi), False)
-            lo = ops.where(must, alo, ops.where(ops.logical_not(may), blo, ops.minimum(alo, blo)))
-            hi = ops.where(must, ahi, ops.where(ops.logical_not(may), bhi, ops.maximum(ahi, bhi)))
-            return lo, hi
-        args = [self.number(a) for a in node.args]
-        if fn == "abs":
-            lo, hi = args[0]
-            low = ops.where(lo >= 0, lo, ops.where(hi <= 0, -hi, ops.const(0.0)))
-            high = ops.maximum(-lo, hi)
-            return low, high
-        if fn in ("min", "max"):
-            pick = ops.minimum if fn == "min" else ops.maximum
-            return pick(args[0][0], args[1][0]), pick(args[0][1], args[1][1])
-        if fn == "clamp":  # min(max(x, lo), hi)
-            (xlo, xhi), (llo, lhi), (hlo, hhi) = args
-            raised = ops.maximum(xlo, llo), ops.maximum(xhi, lhi)
-            return ops.minimum(raised[0], hlo), ops.minimum(raised[1], hhi)
-        if fn == "floor":
-            return ops.floor(args[0][0]), ops.floor(args[0][1])
-        if fn == "ceil":
-            return ops.ceil(args[0][0]), ops.ceil(args[0][1])
-        if fn in _INCREASING:
-            lo, hi = args[0]
-            return (ops.fix_nan(ops.apply(fn, lo), -INF), ops.fix_nan(ops.apply(fn, hi), INF))
-        return ops.const(-INF), ops.const(INF)
+        must, may = self.boolean(node.args[0])
+        (alo, ahi) = self._narrow(node.args[0], node.args[1], self.number(node.args[1]), True)
+        (blo, bhi) = self._narrow(node.args[0], node.args[2], self.number(node.args[2]), False)
+        lo = ops.where(must, alo, ops.where(ops.logical_not(may), blo, ops.minimum(alo, blo)))
+        hi = ops.where(must, ahi, ops.where(ops.logical_not(may), bhi, ops.maximum(ahi, bhi)))
+        return lo, hi
+
+    def _abs(self, fn, args):
+        ops = self.ops
+        lo, hi = args[0]
+        low = ops.where(lo >= 0, lo, ops.where(hi <= 0, -hi, ops.const(0.0)))
+        return low, ops.maximum(-lo, hi)
+
+    def _min(self, fn, args):
+        return self.ops.minimum(args[0][0], args[1][0]), self.ops.minimum(args[0][1], args[1][1])
+
+    def _max(self, fn, args):
+        return self.ops.maximum(args[0][0], args[1][0]), self.ops.maximum(args[0][1], args[1][1])
+
+    def _clamp(self, fn, args):  # min(max(x, lo), hi)
+        return self._min(fn, [self._max(fn, args[:2]), args[2]])
+
+    def _round(self, fn, args):
+        rounding = getattr(self.ops, fn.name)  # ops.floor, ops.ceil: safe on infinities
+        return rounding(args[0][0]), rounding(args[0][1])
+
+    def _periodic(self, fn, args):
+        """A function of period 2*pi and range [-1, 1] (sin, cos), at most 1 at ``fn.peak`` and
+        at least -1 half a period later: the extremes the interval holds, else its endpoints."""
+        ops = self.ops
+        lo, hi = args[0]
+        # An interval a whole period wide holds every value. Beyond 2**20 (and for infinite
+        # bounds) the same answer keeps the rest exact: there k * 2pi is off by ~1e-10 at most,
+        # so a peak missed at an endpoint leaves fn(endpoint) within 1e-20 of 1, which rounds to 1.
+        wide = ops.any(hi - lo >= _TAU, ops.maximum(-lo, hi) > 2.0 ** 20)
+        lo, hi = ops.where(wide, ops.const(0.0), lo), ops.where(wide, ops.const(0.0), hi)
+        at_lo, at_hi = ops.apply(fn, lo), ops.apply(fn, hi)
+
+        def holds(point):  # some point + 2*pi*k lies in [lo, hi]: the last one below hi does
+            return ops.floor((hi - point) / _TAU) * _TAU + point >= lo
+
+        top = ops.where(ops.any(wide, holds(fn.peak)), ops.const(1.0), ops.maximum(at_lo, at_hi))
+        bottom = ops.where(ops.any(wide, holds(fn.peak + math.pi)), ops.const(-1.0),
+                           ops.minimum(at_lo, at_hi))
+        return bottom, top
+
+    def _increasing(self, fn, args):
+        # outside the domain (log of a negative) the bound gives way instead of becoming NaN
+        lo, hi = args[0]
+        ops = self.ops
+        return ops.fix_nan(ops.apply(fn, lo), -INF), ops.fix_nan(ops.apply(fn, hi), INF)
 
     def _narrow(self, cond: ir.Expr, branch: ir.Expr, bounds, taken: bool):
         """Bounds of a ``where`` branch that the condition itself limits: in
@@ -275,8 +323,12 @@ class Analyzer:
         if isinstance(node, ir.Call):
             args = [a for a in node.args if a.type != "bool"]
             nan = ops.any(*[self.may_be_nan(a) for a in args]) if args else ops.const(False)
-            if node.fn in ("sqrt", "log", "log2"):
-                return ops.any(nan, self.number(node.args[0])[0] < 0)
+            fn = FUNCTIONS[node.fn]
+            if fn.nan_below is not None:
+                nan = ops.any(nan, self.number(node.args[0])[0] < fn.nan_below)
+            if fn.nan_at_inf:
+                lo, hi = self.number(node.args[0])
+                nan = ops.any(nan, lo == -INF, hi == INF)
             return nan
         return ops.const(False)
 

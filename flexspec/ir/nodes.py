@@ -15,39 +15,21 @@ Nodes are frozen dataclasses, so an IR value is its own cache key. This module i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Union
+
+from flexspec.ir import ops
 
 INDEX_VARS = ("b", "h", "q", "kv")
 SIZE_VARS = ("B", "H", "Q_LEN", "KV_LEN")
 SCORE_VAR = "score"
 ALL_VARS = INDEX_VARS + SIZE_VARS + (SCORE_VAR,)
 
-SCALAR_TYPES = ("bool", "int", "float")
-
-ARITH_OPS = ("+", "-", "*", "/", "//", "%")
-COMPARE_OPS = ("<", "<=", ">", ">=", "==", "!=")
-UNARY_OPS = ("neg", "not")
-
-# name -> (number of arguments, result type rule). "num" joins the argument types (int stays
-# int); "float" always gives a float; "int" always an int.
-FUNCTIONS: dict[str, tuple[int, str]] = {
-    "abs": (1, "num"),
-    "sign": (1, "num"),
-    "min": (2, "num"),
-    "max": (2, "num"),
-    "clamp": (3, "num"),
-    "where": (3, "where"),
-    "floor": (1, "int"),
-    "ceil": (1, "int"),
-    "tanh": (1, "float"),
-    "exp": (1, "float"),
-    "exp2": (1, "float"),
-    "log": (1, "float"),
-    "log2": (1, "float"),
-    "sqrt": (1, "float"),
-    "sigmoid": (1, "float"),
-}
+# The operator table owns what operators and functions mean; these names are its views.
+ARITH_OPS = ops.ARITH_OPS
+COMPARE_OPS = ops.COMPARE_OPS
+OPERATORS = ops.OPERATORS
+FUNCTIONS = ops.FUNCTIONS
 
 
 class Expr:
@@ -161,8 +143,6 @@ class AttentionIR:
 
     mask: Expr = TRUE
     score: Expr = SCORE
-    # learnable and builtin tensors get stable names; bindings are named by the user.
-    notes: tuple = field(default=(), compare=False)
 
     @property
     def has_mask(self) -> bool:
@@ -281,10 +261,6 @@ def tensor_key(t: Tensor) -> str:
 # Types
 
 
-def join_numeric(types) -> str:
-    return "float" if "float" in types else "int"
-
-
 def type_of(node: Expr) -> str:
     """``bool``, ``int``, ``float`` or ``tensor`` (for a bare tensor). Assumes a checked tree."""
     if isinstance(node, Const):
@@ -299,34 +275,16 @@ def type_of(node: Expr) -> str:
     if isinstance(node, Lookup):
         tensor = node.tensor
         return tensor.dtype if isinstance(tensor, Tensor) else tensor.param_type
-    if isinstance(node, Unary):
-        return "bool" if node.op == "not" else type_of(node.operand)
-    if isinstance(node, Binary):
-        if node.op in COMPARE_OPS:
-            return "bool"
-        if node.op == "/":
-            return "float"
-        return join_numeric((type_of(node.left), type_of(node.right)))
     if isinstance(node, (And, Or)):
         return "bool"
-    if isinstance(node, Call):
-        rule = FUNCTIONS[node.fn][1]
-        if rule == "where":
-            branch = (type_of(node.args[1]), type_of(node.args[2]))
-            return "bool" if branch == ("bool", "bool") else join_numeric(branch)
-        if rule == "num":
-            return join_numeric(tuple(type_of(a) for a in node.args))
-        return rule
+    if isinstance(node, (Unary, Binary, Call)):
+        rule = (FUNCTIONS[node.fn] if isinstance(node, Call) else OPERATORS[node.op]).result
+        return ops.result_type(rule, (type_of(child) for child in children(node)))
     raise TypeError(f"not an IR node: {node!r}")
 
 
 # ---------------------------------------------------------------------------------------------
 # Text: the IR printed in the definition language (what `flexspec explain` shows).
-
-# Binding strength, loosest first; mirrors grammar/flexspec.lark.
-_PRECEDENCE = {"or": 1, "and": 2, "not": 3, "cmp": 4, "+": 5, "-": 5, "*": 6, "/": 6, "//": 6,
-               "%": 6, "neg": 7, "atom": 8}
-
 
 def format_number(value) -> str:
     """Canonical text of a constant: ``true``, ``3``, ``0.5``, ``inf``, ``-inf``."""
@@ -341,16 +299,14 @@ def format_number(value) -> str:
 
 def _prec(node: Expr) -> int:
     if isinstance(node, Or):
-        return _PRECEDENCE["or"]
+        return OPERATORS["or"].prec
     if isinstance(node, And):
-        return _PRECEDENCE["and"]
-    if isinstance(node, Unary):
-        return _PRECEDENCE["not" if node.op == "not" else "neg"]
-    if isinstance(node, Binary):
-        return _PRECEDENCE["cmp" if node.op in COMPARE_OPS else node.op]
+        return OPERATORS["and"].prec
+    if isinstance(node, (Unary, Binary)):
+        return OPERATORS[node.op].prec
     if isinstance(node, Const) and not isinstance(node.value, bool) and node.value < 0:
-        return _PRECEDENCE["neg"]
-    return _PRECEDENCE["atom"]
+        return OPERATORS["neg"].prec
+    return ops.ATOM
 
 
 def to_text(node: Expr) -> str:
@@ -370,20 +326,18 @@ def to_text(node: Expr) -> str:
     if isinstance(node, Lookup):
         return f"{to_text(node.tensor)}[{', '.join(to_text(i) for i in node.index)}]"
     if isinstance(node, Unary):
-        if node.op == "not":
-            return "~" + wrap(node.operand, _PRECEDENCE["not"])
-        return "-" + wrap(node.operand, _PRECEDENCE["neg"] + 1)
+        op = OPERATORS[node.op]
+        # `-(-x)`, not `--x`; `~~x` reads fine
+        return op.source + wrap(node.operand, op.prec + (op.symbol == "neg"))
     if isinstance(node, Binary):
-        p = _prec(node)
-        if node.op in COMPARE_OPS:
-            return f"{wrap(node.left, p + 1)} {node.op} {wrap(node.right, p + 1)}"
-        return f"{wrap(node.left, p)} {node.op} {wrap(node.right, p + 1)}"
+        op = OPERATORS[node.op]
+        left = op.prec if op.associative else op.prec + 1
+        return f"{wrap(node.left, left)} {op.source} {wrap(node.right, op.prec + 1)}"
     if isinstance(node, (And, Or)):
-        p = _prec(node)
-        joiner = " & " if isinstance(node, And) else " | "
+        op = OPERATORS["and" if isinstance(node, And) else "or"]
         if not node.args:
             return "true" if isinstance(node, And) else "false"
-        return joiner.join(wrap(a, p + 1) for a in node.args)
+        return f" {op.source} ".join(wrap(a, op.prec + 1) for a in node.args)
     if isinstance(node, Call):
         return f"{node.fn}({', '.join(to_text(a) for a in node.args)})"
     raise TypeError(f"not an IR node: {node!r}")

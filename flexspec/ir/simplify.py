@@ -20,38 +20,9 @@ q >= kv
 from __future__ import annotations
 
 import math
-import operator
 
-from flexspec.ir import (COMPARE_OPS, FALSE, TRUE, And, Binary, Call, Const, Expr, Or, Unary, transform,
-                 type_of)
-
-_ARITH = {
-    "+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
-    "//": operator.floordiv, "%": operator.mod,
-}
-_COMPARE = {
-    "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
-    "==": operator.eq, "!=": operator.ne,
-}
-_NEGATED = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
-
-
-def _sign(x):
-    return (x > 0) - (x < 0)
-
-
-def _sigmoid(x):
-    return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0  # exp(700+) overflows a float
-
-
-# The functions of the language on Python numbers (also used by flexspec.ir.intervals).
-SCALAR_FUNCTIONS = {
-    "abs": abs, "sign": _sign, "min": min, "max": max,
-    "clamp": lambda x, lo, hi: min(max(x, lo), hi),
-    "floor": math.floor, "ceil": math.ceil, "tanh": math.tanh, "exp": math.exp,
-    "exp2": lambda x: 2.0 ** x, "log": math.log, "log2": math.log2, "sqrt": math.sqrt,
-    "sigmoid": _sigmoid,
-}
+from flexspec.ir import (FALSE, FUNCTIONS, OPERATORS, TRUE, And, Binary, Call, Const, Expr, Or,
+                         Unary, children, transform, type_of)
 
 
 def _const(value, like_type: str) -> Expr | None:
@@ -71,27 +42,21 @@ def _const(value, like_type: str) -> Expr | None:
 
 
 def fold_constants(node: Expr) -> Expr:
-    """Evaluate operators and functions whose operands are all constants."""
+    """Evaluate operators and functions whose operands are all constants, with the operator
+    table's Python functions. What Python refuses (a division by zero, a log of -1, an overflow)
+    is left for the device to decide (inf, NaN or an error) and not folded here."""
     try:
-        if isinstance(node, Unary) and isinstance(node.operand, Const):
-            value = node.operand.value
-            return Const(not value) if node.op == "not" else _const(-value, type_of(node)) or node
-        if isinstance(node, Binary) and isinstance(node.left, Const) and isinstance(node.right, Const):
-            a, b = node.left.value, node.right.value
-            if node.op in COMPARE_OPS:
-                return Const(bool(_COMPARE[node.op](a, b)))
-            if node.op in ("/", "//", "%") and b == 0:
-                return node  # left for the device to decide (inf / error), not folded here
-            return _const(_ARITH[node.op](a, b), type_of(node)) or node
         if isinstance(node, Call) and node.fn == "where" and isinstance(node.args[0], Const):
             # the chosen branch, with the type of the where (where(true, 1, 2.5) is 1.0)
             chosen = node.args[1] if node.args[0].value else node.args[2]
             if type_of(chosen) == type_of(node):
                 return chosen
             return (_const(chosen.value, type_of(node)) or node) if isinstance(chosen, Const) else node
-        if isinstance(node, Call) and all(isinstance(a, Const) for a in node.args):
-            values = [a.value for a in node.args]
-            return _const(SCALAR_FUNCTIONS[node.fn](*values), type_of(node)) or node
+        if isinstance(node, (Unary, Binary, Call)):
+            args = children(node)
+            if all(isinstance(a, Const) for a in args):
+                entry = FUNCTIONS[node.fn] if isinstance(node, Call) else OPERATORS[node.op]
+                return _const(entry.python(*(a.value for a in args)), type_of(node)) or node
     except (ArithmeticError, ValueError):
         return node
     return node
@@ -115,9 +80,9 @@ def _complement(node: Expr) -> Expr:
     where NaN compares false both ways)."""
     if isinstance(node, Unary) and node.op == "not":
         return node.operand
-    if isinstance(node, Binary) and node.op in _NEGATED and type_of(node.left) != "float" \
-            and type_of(node.right) != "float":
-        return Binary(_NEGATED[node.op], node.left, node.right)
+    negation = OPERATORS[node.op].negation if isinstance(node, Binary) else ""
+    if negation and type_of(node.left) != "float" and type_of(node.right) != "float":
+        return Binary(negation, node.left, node.right)
     return Unary("not", node)
 
 

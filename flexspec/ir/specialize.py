@@ -46,25 +46,14 @@ def _eval_size(expr: ir.Expr, sizes: dict):
             raise SpecError(f"a shape may only use the sizes B, H, Q_LEN, KV_LEN, "
                             f"not '{expr.name}'")
         return int(sizes[expr.name])
-    if isinstance(expr, ir.Unary) and expr.op == "neg":
-        return -_eval_size(expr.operand, sizes)
-    if isinstance(expr, ir.Binary) and expr.op in ir.ARITH_OPS:
-        left, right = _eval_size(expr.left, sizes), _eval_size(expr.right, sizes)
-        if expr.op == "+":
-            return left + right
-        if expr.op == "-":
-            return left - right
-        if expr.op == "*":
-            return left * right
-        if expr.op == "/":
-            return left / right
-        if expr.op == "//":
-            return left // right
-        return left % right
-    if isinstance(expr, ir.Call) and expr.fn in ("min", "max"):
-        values = [_eval_size(a, sizes) for a in expr.args]
-        return min(values) if expr.fn == "min" else max(values)
-    raise SpecError(f"'{ir.to_text(expr)}' cannot be used in a tensor shape")
+    entry = None
+    if isinstance(expr, ir.Call):
+        entry = ir.FUNCTIONS[expr.fn]
+    elif isinstance(expr, (ir.Unary, ir.Binary)):
+        entry = ir.OPERATORS[expr.op]
+    if entry is None or not entry.in_shapes:
+        raise SpecError(f"'{ir.to_text(expr)}' cannot be used in a tensor shape")
+    return entry.python(*(_eval_size(a, sizes) for a in ir.children(expr)))
 
 
 def declared_shape(t: ir.Tensor, sizes: dict) -> tuple[int, ...]:
@@ -110,4 +99,4 @@ def specialize_ir(spec: ir.AttentionIR, shapes: dict,
                   sizes: dict | None = None) -> ir.AttentionIR:
     """:func:`specialize` applied to both halves of an :class:`~flexspec.ir.AttentionIR`."""
     return ir.AttentionIR(specialize(spec.mask, shapes, sizes),
-                          specialize(spec.score, shapes, sizes), spec.notes)
+                          specialize(spec.score, shapes, sizes))

@@ -88,12 +88,8 @@ class TorchOps:
         return torch.where(torch.isnan(value), torch.full_like(value, replacement), value)
 
     @staticmethod
-    def apply(fn: str, value):
-        if fn == "exp2":
-            return torch.exp2(value)
-        if fn == "sign":
-            return torch.sign(value)
-        return getattr(torch, fn)(value)
+    def apply(fn, value):
+        return fn.torch_fn(torch)(value)
 
     def lookup(self, node, index_bounds):
         return self._lookup(node, index_bounds)

@@ -37,6 +37,9 @@ import torch
 
 from flexspec import ir
 from flexspec.errors import BindingError, SpecError
+from flexspec.ir.ops import (FUNCTIONS, OPERATORS, PY_ADD as _ADD, PY_ATOM as _ATOM,
+                             PY_BAND as _BAND, PY_BOR as _BOR, PY_CMP as _CMP, PY_COND as _COND,
+                             PY_OR as _OR_KW, PY_UNARY as _UNARY)
 from flexspec.kernels.tensors import tensor_key
 
 MASK_PARAMS = ("b", "h", "q_idx", "kv_idx")
@@ -46,10 +49,6 @@ _INDEX_NAMES = {"b": "b", "h": "h", "q": "q_idx", "kv": "kv_idx", "score": "scor
 _RESERVED = frozenset(SCORE_PARAMS + ir.SIZE_VARS + ("torch", "math", "inf", "mask_mod",
                                                      "score_mod", "_flexspec_mods"))
 
-# Python operator precedence, loosest first (the conditional expression is loosest of all).
-_COND, _OR_KW, _AND_KW, _NOT_KW, _CMP, _BOR, _BAND, _ADD, _MUL, _UNARY, _POW, _ATOM = range(12)
-_ARITH_PREC = {"+": _ADD, "-": _ADD, "*": _MUL, "/": _MUL, "//": _MUL, "%": _MUL}
-_FLOAT_FNS = ("tanh", "exp", "exp2", "log", "log2", "sqrt", "sigmoid")
 _LINE_LIMIT = 96
 
 
@@ -104,81 +103,77 @@ class _Emitter:
 
     def _unary(self, node: ir.Unary) -> _Code:
         x = self.emit(node.operand)
-        if node.op == "neg":
-            return _Code("-" + x.at(_UNARY), _UNARY, x.tensor)
-        if x.tensor:
-            return _Code("~" + x.at(_UNARY), _UNARY, True)
-        return _Code("not " + x.at(_NOT_KW), _NOT_KW, False)
+        entry = OPERATORS[node.op]
+        symbol, prec = entry.py_tensor if x.tensor else entry.scalar
+        space = " " if symbol.isalpha() else ""  # `not x`, `~x`, `-x`
+        return _Code(f"{symbol}{space}{x.at(prec)}", prec, x.tensor)
 
     def _binary(self, node: ir.Binary) -> _Code:
         left, right = self.emit(node.left), self.emit(node.right)
         tensor = left.tensor or right.tensor
-        if node.op in ir.COMPARE_OPS:
-            # Operands one level tighter: Python would chain `a < b < c`.
-            return _Code(f"{left.at(_CMP + 1)} {node.op} {right.at(_CMP + 1)}", _CMP, tensor)
-        prec = _ARITH_PREC[node.op]
-        return _Code(f"{left.at(prec)} {node.op} {right.at(prec + 1)}", prec, tensor)
+        entry = OPERATORS[node.op]
+        symbol, prec = entry.py_tensor if tensor else entry.scalar
+        # Comparisons take operands one level tighter: Python would chain `a < b < c`.
+        left_prec = prec if entry.associative else prec + 1
+        return _Code(f"{left.at(left_prec)} {symbol} {right.at(prec + 1)}", prec, tensor)
 
     def _and(self, node: ir.And) -> _Code:
-        return self._chain(node.args, "&", _BAND, "and", _AND_KW, "True")
+        return self._chain(node.args, OPERATORS["and"], "True")
 
     def _or(self, node: ir.Or) -> _Code:
-        return self._chain(node.args, "|", _BOR, "or", _OR_KW, "False")
+        return self._chain(node.args, OPERATORS["or"], "False")
 
-    def _chain(self, args, op, prec, kw, kw_prec, empty) -> _Code:
+    def _chain(self, args, entry, empty) -> _Code:
         if not args:
             return _Code(empty, _ATOM, False)
         codes = [self.emit(a) for a in args]
         if len(codes) == 1:
             return codes[0]
-        if any(c.tensor for c in codes):
-            return _Code(f" {op} ".join(c.at(prec + 1) for c in codes), prec, True)
-        return _Code(f" {kw} ".join(c.at(kw_prec + 1) for c in codes), kw_prec, False)
+        tensor = any(c.tensor for c in codes)
+        symbol, prec = entry.py_tensor if tensor else entry.scalar
+        return _Code(f" {symbol} ".join(c.at(prec + 1) for c in codes), prec, tensor)
 
     def _call(self, node: ir.Call) -> _Code:
-        fn = node.fn
+        fn = FUNCTIONS.get(node.fn)
+        if fn is None:
+            raise SpecError(f"cannot lower function '{node.fn}' to FlexAttention")
         args = [self.emit(a) for a in node.args]
         arg_types = [ir.type_of(a) for a in node.args]
-        if fn == "where":
-            return self._where(*args)
-        if fn in ("min", "max"):
-            return self._minmax(fn, args[0], args[1])
-        if fn == "clamp":
-            x, lo, hi = args
-            if x.tensor and lo.tensor == hi.tensor:
-                return _call("torch.clamp", x, lo, hi)
-            return self._minmax("min", self._minmax("max", x, lo), hi)
-        x = args[0]
-        if fn == "abs":
-            return _call("torch.abs" if x.tensor else "abs", x)
-        if fn == "sign":
-            if x.tensor:
-                return _call("torch.sign", x)
-            text = f"({x.at(_CMP + 1)} > 0) - ({x.at(_CMP + 1)} < 0)"
-            code = _Code(text, _ADD, False)
-            return _call("float", code) if arg_types[0] == "float" else code
-        if fn in ("floor", "ceil"):
-            if arg_types[0] != "float":
-                return x
-            if x.tensor:
-                return _Code(f"torch.{fn}({x.text}).to(torch.int64)", _ATOM, True)
+        if fn.int_identity and "float" not in arg_types:
+            return args[0]
+        special = getattr(self, "_fn_" + fn.name, None)  # forms that depend on which are tensors
+        tensor = any(a.tensor for a in args)
+        form = fn.tensor_form if tensor else fn.scalar_form
+        if form is None:
+            return special(args, arg_types)
+        if tensor and fn.float_math:
+            # Float math needs a float tensor; the indices are ints.
+            args = [_Code(f"{a.at(_ATOM)}.to(torch.float32)", _ATOM, True)
+                    if a.tensor and t != "float" else a for a, t in zip(args, arg_types)]
+        if "math." in form.template:
             self.used.add("math")
-            return _call(f"math.{fn}", x)
-        if fn in _FLOAT_FNS:
-            if x.tensor:
-                if arg_types[0] != "float":
-                    # Float math needs a float tensor; the indices are ints.
-                    x = _Code(f"{x.at(_ATOM)}.to(torch.float32)", _ATOM, True)
-                return _call(f"torch.{fn}", x)
-            self.used.add("math")
-            if fn == "exp2":
-                return _Code(f"2.0 ** {x.at(_UNARY)}", _POW, False)
-            if fn == "sigmoid":
-                return _Code(f"1.0 / (1.0 + math.exp(-{x.at(_UNARY)}))", _MUL, False)
-            return _call(f"math.{fn}", x)
-        raise SpecError(f"cannot lower function '{fn}' to FlexAttention")
+        text = form.template.format(*(a.at(form.arg_prec) for a in args))
+        return _Code(text, form.prec, tensor)
 
-    def _where(self, cond: _Code, a: _Code, b: _Code) -> _Code:
+    def _fn_sign(self, args, arg_types) -> _Code:
+        x = args[0]
+        code = _Code(f"({x.at(_CMP + 1)} > 0) - ({x.at(_CMP + 1)} < 0)", _ADD, False)
+        return _call("float", code) if arg_types[0] == "float" else code
+
+    def _fn_min(self, args, arg_types) -> _Code:
+        return self._minmax("min", *args)
+
+    def _fn_max(self, args, arg_types) -> _Code:
+        return self._minmax("max", *args)
+
+    def _fn_clamp(self, args, arg_types) -> _Code:
+        x, lo, hi = args
+        if x.tensor and lo.tensor == hi.tensor:
+            return _call("torch.clamp", x, lo, hi)
+        return self._minmax("min", self._minmax("max", x, lo), hi)
+
+    def _fn_where(self, args, arg_types) -> _Code:
+        cond, a, b = args
         if not cond.tensor:
             if a.tensor == b.tensor:
                 return _Code(f"{a.at(_OR_KW)} if {cond.at(_OR_KW)} else {b.at(_COND)}", _COND,

@@ -10,7 +10,9 @@ Semantics of the IR, as implemented by :func:`evaluate`:
 * indices, sizes and int constants are int64; ``//`` floors and ``%`` takes the sign of the
   divisor (Python's rules); ``/`` is true division in float64; every float is float64;
 * comparisons give bools; ``&``, ``|``, ``~`` work on bools only;
-* ``floor`` and ``ceil`` give int64; ``tanh exp exp2 log log2 sqrt sigmoid`` give float64;
+* each operator and function is the torch function the operator table
+  (:mod:`flexspec.ir.ops`) names for it; a float function (``tanh exp log ...``) first turns its
+  argument to float64; ``floor`` and ``ceil`` give int64 and leave an int unchanged;
   ``clamp(x, lo, hi)`` is ``min(max(x, lo), hi)``; ``sign`` keeps its argument's type;
 * a tensor lookup reads the value at the evaluated indices; a tensor with fewer dimensions
   than indices gains leading size-1 dimensions, and a size-1 dimension is read at index 0
@@ -29,6 +31,7 @@ import torch
 
 from flexspec import ir
 from flexspec.errors import SpecError
+from flexspec.ir.ops import FUNCTIONS, OPERATORS
 from flexspec.kernels.tensors import tensor_key
 
 # The largest dense [B, H, Q_LEN, KV_LEN] float64 array the reference agrees to build. The
@@ -133,89 +136,44 @@ class _Evaluator:
             return result.to(_FLOAT)
         return result if result.dtype == torch.bool else result.to(_INT)
 
+    def _apply(self, entry, operands: tuple) -> torch.Tensor:
+        """``entry`` (an operator or function of the table) on the values of ``operands``."""
+        args = [self.eval(a) for a in operands]
+        args = [_bool(x, a) if entry.wants_bool(i) else x
+                for i, (x, a) in enumerate(zip(args, operands))]
+        if entry.float_math:
+            args = [x.to(_FLOAT) for x in args]
+        if entry.int_identity and all(x.dtype == _INT for x in args):
+            return args[0]
+        value = entry.torch_fn(torch)(*args)
+        return value.to(_INT) if entry.result == "int" else value
+
     def _unary(self, node: ir.Unary) -> torch.Tensor:
-        x = self.eval(node.operand)
-        if node.op == "not":
-            return torch.logical_not(_bool(x, node))
-        return torch.neg(x)
+        return self._apply(OPERATORS[node.op], (node.operand,))
 
     def _binary(self, node: ir.Binary) -> torch.Tensor:
-        left, right = self.eval(node.left), self.eval(node.right)
-        op = node.op
-        if op == "+":
-            return left + right
-        if op == "-":
-            return left - right
-        if op == "*":
-            return left * right
-        if op == "/":
-            return left.to(_FLOAT) / right.to(_FLOAT)
-        if op == "//":
-            return torch.div(left, right, rounding_mode="floor")
-        if op == "%":
-            return torch.remainder(left, right)
-        if op == "<":
-            return left < right
-        if op == "<=":
-            return left <= right
-        if op == ">":
-            return left > right
-        if op == ">=":
-            return left >= right
-        if op == "==":
-            return left == right
-        if op == "!=":
-            return left != right
-        raise SpecError(f"unknown operator '{op}'")
+        if node.op not in OPERATORS:
+            raise SpecError(f"unknown operator '{node.op}'")
+        return self._apply(OPERATORS[node.op], (node.left, node.right))
 
     def _and(self, node: ir.And) -> torch.Tensor:
-        result = torch.tensor(True, device=self.device)
-        for arg in node.args:
-            result = torch.logical_and(result, _bool(self.eval(arg), arg))
-        return result
+        return self._chain(OPERATORS["and"], node.args)
 
     def _or(self, node: ir.Or) -> torch.Tensor:
-        result = torch.tensor(False, device=self.device)
-        for arg in node.args:
-            result = torch.logical_or(result, _bool(self.eval(arg), arg))
+        return self._chain(OPERATORS["or"], node.args)
+
+    def _chain(self, entry, args) -> torch.Tensor:
+        # the table's Python function of no operands is the neutral element (all() is True)
+        result = torch.tensor(entry.python(), device=self.device)
+        combine = entry.torch_fn(torch)
+        for arg in args:
+            result = combine(result, _bool(self.eval(arg), arg))
         return result
 
     def _call(self, node: ir.Call) -> torch.Tensor:
-        args = [self.eval(a) for a in node.args]
-        fn = node.fn
-        if fn == "abs":
-            return torch.abs(args[0])
-        if fn == "sign":
-            return torch.sign(args[0])
-        if fn == "min":
-            return torch.minimum(args[0], args[1])
-        if fn == "max":
-            return torch.maximum(args[0], args[1])
-        if fn == "clamp":
-            return torch.minimum(torch.maximum(args[0], args[1]), args[2])
-        if fn == "where":
-            return torch.where(_bool(args[0], node.args[0]), args[1], args[2])
-        if fn in ("floor", "ceil"):
-            if args[0].dtype == _INT:
-                return args[0]
-            rounded = torch.floor(args[0]) if fn == "floor" else torch.ceil(args[0])
-            return rounded.to(_INT)
-        x = args[0].to(_FLOAT)
-        if fn == "tanh":
-            return torch.tanh(x)
-        if fn == "exp":
-            return torch.exp(x)
-        if fn == "exp2":
-            return torch.exp2(x)
-        if fn == "log":
-            return torch.log(x)
-        if fn == "log2":
-            return torch.log2(x)
-        if fn == "sqrt":
-            return torch.sqrt(x)
-        if fn == "sigmoid":
-            return torch.sigmoid(x)
-        raise SpecError(f"unknown function '{fn}'")
+        if node.fn not in FUNCTIONS:
+            raise SpecError(f"unknown function '{node.fn}'")
+        return self._apply(FUNCTIONS[node.fn], node.args)
 
 
 def _bool(value: torch.Tensor, node: ir.Expr) -> torch.Tensor:

@@ -15,6 +15,7 @@ import contextlib
 from dataclasses import dataclass
 
 from flexspec import ir
+from flexspec.ir import ops
 from flexspec.lang import ast
 from flexspec.lang.definitions import Definition, ParamSpec, Scope
 from flexspec.errors import SpecCheckError, did_you_mean
@@ -25,8 +26,8 @@ INDEX_NAMES = set(ir.INDEX_VARS)
 SIZE_NAMES = set(ir.SIZE_VARS)
 RESERVED = INDEX_NAMES | SIZE_NAMES | {"score"} | set(ir.FUNCTIONS) | {"alibi_slopes", "learnable"}
 
-_ARITH = {"+", "-", "*", "/", "//", "%"}
-_LOGIC = {"&": ir.And, "|": ir.Or}
+_LOGIC = {"and": ir.And, "or": ir.Or}
+_NUMBERS = ("int", "float")
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,10 @@ class Checker:
     def spec(self, node: ast.Node) -> SpecValue:
         if isinstance(node, ast.Chain):
             return self._chain(node)
-        if isinstance(node, ast.Binary) and node.op in _LOGIC:
+        if isinstance(node, ast.Binary) and node.op in ("&", "|"):
             left, right = self._mask_operand(node.left, node), self._mask_operand(node.right, node)
-            return SpecValue("mask", mask=_LOGIC[node.op]((left, right)))
+            combine = _LOGIC[ops.BINARY_SOURCE[node.op].symbol]
+            return SpecValue("mask", mask=combine((left, right)))
         if isinstance(node, ast.Unary) and node.op == "~":
             return SpecValue("mask", mask=ir.Unary("not", self._mask_operand(node.operand, node)))
         if isinstance(node, (ast.Name, ast.Call)):
@@ -381,11 +383,12 @@ class Checker:
             return self._index(node, env, definition)
         if isinstance(node, ast.Unary):
             operand = self.expr(node.operand, env, definition)
-            if node.op == "~":
-                self._expect(operand, ("bool",), node.operand, "'~' needs a boolean")
-                return ir.Unary("not", operand)
-            self._expect(operand, ("int", "float"), node.operand, "'-' needs a number")
-            return ir.Unary("neg", operand)
+            op = ops.UNARY_SOURCE[node.op]
+            if op.operands == "bool":
+                self._expect(operand, ("bool",), node.operand, f"'{node.op}' needs a boolean")
+            else:
+                self._expect(operand, _NUMBERS, node.operand, f"'{node.op}' needs a number")
+            return ir.Unary(op.symbol, operand)
         if isinstance(node, ast.Binary):
             return self._binary(node, env, definition)
         if isinstance(node, ast.Chain):
@@ -435,22 +438,23 @@ class Checker:
     def _call(self, node: ast.Call, env: dict, definition: Definition | None) -> ir.Expr:
         name = node.func
         if name in ir.FUNCTIONS:
-            arity, _ = ir.FUNCTIONS[name]
+            fn = ir.FUNCTIONS[name]
+            arity = fn.arity
             if any(isinstance(a, ast.Keyword) for a in node.args):
                 raise SpecCheckError(f"{name}() takes positional arguments only", node.span)
             if len(node.args) != arity:
                 raise SpecCheckError(f"{name}() takes {arity} argument{'s' if arity > 1 else ''}, "
                                      f"got {len(node.args)}", node.span)
             args = tuple(self.expr(a, env, definition) for a in node.args)
-            if name == "where":
-                self._expect(args[0], ("bool",), node.args[0], "where()'s condition must be a boolean")
+            if fn.operands == "where":
+                self._expect(args[0], ("bool",), node.args[0], f"{name}()'s condition must be a boolean")
                 branches = {args[1].type, args[2].type}
                 if "bool" in branches and branches != {"bool"}:
-                    raise SpecCheckError("where()'s two branches must both be booleans or both be "
-                                         "numbers", node.span)
+                    raise SpecCheckError(f"{name}()'s two branches must both be booleans or both "
+                                         "be numbers", node.span)
             else:
                 for arg, arg_node in zip(args, node.args):
-                    self._expect(arg, ("int", "float"), arg_node, f"{name}() needs numbers")
+                    self._expect(arg, _NUMBERS, arg_node, f"{name}() needs numbers")
             return ir.Call(name, args)
         if name in ("alibi_slopes", "learnable"):
             raise SpecCheckError(f"{name}() can only be the default of a tensor parameter",
@@ -479,20 +483,20 @@ class Checker:
     def _binary(self, node: ast.Binary, env: dict, definition: Definition | None) -> ir.Expr:
         left = self.expr(node.left, env, definition)
         right = self.expr(node.right, env, definition)
-        op = node.op
-        if op in _LOGIC:
+        op = ops.BINARY_SOURCE[node.op]
+        if op.operands == "bool":
             for value, side in ((left, node.left), (right, node.right)):
-                self._expect(value, ("bool",), side, f"'{op}' combines booleans")
-            return _LOGIC[op]((left, right))
-        if op in ("==", "!=") and left.type == right.type == "bool":
-            return ir.Binary(op, left, right)
-        numbers = ("int", "float")
-        hint = " (use where(c, 1, 0) to turn a boolean into a number)" if op in _ARITH else ""
+                self._expect(value, ("bool",), side, f"'{node.op}' combines booleans")
+            return _LOGIC[op.symbol]((left, right))
+        if op.operands == "eq" and left.type == right.type == "bool":
+            return ir.Binary(op.symbol, left, right)
+        hint = " (use where(c, 1, 0) to turn a boolean into a number)" if op.prec in (
+            ops.ADD, ops.MUL) else ""
         for value, side in ((left, node.left), (right, node.right)):
-            self._expect(value, numbers, side, f"'{op}' needs numbers{hint}")
-        if op in ("//", "%") and "float" in (left.type, right.type):
-            raise SpecCheckError(f"'{op}' needs ints; use floor(x / y) for floats", node.span)
-        return ir.Binary(op, left, right)
+            self._expect(value, _NUMBERS, side, f"'{node.op}' needs numbers{hint}")
+        if op.operands == "int" and "float" in (left.type, right.type):
+            raise SpecCheckError(f"'{node.op}' needs ints; use floor(x / y) for floats", node.span)
+        return ir.Binary(op.symbol, left, right)
 
 
 def _to_float(value: ir.Expr) -> ir.Expr:

@@ -9,17 +9,11 @@ from __future__ import annotations
 
 import math
 
+from flexspec.ir.ops import ATOM, BINARY_SOURCE, NEG, OR, UNARY_SOURCE
 from flexspec.lang import ast
 
-# Binding strength, loosest first. Mirrors grammar/flexspec.lark.
-CHAIN, OR, AND, NOT, COMPARE, ADD, MUL, NEG, ATOM = range(9)
-
-_BINARY_PRECEDENCE = {
-    "|": OR, "&": AND,
-    "<": COMPARE, "<=": COMPARE, ">": COMPARE, ">=": COMPARE, "==": COMPARE, "!=": COMPARE,
-    "+": ADD, "-": ADD,
-    "*": MUL, "/": MUL, "//": MUL, "%": MUL,
-}
+# Binding strength of the spec's `+` chain, below every operator of the table.
+CHAIN = 0
 
 _ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t"}
 
@@ -38,9 +32,9 @@ def precedence(node: ast.Node) -> int:
     if isinstance(node, ast.Chain):
         return CHAIN
     if isinstance(node, ast.Binary):
-        return _BINARY_PRECEDENCE[node.op]
+        return BINARY_SOURCE[node.op].prec
     if isinstance(node, ast.Unary):
-        return NOT if node.op == "~" else NEG
+        return UNARY_SOURCE[node.op].prec
     if isinstance(node, (ast.Int, ast.Float)) and math.copysign(1.0, node.value) < 0:
         return NEG
     return ATOM
@@ -72,7 +66,7 @@ def format_node(node: ast.Node) -> str:
     if isinstance(node, ast.Unary):
         p = precedence(node)
         if node.op == "~":
-            return "~" + wrap(node.operand, NOT)
+            return "~" + wrap(node.operand, p)
         # `- 1` would fold into the literal -1 when parsed again, so a negated non-negative
         # literal keeps explicit parentheses.
         operand = node.operand
@@ -82,7 +76,7 @@ def format_node(node: ast.Node) -> str:
     if isinstance(node, ast.Binary):
         p = precedence(node)
         # Comparisons do not associate; the others associate to the left.
-        left_min = p + 1 if p == COMPARE else p
+        left_min = p if BINARY_SOURCE[node.op].associative else p + 1
         return f"{wrap(node.left, left_min)} {node.op} {wrap(node.right, p + 1)}"
     if isinstance(node, ast.Chain):
         return " + ".join(wrap(term, OR) for term in node.terms)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -25,7 +26,12 @@ from hypothesis import strategies as st
 
 import flexspec
 from flexspec import ir
+from flexspec.errors import Source
+from flexspec.ir import ops
 from flexspec.ir.intervals import INF, Analyzer, ScalarOps, bounds, lookup_ranges
+from flexspec.lang.checker import Checker
+from flexspec.lang.definitions import Definition, Scope
+from flexspec.lang.parser import parse_expr
 from flexspec.testing import slow_examples, spec_texts
 from ir_examples import C, b, call, h, kv, op, q
 
@@ -196,6 +202,30 @@ def test_increasing_functions():
     assert num(call("exp", q), q=(0, 10**6)) == (1.0, INF)
     assert num(call("exp2", q), q=(0, 10**6)) == (1.0, INF)
     assert num(call("sigmoid", q), q=(-10**6, 10**6)) == (0.0, 1.0)
+    assert num(call("log1p", q), q=(0, 3)) == (0.0, math.log1p(3))
+    assert num(call("log1p", q), q=(-1, 0)) == (-INF, 0.0)      # log1p(-1) = -inf
+    assert num(call("log1p", q), q=(-3, -2)) == (-INF, INF)     # NaN everywhere
+    assert num(call("erf", q), q=(-1, 2)) == (math.erf(-1), math.erf(2))
+    assert num(call("erf", q), q=(-10**6, 10**6)) == (-1.0, 1.0)
+
+
+def test_sin_and_cos():
+    assert num(call("sin", q), q=(0, 1)) == (0.0, math.sin(1))
+    assert num(call("sin", q), q=(1, 2)) == (math.sin(1), 1.0)       # pi/2 inside
+    assert num(call("sin", q), q=(4, 5)) == (-1.0, math.sin(4))      # 3pi/2 inside
+    assert num(call("sin", q), q=(0, 7)) == (-1.0, 1.0)              # a whole period
+    assert num(call("cos", q), q=(0, 3)) == (math.cos(3), 1.0)       # 0 inside, pi not
+    assert num(call("cos", q), q=(3, 4)) == (-1.0, math.cos(4))      # pi inside
+    assert num(call("sin", op("/", q, kv)), q=(1, 1), kv=(-1, 1)) == (-1.0, 1.0)  # unbounded
+
+
+def test_nan_of_log1p_sin_and_cos():
+    # log1p is NaN below -1: a comparison of it need not hold where q - 3 < -1
+    assert boolean(op("<", call("log1p", op("-", q, C(3))), C(100.0)), q=(0, 9)) == (False, True)
+    assert boolean(op("<", call("log1p", op("-", q, C(1))), C(100.0)), q=(0, 9)) == (True, True)
+    # sin(1 / 0) is sin(inf), NaN: sin < 2 holds only where the argument is finite
+    assert boolean(op("<", call("sin", op("/", C(1.0), q)), C(2.0)), q=(0, 3)) == (False, True)
+    assert boolean(op("<", call("sin", op("/", C(1.0), q)), C(2.0)), q=(1, 3)) == (True, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,6 +312,104 @@ def test_nan_does_not_vanish_in_min():
     assert boolean(expr, kv=(0, 9)) == (False, True)
 
 
+_SINE = ops.Function("sine", 1, "num", "float", math.sin, "torch.sin", "periodic",
+                     peak=math.pi / 2)
+_COSINE = ops.Function("cosine", 1, "num", "float", math.cos, "torch.cos", "periodic", peak=0.0)
+
+
+@pytest.mark.parametrize("fn, lo, hi, expected", [
+    # inside one monotone stretch: the endpoints (sin rises on [-pi/2, pi/2])
+    (_SINE, 0.0, 1.0, (0.0, math.sin(1.0))),
+    (_SINE, -1.0, 1.0, (math.sin(-1.0), math.sin(1.0))),
+    # the peak pi/2 = 1.5708 lies in [1, 2]: the top is 1, the bottom the lower endpoint value
+    (_SINE, 1.0, 2.0, (math.sin(1.0), 1.0)),
+    # the trough 3pi/2 = 4.712 lies in [4, 5]
+    (_SINE, 4.0, 5.0, (-1.0, math.sin(4.0))),
+    # [2, 4] falls from sin 2 = 0.909 through 0 to sin 4 = -0.757
+    (_SINE, 2.0, 4.0, (math.sin(4.0), math.sin(2.0))),
+    # the peak pi/2 + 2pi = 7.854 in [7, 8], two periods on
+    (_SINE, 7.0, 8.0, (math.sin(7.0), 1.0)),
+    # the trough -pi/2 in [-2, -1]
+    (_SINE, -2.0, -1.0, (-1.0, math.sin(-1.0))),
+    # a point
+    (_SINE, 3.0, 3.0, (math.sin(3.0), math.sin(3.0))),
+    # a whole period or more, unbounded, or far out: everything
+    (_SINE, 0.0, 6.3, (-1.0, 1.0)),
+    (_SINE, 0.0, INF, (-1.0, 1.0)),
+    (_SINE, -INF, -INF, (-1.0, 1.0)),
+    (_SINE, 2.0 ** 21, 2.0 ** 21 + 1, (-1.0, 1.0)),
+    # cos: peak at 0, trough at pi
+    (_COSINE, -1.0, 1.0, (math.cos(1.0), 1.0)),
+    (_COSINE, 0.5, 3.0, (math.cos(3.0), math.cos(0.5))),
+    (_COSINE, 3.0, 4.0, (-1.0, math.cos(4.0))),
+    # the peak 2pi = 6.283 in [6, 7]; cos 7 = 0.754 is below cos 6 = 0.960
+    (_COSINE, 6.0, 7.0, (math.cos(7.0), 1.0)),
+])
+def test_periodic_rule(fn, lo, hi, expected):
+    assert Analyzer(ScalarOps, {})._periodic(fn, [(lo, hi)]) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(-50, 50), st.floats(0, 7), st.sampled_from([_SINE, _COSINE]))
+def test_periodic_rule_is_sound(lo, width, fn):
+    low, high = Analyzer(ScalarOps, {})._periodic(fn, [(lo, lo + width)])
+    for i in range(101):
+        value = fn.python(lo + width * (i / 100))
+        assert low <= value <= high
+
+
+# ---------------------------------------------------------------------------------------------
+# Golden cases: tests/fixtures/intervals.txt
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "intervals.txt"
+_BOOL_EXPECTED = {"must": (True, True), "may": (False, True), "never": (False, False)}
+# names an expected bound may use, evaluated with Python's math (never the code under test)
+_CLOSED_FORMS = {"inf": math.inf, "sin": math.sin, "cos": math.cos, "tanh": math.tanh,
+                 "exp": math.exp, "log1p": math.log1p, "erf": math.erf}
+
+
+def _fixture_ir(text: str) -> ir.Expr:
+    context = Definition("fixture", "score", (), None)
+    return Checker(Scope()).expr(parse_expr(Source(text, "intervals.txt")), {}, context)
+
+
+def _load_interval_cases():
+    cases = []
+    for number, line in enumerate(FIXTURES.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        expr, ranges, expected = (part.strip() for part in line.split(";"))
+        cases.append((number, expr, ranges, expected))
+    return cases
+
+
+INTERVAL_CASES = _load_interval_cases()
+
+
+def test_interval_fixture_has_cases():
+    assert len(INTERVAL_CASES) >= 40
+
+
+@pytest.mark.parametrize("line, text, ranges, expected", INTERVAL_CASES,
+                         ids=[f"{n}:{text} ; {r}" for n, text, r, _ in INTERVAL_CASES])
+def test_interval_fixture(line, text, ranges, expected):
+    bounds_of = {}
+    for item in ranges.split(","):
+        name, span = (part.strip() for part in item.split("="))
+        lo, hi = span.split("..")
+        bounds_of[name] = (int(lo), int(hi))
+    expr = _fixture_ir(text)
+    analyzer = Analyzer(ScalarOps, bounds_of)
+    if expected in _BOOL_EXPECTED:
+        got = analyzer.boolean(expr)
+        assert (bool(got[0]), bool(got[1])) == _BOOL_EXPECTED[expected], f"intervals.txt:{line}"
+    else:
+        want = eval(expected, {"__builtins__": {}}, _CLOSED_FORMS)  # noqa: S307 - our fixture
+        assert list(analyzer.number(expr)) == pytest.approx(want, rel=1e-15), \
+            f"intervals.txt:{line}"
+    check_sound(expr, bounds_of)  # and the concrete values agree with the bounds
+
+
 # ---------------------------------------------------------------------------------------------
 # lookup_ranges
 
@@ -363,8 +491,22 @@ def _sqrt(x: float) -> float:
     return math.sqrt(x)
 
 
+def _log1p(x: float) -> float:
+    return _log(math.log)(1.0 + x) if x <= -1 else math.log1p(x)
+
+
+def _periodic(fn):
+    def apply(x: float) -> float:
+        if math.isinf(x):
+            raise Undefined  # sin(inf) is NaN
+        return fn(x)
+    return apply
+
+
 _FLOAT_FUNCTIONS = {"tanh": math.tanh, "exp": _exp, "exp2": _exp2, "log": _log(math.log),
-                    "log2": _log(math.log2), "sqrt": _sqrt, "sigmoid": _sigmoid}
+                    "log2": _log(math.log2), "sqrt": _sqrt, "sigmoid": _sigmoid,
+                    "log1p": _log1p, "erf": math.erf, "sin": _periodic(math.sin),
+                    "cos": _periodic(math.cos)}
 
 
 def evaluate(node: ir.Expr, env: dict, out: dict):

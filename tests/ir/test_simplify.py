@@ -167,6 +167,12 @@ def _log2(x):
     return _ieee_div(_log(x), math.log(2)) if not math.isinf(_log(x)) else _log(x)
 
 
+def _log1p(x):
+    if x < -1 or math.isnan(x):
+        return math.nan
+    return -math.inf if x == -1 else math.log1p(x)
+
+
 def _sqrt(x):
     if x < 0 or math.isnan(x):
         return math.nan
@@ -220,7 +226,8 @@ CALLS = {
     "floor": _floor, "ceil": _ceil,
     "tanh": lambda x: math.tanh(x), "exp": lambda x: _ieee(math.exp, x),
     "exp2": lambda x: _ieee(lambda v: 2.0 ** v, x), "log": _log, "log2": _log2, "sqrt": _sqrt,
-    "sigmoid": _sigmoid,
+    "sigmoid": _sigmoid, "log1p": _log1p, "erf": math.erf,
+    "sin": lambda x: _ieee(math.sin, x), "cos": lambda x: _ieee(math.cos, x),
 }
 
 
@@ -341,7 +348,8 @@ def typed(depth: int):
         st.builds(ir.Binary, st.just("/"), num, num),
         st.builds(ir.Unary, st.just("neg"), f),
         st.builds(lambda fn, x: ir.Call(fn, (x,)),
-                  st.sampled_from(["tanh", "exp", "exp2", "log", "log2", "sqrt", "sigmoid"]), num),
+                  st.sampled_from(["tanh", "exp", "exp2", "log", "log2", "log1p", "sqrt",
+                                   "sigmoid", "erf", "sin", "cos"]), num),
         st.builds(lambda fn, x, y: ir.Call(fn, (x, y)), st.sampled_from(["min", "max"]), f, num),
         st.builds(lambda fn, x: ir.Call(fn, (x,)), st.sampled_from(["abs", "sign"]), f),
         st.builds(lambda c, x, y: ir.Call("where", (c, x, y)), b, f, num),

@@ -1,5 +1,7 @@
 """Tests of flexspec.kernels.lower: the generated source, and FlexAttention runs against the reference."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -8,7 +10,11 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
 
 from flexspec import ir
-from flexspec.errors import BindingError
+from flexspec.errors import BindingError, Source
+from flexspec.ir.simplify import simplify
+from flexspec.lang.checker import Checker
+from flexspec.lang.definitions import Definition, Scope
+from flexspec.lang.parser import parse_expr
 from flexspec.kernels.lower import lower
 from flexspec.kernels.reference import dense_mask, reference_attention
 from flexspec.ir.specialize import specialize_ir
@@ -103,6 +109,42 @@ def test_missing_tensor_is_a_binding_error():
         lower(spec(DOCUMENT)).make_mods(sizes(1, 1, 8, 8), {})
 
 
+# --- golden return expressions: tests/fixtures/lowering.txt -------------------------------
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "lowering.txt"
+
+
+def _load_lowering_cases():
+    lines = FIXTURES.read_text(encoding="utf-8").splitlines()
+    cases, block, start = [], [], 0
+    for number, line in enumerate(lines + [""], start=1):
+        if line.startswith("#"):
+            continue
+        if line.strip():
+            start = start if block else number
+            block.append(line.strip())
+            continue
+        if block:
+            assert len(block) == 2, f"lowering.txt:{start}: a case is two lines, got {block}"
+            cases.append((start, block[0], block[1]))
+            block = []
+    return cases
+
+
+LOWERING_CASES = _load_lowering_cases()
+
+
+@pytest.mark.parametrize("line, text, expected", LOWERING_CASES,
+                         ids=[f"{n}:{text}" for n, text, _ in LOWERING_CASES])
+def test_lowering_fixture(line, text, expected):
+    context = Definition("fixture", "score", (), None)
+    expr = simplify(Checker(Scope()).expr(parse_expr(Source(text, "lowering.txt")),
+                                          {"score": ir.SCORE}, context))
+    lowered = lower(spec(expr) if expr.type == "bool" else spec(score=expr))
+    source = lowered.mask_source if expr.type == "bool" else lowered.score_source
+    assert source.splitlines()[-1] == "    return " + expected, f"lowering.txt:{line}"
+
+
 # --- masks against the reference -----------------------------------------------------------
 
 
@@ -147,6 +189,9 @@ def test_broadcast_document_ids_give_a_mask_without_b():
     op("<=", call("floor", op("/", q, C(3))), call("ceil", op("/", kv, C(4)))),
     op(">", call("floor", op("/", KV_LEN, C(4))), q),
     op("<", call("log2", op("+", q, C(1))), call("sqrt", call("exp2", C(3)))),
+    op("<", call("sin", q), call("cos", op("-", KV_LEN, kv))),
+    op(">", call("erf", op("/", op("-", q, kv), C(4))), call("sin", Q_LEN)),
+    op("<", call("log1p", kv), op("+", call("log1p", q), call("cos", KV_LEN))),
     ir.And((op(">", KV_LEN, C(3)), ir.Unary("not", op("<", Q_LEN, C(2))), CAUSAL)),
     op(">", Q_LEN, C(1000)),
     ir.FALSE,

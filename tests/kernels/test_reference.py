@@ -171,6 +171,10 @@ def test_integer_semantics_follow_python(expr, fn):
     (call("sqrt", op("*", q, kv)), lambda q_, k_: math.sqrt(q_ * k_)),
     (call("sigmoid", op("-", q, kv)), lambda q_, k_: 1 / (1 + math.exp(k_ - q_))),
     (call("exp", op("*", C(0.5), q)), lambda q_, k_: math.exp(0.5 * q_)),
+    (call("sin", op("/", q, C(3))), lambda q_, k_: math.sin(q_ / 3)),
+    (call("cos", op("-", q, kv)), lambda q_, k_: math.cos(q_ - k_)),
+    (call("log1p", op("*", q, C(0.5))), lambda q_, k_: math.log1p(0.5 * q_)),
+    (call("erf", op("-", q, kv)), lambda q_, k_: math.erf(q_ - k_)),
     (op("*", call("abs", op("-", q, kv)), C(0.1)), lambda q_, k_: abs(q_ - k_) * 0.1),
 ])
 def test_float_semantics_are_float64(expr, fn):

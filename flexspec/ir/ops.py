@@ -1,0 +1,282 @@
+"""The operator table: what every operator and function of the language means, written once.
+
+Each entry says, for one operator (:data:`OPERATORS`, keyed by its IR name: ``+``, ``neg``,
+``and``...) or one function (:data:`FUNCTIONS`, keyed by name):
+
+* its arity, which operands it takes and the type of its result (read by the checker and by
+  :func:`flexspec.ir.type_of`);
+* for operators, how it is spelled and how tightly it binds in the language (the AST printer and
+  the IR text) and in generated Python (the lowering);
+* its value on Python numbers (constant folding, size expressions, the constraint evaluator and
+  interval bounds on Python floats);
+* its torch function (the reference, and interval bounds on tensors), named as a string such as
+  ``"torch.tanh"`` or given as a callable that receives the torch module: this module is read by
+  the torch-free front end, so it never imports torch;
+* how the lowering writes it in a ``mask_mod`` / ``score_mod`` (on tensors and on Python numbers);
+* the name of its interval rule in :mod:`flexspec.ir.intervals` and when it can give NaN.
+
+Adding a function to the language is adding one entry here (plus its documentation and tests),
+as long as it fits the existing interval rules ("increasing", "periodic"...).
+
+>>> FUNCTIONS["tanh"].arity, FUNCTIONS["tanh"].result
+(1, 'float')
+>>> OPERATORS["//"].python(-7, 2)
+-4
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Callable, Union
+
+# Binding strength in the language, loosest first; mirrors grammar/flexspec.lark.
+OR, AND, NOT, COMPARE, ADD, MUL, NEG, ATOM = range(1, 9)
+
+# Binding strength in Python, loosest first (the conditional expression is loosest of all).
+(PY_COND, PY_OR, PY_AND, PY_NOT, PY_CMP, PY_BOR, PY_BAND, PY_ADD, PY_MUL, PY_UNARY, PY_POW,
+ PY_ATOM) = range(12)
+
+# A torch function: "torch.name", or a callable that receives the torch module and returns one.
+TorchFn = Union[str, Callable]
+
+
+def _resolve(spec: TorchFn, torch) -> Callable:
+    if callable(spec):
+        return spec(torch)
+    target = torch
+    for part in spec.split(".")[1:]:
+        target = getattr(target, part)
+    return target
+
+
+@dataclass(frozen=True)
+class Op:
+    """An operator of the IR.
+
+    ``operands``: ``num`` (numbers), ``int`` (numbers, and then ints only), ``bool``, or ``eq``
+    (numbers, or two bools). ``result``: a type, or ``num`` for the join of the operand types.
+    ``py_tensor`` / ``py_scalar``: the Python operator and its precedence when an operand is a
+    tensor / when all are Python numbers. ``negation``: for a comparison, its complement on ints.
+    ``float_math``: the operands become floats first (the reference's float64). ``in_shapes``:
+    allowed in a tensor's declared shape (size arithmetic).
+    """
+
+    symbol: str
+    arity: int
+    operands: str
+    result: str
+    source: str
+    prec: int
+    python: Callable
+    torch: TorchFn
+    py_tensor: tuple
+    interval: str
+    py_scalar: tuple = ()
+    negation: str = ""
+    float_math: bool = False
+    associative: bool = True  # comparisons do not chain: both sides bind one level tighter
+    in_shapes: bool = False
+    int_identity = False  # as for functions; no operator leaves its int operand unchanged
+
+    def torch_fn(self, torch) -> Callable:
+        return _resolve(self.torch, torch)
+
+    def wants_bool(self, position: int) -> bool:
+        return self.operands == "bool"
+
+    @property
+    def scalar(self) -> tuple:
+        return self.py_scalar or self.py_tensor
+
+
+@dataclass(frozen=True)
+class Form:
+    """How the lowering writes a call: ``template`` over the argument texts ``{0}, {1}...``, the
+    Python precedence of the result, and the precedence each argument needs in its slot."""
+
+    template: str
+    prec: int = PY_ATOM
+    arg_prec: int = PY_COND
+
+
+@dataclass(frozen=True)
+class Function:
+    """A function of the language.
+
+    ``operands``: ``num`` (every argument a number) or ``where`` (a bool, then two bools or two
+    numbers). ``result``: ``num`` (join of the argument types), ``float``, ``int`` or ``where``.
+    ``tensor_form`` / ``scalar_form``: the lowering's text on tensors / on Python numbers; ``None``
+    where the lowering has its own rule (``where``, ``min``, ``max``, ``clamp``, ``sign`` on
+    numbers), because the form depends on which arguments are tensors.
+    ``float_math``: int arguments become floats first (float64 in the reference, float32 for index
+    tensors in the lowering). ``int_identity``: the function leaves an int unchanged.
+    ``interval``: the rule of :class:`flexspec.ir.intervals.Analyzer`; ``peak`` places the maximum
+    of a ``periodic`` one (period 2*pi, minimum at ``peak + pi``). ``nan_below``: NaN for arguments
+    below this; ``nan_at_inf``: NaN for infinite arguments. ``in_shapes``: allowed in a tensor's
+    declared shape.
+    """
+
+    name: str
+    arity: int
+    operands: str
+    result: str
+    python: Callable
+    torch: TorchFn
+    interval: str
+    tensor_form: Form | None = None
+    scalar_form: Form | None = None
+    float_math: bool = False
+    int_identity: bool = False
+    peak: float = 0.0
+    nan_below: float | None = None
+    nan_at_inf: bool = False
+    in_shapes: bool = False
+
+    def torch_fn(self, torch) -> Callable:
+        return _resolve(self.torch, torch)
+
+    def wants_bool(self, position: int) -> bool:
+        return self.operands == "where" and position == 0
+
+
+def result_type(rule: str, arg_types) -> str:
+    """The type of an operator's or function's result from its rule and its argument types."""
+    arg_types = tuple(arg_types)
+    if rule == "where":
+        branches = arg_types[1:]
+        if branches == ("bool", "bool"):
+            return "bool"
+        rule, arg_types = "num", branches
+    if rule == "num":
+        return "float" if "float" in arg_types else "int"
+    return rule
+
+
+# ---------------------------------------------------------------------------------------------
+# Operators
+
+
+def _arith(symbol, prec, python, torch, interval, **more) -> Op:
+    return Op(symbol, 2, more.pop("operands", "num"), more.pop("result", "num"), symbol, prec,
+              python, torch, (symbol, PY_ADD if prec == ADD else PY_MUL), interval,
+              in_shapes=True, **more)
+
+
+def _compare(symbol, python, torch, negation, operands="num") -> Op:
+    return Op(symbol, 2, operands, "bool", symbol, COMPARE, python, torch, (symbol, PY_CMP),
+              "compare", negation=negation, associative=False)
+
+
+def _all(*values):
+    return all(values)
+
+
+def _any(*values):
+    return any(values)
+
+
+def _floor_divide(torch):
+    return lambda a, b: torch.div(a, b, rounding_mode="floor")
+
+
+_OPERATOR_LIST = [
+    _arith("+", ADD, operator.add, "torch.add", "add"),
+    _arith("-", ADD, operator.sub, "torch.sub", "sub"),
+    _arith("*", MUL, operator.mul, "torch.mul", "mul"),
+    _arith("/", MUL, operator.truediv, "torch.true_divide", "div", result="float",
+           float_math=True),
+    _arith("//", MUL, operator.floordiv, _floor_divide, "floordiv", operands="int"),
+    _arith("%", MUL, operator.mod, "torch.remainder", "mod", operands="int"),
+    _compare("<", operator.lt, "torch.lt", ">="),
+    _compare("<=", operator.le, "torch.le", ">"),
+    _compare(">", operator.gt, "torch.gt", "<="),
+    _compare(">=", operator.ge, "torch.ge", "<"),
+    _compare("==", operator.eq, "torch.eq", "!=", operands="eq"),
+    _compare("!=", operator.ne, "torch.ne", "==", operands="eq"),
+    Op("neg", 1, "num", "num", "-", NEG, operator.neg, "torch.neg", ("-", PY_UNARY), "neg",
+       in_shapes=True),
+    Op("not", 1, "bool", "bool", "~", NOT, operator.not_, "torch.logical_not", ("~", PY_UNARY),
+       "not", py_scalar=("not", PY_NOT)),
+    # n-ary in the IR (ir.And, ir.Or); called with no operands they give their neutral element
+    Op("and", 2, "bool", "bool", "&", AND, _all, "torch.logical_and", ("&", PY_BAND), "and",
+       py_scalar=("and", PY_AND)),
+    Op("or", 2, "bool", "bool", "|", OR, _any, "torch.logical_or", ("|", PY_BOR), "or",
+       py_scalar=("or", PY_OR)),
+]
+
+OPERATORS: dict[str, Op] = {op.symbol: op for op in _OPERATOR_LIST}
+
+# The language's spelling of an operator -> its entry (the AST keeps the source symbols).
+BINARY_SOURCE: dict[str, Op] = {op.source: op for op in _OPERATOR_LIST if op.arity == 2}
+UNARY_SOURCE: dict[str, Op] = {op.source: op for op in _OPERATOR_LIST if op.arity == 1}
+
+ARITH_OPS = tuple(op.symbol for op in _OPERATOR_LIST if op.prec in (ADD, MUL))
+COMPARE_OPS = tuple(op.symbol for op in _OPERATOR_LIST if op.prec == COMPARE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Functions
+
+
+def _sign(x):
+    return (x > 0) - (x < 0)
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0  # exp(700+) overflows a float
+
+
+def _clamp(x, lo, hi):
+    return min(max(x, lo), hi)
+
+
+def _where(cond, a, b):
+    return a if cond else b
+
+
+def _clamp_torch(torch):
+    # min(max()) rather than torch.clamp, which wants its bounds to be numbers or same-typed
+    return lambda x, lo, hi: torch.minimum(torch.maximum(x, lo), hi)
+
+
+def _rounding(name, python) -> Function:
+    return Function(name, 1, "num", "int", python, f"torch.{name}", "round",
+                    Form(f"torch.{name}({{0}}).to(torch.int64)"), Form(f"math.{name}({{0}})"),
+                    int_identity=True)
+
+
+def _float_fn(name, python, scalar_form: Form | None = None, interval="increasing",
+              **more) -> Function:
+    """A float function of one number: ``torch.name`` on tensors, ``math.name`` on numbers."""
+    return Function(name, 1, "num", "float", python, f"torch.{name}", interval,
+                    Form(f"torch.{name}({{0}})"), scalar_form or Form(f"math.{name}({{0}})"),
+                    float_math=True, **more)
+
+
+_FUNCTION_LIST = [
+    Function("abs", 1, "num", "num", abs, "torch.abs", "abs", Form("torch.abs({0})"),
+             Form("abs({0})")),
+    Function("sign", 1, "num", "num", _sign, "torch.sign", "increasing",
+             Form("torch.sign({0})")),
+    Function("min", 2, "num", "num", min, "torch.minimum", "min", in_shapes=True),
+    Function("max", 2, "num", "num", max, "torch.maximum", "max", in_shapes=True),
+    Function("clamp", 3, "num", "num", _clamp, _clamp_torch, "clamp"),
+    Function("where", 3, "where", "where", _where, "torch.where", "where"),
+    _rounding("floor", math.floor),
+    _rounding("ceil", math.ceil),
+    _float_fn("tanh", math.tanh),
+    _float_fn("exp", math.exp),
+    _float_fn("exp2", lambda x: 2.0 ** x, Form("2.0 ** {0}", PY_POW, PY_UNARY)),
+    _float_fn("log", math.log, nan_below=0.0),
+    _float_fn("log2", math.log2, nan_below=0.0),
+    _float_fn("log1p", math.log1p, nan_below=-1.0),
+    _float_fn("sqrt", math.sqrt, nan_below=0.0),
+    _float_fn("sigmoid", _sigmoid, Form("1.0 / (1.0 + math.exp(-{0}))", PY_MUL, PY_UNARY)),
+    _float_fn("erf", math.erf),
+    _float_fn("sin", math.sin, interval="periodic", peak=math.pi / 2, nan_at_inf=True),
+    _float_fn("cos", math.cos, interval="periodic", peak=0.0, nan_at_inf=True),
+]
+
+FUNCTIONS: dict[str, Function] = {fn.name: fn for fn in _FUNCTION_LIST}
