@@ -1,6 +1,7 @@
 """The wheel carries the grammar, the pattern files and the example: build it, install it in a
 fresh virtual environment outside the checkout, and run the CLI there."""
 
+import shutil
 import subprocess
 import sys
 import venv
@@ -18,7 +19,13 @@ def _run(args, cwd):
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     work = tmp_path_factory.mktemp("wheel")
-    built = _run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w",
+    # built from a copy: setuptools reuses a build/ folder left in the checkout, whose stale
+    # modules would ship in the wheel and hide a package missing from pyproject
+    source = work / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis", ".fa4",
+        ".whl", ".pytest_cache"))
+    built = _run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "-q", "-w",
                   str(work / "dist")], cwd=work)
     assert built.returncode == 0, built.stderr
     wheels = list((work / "dist").glob("flexspec-*.whl"))
@@ -51,3 +58,16 @@ def test_wheel_contains_grammar_patterns_and_example(installed):
     grammar, patterns, example = result.stdout.split()
     assert str(env) in grammar and str(env) in patterns  # the installed copies, not the checkout
     assert example == "True"
+
+
+def test_wheel_ships_every_module_of_the_source_tree(installed):
+    """pyproject lists the packages by hand: a new subpackage missing there would be absent from
+    the wheel (only an installed user would notice)."""
+    import zipfile
+
+    _, work = installed
+    wheel = next((work / "dist").glob("flexspec-*.whl"))
+    shipped = {name for name in zipfile.ZipFile(wheel).namelist() if name.endswith(".py")}
+    source = {p.relative_to(ROOT).as_posix() for p in (ROOT / "flexspec").rglob("*.py")
+              if "__pycache__" not in p.parts}
+    assert source - shipped == set()

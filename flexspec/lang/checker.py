@@ -18,16 +18,13 @@ from flexspec import ir
 from flexspec.ir import ops
 from flexspec.lang import ast
 from flexspec.lang.definitions import Definition, ParamSpec, Scope
+from flexspec.lang.expressions import (INDEX_NAMES, LOGIC, SIZE_NAMES, ExpressionChecker,
+                                       describe, type_name)
 from flexspec.errors import SpecCheckError, did_you_mean
-from flexspec.lang.printer import format_node
+from flexspec.lang.ast import format_node
 from flexspec.ir.simplify import simplify
 
-INDEX_NAMES = set(ir.INDEX_VARS)
-SIZE_NAMES = set(ir.SIZE_VARS)
 RESERVED = INDEX_NAMES | SIZE_NAMES | {"score"} | set(ir.FUNCTIONS) | {"alibi_slopes", "learnable"}
-
-_LOGIC = {"and": ir.And, "or": ir.Or}
-_NUMBERS = ("int", "float")
 
 
 @dataclass(frozen=True)
@@ -42,17 +39,9 @@ class SpecValue:
     score: ir.Expr = ir.SCORE
 
 
-def _describe(node: ast.Node) -> str:
-    text = format_node(node)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _type_name(t: str) -> str:
-    return {"bool": "a bool", "int": "an int", "float": "a float", "tensor": "a tensor"}[t]
-
-
-class Checker:
-    """Resolves names in one scope. Keeps the stack of definitions being inlined (for cycles)."""
+class Checker(ExpressionChecker):
+    """Resolves names in one scope. Keeps the stack of definitions being inlined (for cycles).
+    Definition expressions are checked by the methods of :class:`ExpressionChecker`."""
 
     def __init__(self, scope: Scope):
         self.scope = scope
@@ -67,13 +56,13 @@ class Checker:
             return self._chain(node)
         if isinstance(node, ast.Binary) and node.op in ("&", "|"):
             left, right = self._mask_operand(node.left, node), self._mask_operand(node.right, node)
-            combine = _LOGIC[ops.BINARY_SOURCE[node.op].symbol]
+            combine = LOGIC[ops.BINARY_SOURCE[node.op].symbol]
             return SpecValue("mask", mask=combine((left, right)))
         if isinstance(node, ast.Unary) and node.op == "~":
             return SpecValue("mask", mask=ir.Unary("not", self._mask_operand(node.operand, node)))
         if isinstance(node, (ast.Name, ast.Call)):
             return self._spec_reference(node)
-        raise SpecCheckError(f"'{_describe(node)}' is not a pattern; a spec combines named "
+        raise SpecCheckError(f"'{describe(node)}' is not a pattern; a spec combines named "
                              "patterns such as 'causal & window(128) + alibi'", node.span)
 
     def _mask_operand(self, node: ast.Node, parent: ast.Node) -> ir.Expr:
@@ -81,12 +70,12 @@ class Checker:
         if value.kind != "mask":
             op = {"&": "'&'", "|": "'|'"}.get(getattr(parent, "op", ""), "'~'")
             if value.kind == "score":
-                hint = f"e.g. 'causal + {_describe(node)}'"
+                hint = f"e.g. 'causal + {describe(node)}'"
             else:  # `(causal + alibi) & window(3)`: the masks go first, the scores after them
                 hint = "after the masks, e.g. 'causal & window(128) + alibi'"
             what = "a score modifier" if value.kind == "score" else "a spec with score modifiers"
             raise SpecCheckError(
-                f"'{_describe(node)}' is {what}, so it cannot be combined with {op}; "
+                f"'{describe(node)}' is {what}, so it cannot be combined with {op}; "
                 f"score modifiers join a spec with '+', {hint}", node.span)
         return value.mask
 
@@ -97,9 +86,9 @@ class Checker:
             if value.kind in ("mask", "spec"):
                 if mask is not None:
                     raise SpecCheckError(
-                        f"a spec has at most one mask term, but '{_describe(mask_node)}' and "
-                        f"'{_describe(term)}' are both masks; combine masks with '&': "
-                        f"'{_describe(mask_node)} & {_describe(term)}'", term.span)
+                        f"a spec has at most one mask term, but '{describe(mask_node)}' and "
+                        f"'{describe(term)}' are both masks; combine masks with '&': "
+                        f"'{describe(mask_node)} & {describe(term)}'", term.span)
                 mask, mask_node = value.mask, term
             if value.kind in ("score", "spec"):
                 score = ir.substitute(value.score, {"score": score})
@@ -157,10 +146,10 @@ class Checker:
         expected = "bool" if definition.kind == "mask" else None
         if expected == "bool" and body.type != "bool":
             raise SpecCheckError(f"mask '{definition.name}' must be a boolean expression, but its "
-                                 f"definition is {_type_name(body.type)}", definition.body.span)
+                                 f"definition is {type_name(body.type)}", definition.body.span)
         if definition.kind == "score" and body.type not in ("int", "float"):
             raise SpecCheckError(f"score '{definition.name}' must be a number, but its definition "
-                                 f"is {_type_name(body.type)}", definition.body.span)
+                                 f"is {type_name(body.type)}", definition.body.span)
         return body
 
     def check_definition(self, definition: Definition) -> None:
@@ -281,7 +270,7 @@ class Checker:
             if isinstance(node, ast.Name):
                 raise SpecCheckError(
                     f"'{node.name}' is a bare name, which in a spec names a runtime tensor, but "
-                    f"'{param.name}' is {_type_name(param.type)} parameter; pass a literal such "
+                    f"'{param.name}' is {type_name(param.type)} parameter; pass a literal such "
                     f"as {_example_literal(param.type)}", node.span)
             return self._literal(node, param)
         return self.expr(node, env or {}, context)
@@ -293,8 +282,8 @@ class Checker:
             return ir.Const(node.value)
         if isinstance(node, ast.Float):
             return ir.Const(node.value)
-        what = "a string" if isinstance(node, ast.Str) else f"'{_describe(node)}'"
-        raise SpecCheckError(f"'{param.name}' expects {_type_name(param.type if not param.is_tensor else 'tensor')}, "
+        what = "a string" if isinstance(node, ast.Str) else f"'{describe(node)}'"
+        raise SpecCheckError(f"'{param.name}' expects {type_name(param.type if not param.is_tensor else 'tensor')}, "
                              f"got {what}", node.span)
 
     def _check_argument(self, definition: Definition, param: ParamSpec, value: ir.Expr,
@@ -303,13 +292,13 @@ class Checker:
         if param.is_tensor:
             if got != "tensor":
                 raise SpecCheckError(f"'{param.name}' of '{definition.name}' expects a tensor "
-                                     f"({param.signature()}), got {_type_name(got)}", node.span)
+                                     f"({param.signature()}), got {type_name(got)}", node.span)
             return
         ok = got == param.type or (param.type == "float" and got == "int")
         if not ok:
             raise SpecCheckError(f"'{param.name}' of '{definition.name}' expects "
-                                 f"{_type_name(param.type)}, got {_type_name(got)}"
-                                 f" ({_describe(node)})", node.span)
+                                 f"{type_name(param.type)}, got {type_name(got)}"
+                                 f" ({describe(node)})", node.span)
 
     def _check_constraint(self, definition: Definition, param: ParamSpec, bound: dict,
                           node: ast.Node) -> None:
@@ -332,7 +321,7 @@ class Checker:
         value = simplify(self.expr(node, env, definition))
         if value.type != "int":
             raise SpecCheckError(f"a tensor dimension must be an int expression, got "
-                                 f"{_type_name(value.type)}", node.span)
+                                 f"{type_name(value.type)}", node.span)
         return value
 
     def _binding(self, param: ParamSpec, name: str, bound: dict, definition: Definition) -> ir.Tensor:
@@ -366,59 +355,7 @@ class Checker:
         return ir.Tensor(name, shape, param.type, "learnable", init=init)
 
     # ------------------------------------------------------------------------------------------
-    # definition expressions
-
-    def expr(self, node: ast.Node, env: dict, definition: Definition | None) -> ir.Expr:
-        if isinstance(node, ast.Bool):
-            return ir.Const(node.value)
-        if isinstance(node, (ast.Int, ast.Float)):
-            return ir.Const(node.value)
-        if isinstance(node, ast.Str):
-            raise SpecCheckError("strings are not values in definitions", node.span)
-        if isinstance(node, ast.Name):
-            return self._name(node, env, definition)
-        if isinstance(node, ast.Call):
-            return self._call(node, env, definition)
-        if isinstance(node, ast.Index):
-            return self._index(node, env, definition)
-        if isinstance(node, ast.Unary):
-            operand = self.expr(node.operand, env, definition)
-            op = ops.UNARY_SOURCE[node.op]
-            if op.operands == "bool":
-                self._expect(operand, ("bool",), node.operand, f"'{node.op}' needs a boolean")
-            else:
-                self._expect(operand, _NUMBERS, node.operand, f"'{node.op}' needs a number")
-            return ir.Unary(op.symbol, operand)
-        if isinstance(node, ast.Binary):
-            return self._binary(node, env, definition)
-        if isinstance(node, ast.Chain):
-            raise SpecCheckError("'+' chains of patterns belong in specs; inside a definition "
-                                 "'+' is arithmetic", node.span)
-        raise SpecCheckError(f"unexpected '{_describe(node)}' in a definition", node.span)
-
-    def _expect(self, value: ir.Expr, types: tuple, node: ast.Node, message: str) -> None:
-        if value.type not in types:
-            raise SpecCheckError(f"{message}, but '{_describe(node)}' is {_type_name(value.type)}",
-                                 node.span)
-
-    def _name(self, node: ast.Name, env: dict, definition: Definition | None) -> ir.Expr:
-        name = node.name
-        if name in env:
-            return env[name]
-        if name in INDEX_NAMES or name in SIZE_NAMES:
-            return ir.Var(name)
-        if name == "score":
-            raise SpecCheckError("'score' is only available in score definitions", node.span)
-        if name in ir.FUNCTIONS:
-            raise SpecCheckError(f"'{name}' is a function; call it, e.g. {name}(x)", node.span)
-        target = self.scope.lookup(name)
-        if target is None:
-            candidates = set(env) | INDEX_NAMES | SIZE_NAMES | self.scope.names()
-            hint = did_you_mean(name, candidates)
-            raise SpecCheckError(f"unknown name '{name}'." + (hint or
-                                 " Names in scope: the indices b h q kv, the sizes B H Q_LEN "
-                                 "KV_LEN, parameters and patterns"), node.span)
-        return self._inline(target, (), node, env, definition)
+    # inlining a definition used inside another
 
     def _inline(self, target: Definition, args: tuple, node: ast.Node, env: dict,
                 definition: Definition | None) -> ir.Expr:
@@ -434,69 +371,6 @@ class Checker:
         if target.kind == "score":
             body = ir.substitute(body, {"score": env.get("score", ir.SCORE)})
         return body
-
-    def _call(self, node: ast.Call, env: dict, definition: Definition | None) -> ir.Expr:
-        name = node.func
-        if name in ir.FUNCTIONS:
-            fn = ir.FUNCTIONS[name]
-            arity = fn.arity
-            if any(isinstance(a, ast.Keyword) for a in node.args):
-                raise SpecCheckError(f"{name}() takes positional arguments only", node.span)
-            if len(node.args) != arity:
-                raise SpecCheckError(f"{name}() takes {arity} argument{'s' if arity > 1 else ''}, "
-                                     f"got {len(node.args)}", node.span)
-            args = tuple(self.expr(a, env, definition) for a in node.args)
-            if fn.operands == "where":
-                self._expect(args[0], ("bool",), node.args[0], f"{name}()'s condition must be a boolean")
-                branches = {args[1].type, args[2].type}
-                if "bool" in branches and branches != {"bool"}:
-                    raise SpecCheckError(f"{name}()'s two branches must both be booleans or both "
-                                         "be numbers", node.span)
-            else:
-                for arg, arg_node in zip(args, node.args):
-                    self._expect(arg, _NUMBERS, arg_node, f"{name}() needs numbers")
-            return ir.Call(name, args)
-        if name in ("alibi_slopes", "learnable"):
-            raise SpecCheckError(f"{name}() can only be the default of a tensor parameter",
-                                 node.span)
-        target = self.scope.lookup(name)
-        if target is None:
-            hint = did_you_mean(name, set(ir.FUNCTIONS) | self.scope.names())
-            raise SpecCheckError(f"unknown function or pattern '{name}'." + (hint or ""), node.span)
-        return self._inline(target, node.args, node, env, definition)
-
-    def _index(self, node: ast.Index, env: dict, definition: Definition | None) -> ir.Expr:
-        target = self.expr(node.target, env, definition)
-        if target.type != "tensor":
-            raise SpecCheckError(f"only tensors can be indexed, but '{_describe(node.target)}' is "
-                                 f"{_type_name(target.type)}", node.target.span)
-        rank = len(target.shape)
-        if len(node.indices) != rank:
-            raise SpecCheckError(f"'{_describe(node.target)}' has {rank} dimension"
-                                 f"{'s' if rank != 1 else ''} but is indexed with "
-                                 f"{len(node.indices)}", node.span)
-        indices = tuple(self.expr(i, env, definition) for i in node.indices)
-        for index, index_node in zip(indices, node.indices):
-            self._expect(index, ("int",), index_node, "tensor indices must be ints")
-        return ir.Lookup(target, indices)
-
-    def _binary(self, node: ast.Binary, env: dict, definition: Definition | None) -> ir.Expr:
-        left = self.expr(node.left, env, definition)
-        right = self.expr(node.right, env, definition)
-        op = ops.BINARY_SOURCE[node.op]
-        if op.operands == "bool":
-            for value, side in ((left, node.left), (right, node.right)):
-                self._expect(value, ("bool",), side, f"'{node.op}' combines booleans")
-            return _LOGIC[op.symbol]((left, right))
-        if op.operands == "eq" and left.type == right.type == "bool":
-            return ir.Binary(op.symbol, left, right)
-        hint = " (use where(c, 1, 0) to turn a boolean into a number)" if op.prec in (
-            ops.ADD, ops.MUL) else ""
-        for value, side in ((left, node.left), (right, node.right)):
-            self._expect(value, _NUMBERS, side, f"'{node.op}' needs numbers{hint}")
-        if op.operands == "int" and "float" in (left.type, right.type):
-            raise SpecCheckError(f"'{node.op}' needs ints; use floor(x / y) for floats", node.span)
-        return ir.Binary(op.symbol, left, right)
 
 
 def _to_float(value: ir.Expr) -> ir.Expr:

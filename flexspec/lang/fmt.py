@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from flexspec.errors import SpecError
 from flexspec.lang.parser import parse_file, parse_file_with_comments
-from flexspec.lang.printer import format_node
+from flexspec.lang.ast import format_node
 
 
 @dataclass

@@ -13,7 +13,7 @@ from pathlib import Path
 from flexspec.lang import ast
 from flexspec.lang.checker import RESERVED, check_definition, check_spec
 from flexspec.lang.definitions import SCALAR_TYPES, Definition, ParamSpec, Scope
-from flexspec.errors import Source, Span, SpecCheckError, SpecError, did_you_mean
+from flexspec.errors import SpecCheckError, SpecError, did_you_mean
 from flexspec.lang.parser import parse_file
 from flexspec.lang.registry import registry
 from flexspec.lang.spec import Spec

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from flexspec.lang import ast
 from flexspec.ir import AttentionIR
-from flexspec.lang.printer import format_node
+from flexspec.lang.ast import format_node
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Example tests, one behaviour each: precedence and associativity at both levels of the language,
 literals (negative numbers, ``inf``, strings and their escapes), keywords, trailing commas and
 comments; then syntax errors with their message, line, column and the rendered caret. The
-round-trip property on random trees lives in ``test_printer.py``, robustness on random text in
+round-trip property on random trees lives in ``test_ast.py``, robustness on random text in
 ``test_fuzz.py``.
 """
 

@@ -1,4 +1,5 @@
-"""The canonical printer: ``parse(format_node(tree)) == tree`` on random trees.
+"""The canonical printer (flexspec.lang.ast.format_node): ``parse(format_node(tree)) == tree`` on
+random trees.
 
 Hypothesis draws random syntax trees of both levels of the language (spec expressions, definition
 expressions, whole ``.attn`` modules), prints them and parses the text back. The trees respect
@@ -22,7 +23,7 @@ import flexspec
 from flexspec.lang import ast
 from flexspec.errors import Source
 from flexspec.lang.parser import parse_expr, parse_file, parse_spec
-from flexspec.lang.printer import format_node
+from flexspec.lang.ast import format_node
 
 SETTINGS = settings(max_examples=70, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -1,0 +1,218 @@
+"""The commands that compute on tensors: ``flexspec explain`` (with ``--q-len``: a call's backend,
+density and work) and ``flexspec render`` (a picture of the mask and score). Declared and run as
+every command is (see :mod:`flexspec.tools.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+from flexspec.errors import SpecError
+from flexspec.tools.console import EXIT_OK, emit
+
+# ---- explain -----------------------------------------------------------------------------------
+
+
+def _add_explain(subparsers) -> None:
+    p = subparsers.add_parser(
+        "explain", help="show the IR a spec resolves to, and the backend a call would take",
+        description="Parse and check a spec and print its resolved, simplified mask and score "
+                    "expressions. With --q-len, also say what a call of those sizes would do: "
+                    "the visible fraction of the score matrix, the work in FLOPs, and the "
+                    "backend chosen with its reason. Runtime tensors the spec reads get demo "
+                    "values unless given with --bind (see 'flexspec render --help').")
+    p.add_argument("spec", metavar="SPEC",
+                   help="a spec expression, e.g. 'causal & window(128) + alibi', or the name of "
+                        "a spec in --file")
+    p.add_argument("--file", "-f", metavar="F.attn",
+                   help="an .attn file whose definitions and specs the spec may use")
+    p.add_argument("--q-len", type=int, metavar="N", help="query length of the call explained")
+    p.add_argument("--kv-len", type=int, metavar="N", help="key/value length (default: --q-len)")
+    p.add_argument("--batch", type=int, default=1, metavar="B", help="batch size (default 1)")
+    p.add_argument("--heads", type=int, default=16, metavar="H",
+                   help="query heads (default 16)")
+    p.add_argument("--kv-heads", type=int, metavar="H",
+                   help="key/value heads (default: --heads; fewer means grouped-query)")
+    p.add_argument("--head-dim", type=int, default=128, metavar="D",
+                   help="head dimension (default 128)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                   help="input dtype (default bfloat16)")
+    p.add_argument("--device", default="cpu", help="device, e.g. cpu or cuda (default cpu)")
+    p.add_argument("--grad", action="store_true", help="the inputs require gradients")
+    p.add_argument("--backend", default="auto", action=_BackendOption,
+                   help="the backend asked for (default auto)")
+    p.add_argument("--block-size", type=int, default=128, metavar="N",
+                   help="block size of the block mask (default 128)")
+    p.add_argument("--bind", action="append", default=[], metavar="NAME=VALUES",
+                   help="a runtime tensor's values (repeatable), as in 'flexspec render'")
+
+
+def _spec(args):
+    """The SPEC argument of ``explain`` and ``render``: the name of a spec in ``--file``, or
+    an expression whose names resolve in that file first, then in the registry."""
+    from flexspec import load, parse
+
+    library = load(args.file) if args.file is not None else None
+    if library is not None and args.spec.strip() in library:
+        return library[args.spec.strip()]
+    return parse(args.spec, library=library)
+
+
+def cmd_explain(args) -> int:
+    spec = _spec(args)
+    if args.q_len is None:
+        runtime_options = ("kv_len", "kv_heads", "grad", "bind")
+        given = [f"--{name.replace('_', '-')}" for name in runtime_options if getattr(args, name)]
+        given += [option for option, used in (("--device", args.device != "cpu"),
+                                              ("--backend", args.backend != "auto")) if used]
+        if given:
+            verb = "describes" if len(given) == 1 else "describe"
+            raise SpecError(f"{', '.join(given)} {verb} a call: give --q-len too")
+        emit(spec.explain())
+        return EXIT_OK
+    emit(str(_explain_call(spec, args)))
+    return EXIT_OK
+
+
+class _BackendOption(argparse.Action):
+    """``--backend``, whose help lists the registered backends: read only when help is shown,
+    so other commands never import torch."""
+
+    @property
+    def help(self):
+        from flexspec.runtime.backends import BACKENDS
+
+        return f"{self._help}: {', '.join(BACKENDS)}"
+
+    @help.setter
+    def help(self, text):
+        self._help = text
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+
+
+def _explain_call(spec, args):
+    """The runtime explanation of a call of the sizes the options give, without allocating q,
+    k and v (only their shapes, dtype and device matter)."""
+    import torch
+
+    from flexspec import compile as compile_spec
+    from flexspec.runtime.inputs import as_device
+    from flexspec.tools.values import bindings_from_text, parse_binds
+
+    kv_len = args.q_len if args.kv_len is None else args.kv_len
+    kv_heads = args.heads if args.kv_heads is None else args.kv_heads
+    for option, value in (("--q-len", args.q_len), ("--kv-len", kv_len),
+                          ("--batch", args.batch), ("--heads", args.heads),
+                          ("--kv-heads", kv_heads), ("--head-dim", args.head_dim)):
+        if value < 1:
+            raise SpecError(f"{option} must be at least 1, got {value}")
+    attn = compile_spec(spec, backend=args.backend, block_size=args.block_size)
+    device = as_device(args.device)
+    dtype = getattr(torch, args.dtype)
+
+    def placeholder(heads, length):
+        # one element expanded: the shape a call would have, without its memory
+        one = torch.zeros(1, 1, 1, 1, dtype=dtype, device=device)
+        return one.expand(args.batch, heads, length, args.head_dim).requires_grad_(args.grad)
+
+    q, k, v = placeholder(args.heads, args.q_len), placeholder(kv_heads, kv_len), \
+        placeholder(kv_heads, kv_len)
+    sizes = {"B": args.batch, "H": args.heads, "Q_LEN": args.q_len, "KV_LEN": kv_len}
+    bindings, notes = bindings_from_text(attn, parse_binds(attn, args.bind), sizes)
+    bindings = {name: value.to(device) for name, value in bindings.items()}
+    explanation = attn.explain(q, k, v, **bindings)
+    if notes:
+        text = str(explanation) + "\nnot given with --bind, so explained with demo values:\n"
+        return text + "\n".join(f"  {note}" for note in notes)
+    return explanation
+
+
+# ---- render ------------------------------------------------------------------------------------
+
+
+def _add_render(subparsers) -> None:
+    p = subparsers.add_parser(
+        "render", help="draw a spec's mask (and score bias) in the terminal",
+        description="Draw the mask of a spec for one batch and head with Unicode blocks (queries "
+                    "downwards, keys rightwards), the score its modifiers add to a zero logit, "
+                    "and the density. Runtime tensors the spec reads get demo values unless "
+                    "given with --bind.",
+        epilog="--bind values are comma-separated ints, floats or booleans (true/false); V*N "
+               "repeats V N times, e.g. --bind doc_ids=0*6,1*6,2*4. Give one value per "
+               "position of the tensor's last dimension (doc_ids: KV_LEN values), all its "
+               "values in order, or a single value to fill it.")
+    p.add_argument("spec", metavar="SPEC",
+                   help="a spec expression, e.g. 'causal & window(3)', or the name of a spec in "
+                        "--file")
+    p.add_argument("--q", type=int, default=16, metavar="N", help="query length (default 16)")
+    p.add_argument("--kv", type=int, metavar="N", help="key/value length (default: --q)")
+    p.add_argument("--batch", type=int, default=0, metavar="I",
+                   help="batch index drawn (default 0)")
+    p.add_argument("--head", type=int, default=0, metavar="J", help="head index drawn (default 0)")
+    p.add_argument("--heads", type=int, metavar="H",
+                   help="number of heads H the spec sees (default: from a --bind with an H "
+                        "dimension, else 8 when the spec depends on heads, else --head + 1)")
+    p.add_argument("--bind", action="append", default=[], metavar="NAME=VALUES",
+                   help="a runtime tensor's values (repeatable)")
+    p.add_argument("--file", "-f", metavar="F.attn",
+                   help="an .attn file whose definitions and specs the spec may use")
+    p.add_argument("--png", metavar="FILE", help="also write the picture to a PNG (needs "
+                                                 "matplotlib: pip install 'flexspec[plot]')")
+    p.add_argument("--width", type=int, metavar="N",
+                   help="widest mask in characters before blocks are downsampled (default 128, "
+                        "or the terminal's width)")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                   help="colour the score heat (auto: when writing to a terminal)")
+
+
+def cmd_render(args) -> int:
+    from flexspec import compile as compile_spec
+    from flexspec.tools.render import DEFAULT_WIDTH, render_png, render_text, resolve_heads
+    from flexspec.tools.values import bindings_from_text, parse_binds
+
+    kv = args.q if args.kv is None else args.kv
+    for option, value in (("--q", args.q), ("--kv", kv)):
+        if value < 1:
+            raise SpecError(f"{option} must be at least 1, got {value}")
+    for option, value in (("--batch", args.batch), ("--head", args.head)):
+        if value < 0:
+            raise SpecError(f"{option} must be 0 or more, got {value}")
+    if args.heads is not None and args.heads < 1:
+        raise SpecError(f"--heads must be at least 1, got {args.heads}")
+    if args.heads is not None and args.head >= args.heads:
+        raise SpecError(f"--head {args.head} does not exist with --heads {args.heads}")
+    if args.width is not None and args.width < 2:
+        raise SpecError(f"--width must be at least 2, got {args.width}")
+
+    spec = _spec(args)
+    attn = compile_spec(spec)
+
+    flat = parse_binds(attn, args.bind)
+    heads = resolve_heads(attn, args.head, args.heads, flat)
+    sizes = {"B": args.batch + 1, "H": heads, "Q_LEN": args.q, "KV_LEN": kv}
+    bindings, notes = bindings_from_text(attn, flat, sizes)
+
+    tty = sys.stdout.isatty()
+    width = args.width
+    if width is None:
+        width = DEFAULT_WIDTH
+        if tty:
+            width = max(16, min(width, shutil.get_terminal_size().columns - 10))
+    color = args.color == "always" or (args.color == "auto" and tty
+                                       and not os.environ.get("NO_COLOR"))
+    text = render_text(attn, args.q, kv, batch=args.batch, head=args.head, heads=heads,
+                       width_limit=width, color=color, **bindings)
+    out = [text.rstrip("\n")]
+    if notes:
+        out += ["", "not given with --bind, so drawn with demo values:"]
+        out += [f"  {note}" for note in notes]
+    emit("\n".join(out))
+    if args.png is not None:
+        render_png(attn, args.png, args.q, kv, batch=args.batch, head=args.head, heads=heads,
+                   **bindings)
+        emit(f"wrote {args.png}")
+    return EXIT_OK

@@ -1,0 +1,51 @@
+"""What every command of the command line shares: exit codes, output to stdout and stderr, reading
+a file with a size limit, and plain-text tables."""
+
+from __future__ import annotations
+
+import sys
+
+from flexspec.errors import SpecError
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+# .attn files are a few kilobytes; a limit keeps `flexspec check /dev/zero` from reading forever
+MAX_FILE_CHARS = 16 * 1024 * 1024
+
+
+def emit(text: str = "") -> None:
+    print(text, file=sys.stdout)
+
+
+def emit_error(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
+def read_file(path: str) -> str:
+    """A file's text; an unreadable or oversized file is a :class:`SpecError` naming it."""
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            text = f.read(MAX_FILE_CHARS + 1)
+    except (OSError, UnicodeDecodeError) as err:
+        reason = getattr(err, "strerror", None) or str(err)
+        raise SpecError(f"cannot read {path}: {reason}") from None
+    if len(text) > MAX_FILE_CHARS:
+        raise SpecError(f"cannot read {path}: it is longer than {MAX_FILE_CHARS} characters, "
+                        "which no .attn file needs")
+    return text
+
+
+def shorten(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "\u2026"
+
+
+def table(rows: list[tuple[str, ...]], width: int | None = None) -> str:
+    """Left-aligned columns two spaces apart; the last column is cut to ``width`` if given."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = []
+    for row in rows:
+        line = "  ".join(cell.ljust(w) for cell, w in zip(row, widths))
+        line = f"{line}  {row[-1]}" if widths else row[-1]
+        if width is not None and len(line) > width:
+            line = shorten(line, max(width, 1))
+        lines.append(line.rstrip())
+    return "\n".join(lines)
