@@ -475,11 +475,30 @@ def build_block_mask(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, de
     return to_block_mask(classes, sizes, block, mask_mod)
 
 
+def tile_classes(block_mask: BlockMask) -> torch.Tensor:
+    """The tile classes (EMPTY, PARTIAL, FULL as int8, ``[B, H, NQ, NK]``) a BlockMask's kv-side
+    tables hold: the inverse of :func:`to_block_mask`."""
+    kv_num = block_mask.kv_num_blocks
+    nk = block_mask.kv_indices.shape[-1]
+    classes = torch.full((*kv_num.shape, nk), EMPTY, dtype=torch.int8, device=kv_num.device)
+    for num, indices, value in ((kv_num, block_mask.kv_indices, PARTIAL),
+                                (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL)):
+        if num is None:
+            continue
+        # only the first `num` entries of a row are blocks; the rest is filler (see ordered)
+        listed = (torch.arange(nk, device=num.device) < num.unsqueeze(-1)).nonzero(as_tuple=True)
+        classes[listed[:-1] + (indices[listed].long(),)] = value
+    return classes
+
+
 def count_visible(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, device, *,
-                  batch: int, heads: int) -> int:
+                  batch: int, heads: int, classes: torch.Tensor | None = None) -> int:
     """The number of visible (q, kv) pairs over ``batch`` x ``heads`` (the mask's extents),
-    exactly: the area of FULL tiles plus a cell-by-cell count inside PARTIAL ones."""
-    classes = classify(mask, sizes, block, tensors, device, batch=batch, heads=heads)
+    exactly: the area of FULL tiles plus a cell-by-cell count inside PARTIAL ones. ``classes``
+    (sound tile classes such as :func:`tile_classes` of the block mask) saves classifying the
+    tiles again."""
+    if classes is None:
+        classes = classify(mask, sizes, block, tensors, device, batch=batch, heads=heads)
     q_rows = torch.clamp(sizes["Q_LEN"] - torch.arange(0, sizes["Q_LEN"], block[0],
                                                       device=device), max=block[0])
     kv_cols = torch.clamp(sizes["KV_LEN"] - torch.arange(0, sizes["KV_LEN"], block[1],

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from flexspec import ir
-from flexspec.kernels.blocks import count_visible
+from flexspec.kernels.blocks import count_visible, tile_classes
 from flexspec.runtime.backends import Choice
 
 # Forward+backward work in forwards: the backward does 2.5 forwards' matrix products (five
@@ -75,12 +75,13 @@ def _flops_text(flops: float) -> str:
 def explain_plan(plan, values: dict, block_mask, text: str, q, k, v) -> Explanation:
     """The explanation of a planned call, given its tensor values and its block mask.
 
-    The visible pairs are counted by classifying the tiles once more (count_visible): the block
-    mask's tables say which tiles are partial but not how many pairs inside them are visible."""
+    The visible pairs are the area of the block mask's full tiles plus the pairs counted cell by
+    cell inside its partial ones (its tables say which tiles are partial, not how full)."""
     sizes, spec, mask = plan.sizes, plan.spec, plan.mask
     block_size = plan.request.block_size
     visible = count_visible(spec.mask, sizes, block_size, values, q.device,
-                            batch=mask.batch, heads=mask.heads)
+                            batch=mask.batch, heads=mask.heads,
+                            classes=tile_classes(block_mask))
     tiles = int(block_mask.kv_num_blocks.sum()) + int(block_mask.full_kv_num_blocks.sum())
     nq = -(-sizes["Q_LEN"] // block_size[0])
     nk = -(-sizes["KV_LEN"] // block_size[1])

@@ -638,3 +638,18 @@ def test_block_masks_sweep(case):
 @given(cases(max_len=300, max_scores=1, kinds=KINDS), st.integers(0, 2**31 - 1))
 def test_block_sparse_attention_sweep(case, seed):
     check_attention(case, seed, eager=False)
+
+
+@pytest.mark.parametrize("text, q_len, kv_len", [
+    ("causal", 300, 300), ("causal & window(40)", 260, 200), ("full", 129, 257),
+    ("~causal", 1, 130), ("causal & document", 333, 333),
+])
+def test_tile_classes_invert_the_tables(text, q_len, kv_len):
+    attn = flexspec.compile(text, block_size=(32, 64))
+    sizes = {"B": 2, "H": 1, "Q_LEN": q_len, "KV_LEN": kv_len}
+    bindings = {"doc_ids": torch.arange(kv_len) // 50} if "document" in text else {}
+    values, spec = attn._tensors(sizes, bindings, torch.device("cpu"), mask_only=True)
+    classes = refine(classify(spec.mask, sizes, (32, 64), values, "cpu", batch=1, heads=1),
+                     spec.mask, sizes, (32, 64), values, "cpu")
+    block_mask = to_block_mask(classes, sizes, (32, 64))
+    assert torch.equal(blocks.tile_classes(block_mask), classes)
