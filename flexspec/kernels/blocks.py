@@ -40,8 +40,8 @@ CELLS_PER_CHUNK = 1 << 23
 HIERARCHY_TILES = 1 << 20
 COARSE_SIDE = 256
 # Above this fraction of True entries, ordered() lays rows out from their first True column
-# instead of writing each True entry (nonzero). Measured at 8192 x 8192 on our CPU: 0.39 s vs
-# 0.47 s at 16 per row, equal at 256, 0.80 s vs 0.42 s at 2048.
+# instead of writing each True entry (nonzero): the measured crossover (docs/performance.md,
+# "The block-mask builder's constants").
 RUN_PATH_FRACTION = 1 / 32
 # Side of the sub-tiles whose intervals decide most partial tiles before any cell is evaluated.
 SUBTILE = 16

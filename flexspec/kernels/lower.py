@@ -14,7 +14,7 @@ matched by dynamo's guards, and their tensors become graph inputs, read anew eac
 ``exec`` of the same text makes a new code object, which recompiles every time. So each
 :class:`Lowered` compiles its source once, into a factory whose parameters are the sizes and the
 tensors, and :meth:`Lowered.make_mods` calls that factory: every call returns new closures over
-the same code. Measured (tests/test_lower.py): 4 calls with fresh closures and fresh ``doc_ids``
+the same code. Measured (tests/kernels/test_lower.py): 4 calls with fresh closures and fresh ``doc_ids``
 compile 1 frame, 3 calls with a fresh ``exec`` each compile 3 (torch 2.13 CPU and torch 2.11 on
 an H200, inductor and the eager backend alike). A shared holder whose tensors are swapped would
 not recompile either, but a BlockMask made earlier would then silently read the new values.
