@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from flexspec import ir
-from flexspec.kernels.blocks import count_visible, tile_classes
+from flexspec.kernels.block_tables import tile_classes
+from flexspec.kernels.blocks import count_visible
 from flexspec.runtime.backends import Choice
 
 # Forward+backward work in forwards: the backward does 2.5 forwards' matrix products (five

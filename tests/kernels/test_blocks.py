@@ -31,9 +31,9 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention,
 
 import flexspec
 from flexspec import ir
-from flexspec.kernels import blocks
-from flexspec.kernels.blocks import (EMPTY, FULL, PARTIAL, build_block_mask, classify, ordered, refine,
-                             to_block_mask)
+from flexspec.kernels import block_tables, blocks
+from flexspec.kernels.block_tables import EMPTY, FULL, PARTIAL, ordered, tile_classes, to_block_mask
+from flexspec.kernels.blocks import build_block_mask, classify, refine
 from flexspec.lang.library import load_text
 from flexspec.kernels.reference import dense_scores
 from flexspec.testing import KINDS, Shape, bindings, lookups_fit, slow_examples, spec_texts
@@ -548,7 +548,7 @@ def test_ordered_run_rows_on_both_paths(rows, columns, scatter, run_fraction, se
     if scatter:
         dense |= torch.rand(rows, columns, generator=gen) < 0.1
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(blocks, "RUN_PATH_FRACTION", run_fraction)
+        patch.setattr(block_tables, "RUN_PATH_FRACTION", run_fraction)
         count, indices = ordered(dense)
     expected = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
     listed = column < count.unsqueeze(-1)
@@ -652,4 +652,4 @@ def test_tile_classes_invert_the_tables(text, q_len, kv_len):
     classes = refine(classify(spec.mask, sizes, (32, 64), values, "cpu", batch=1, heads=1),
                      spec.mask, sizes, (32, 64), values, "cpu")
     block_mask = to_block_mask(classes, sizes, (32, 64))
-    assert torch.equal(blocks.tile_classes(block_mask), classes)
+    assert torch.equal(tile_classes(block_mask), classes)

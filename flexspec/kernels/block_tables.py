@@ -1,0 +1,95 @@
+"""BlockMask tables: torch's BlockMask built directly from tile classes (EMPTY, PARTIAL, FULL per
+(q-block, kv-block) tile), and the classes read back from a BlockMask. :mod:`flexspec.kernels.blocks`
+decides the classes; this module only writes and reads the format."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, noop_mask
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+# Above this fraction of True entries, ordered() lays rows out from their first True column
+# instead of writing each True entry (nonzero): the measured crossover (docs/performance.md,
+# "The block-mask builder's constants").
+RUN_PATH_FRACTION = 1 / 32
+
+
+
+def ordered(dense: torch.Tensor):
+    """``(count, indices)`` per row of a bool matrix: ``count`` True entries, whose columns come
+    first in ``indices``, in increasing order. The entries after them are other valid column
+    numbers in no promised order: FlexAttention (kernels, ``to_dense``) reads only the first
+    ``count`` of each row, and leaving them unsorted saves a sort or a full permutation over all
+    NQ x NK entries (at S = 1M, 67M of them per table).
+
+    Rows whose True entries form one run (``first .. first + count - 1``, as in causal, window
+    and document masks) get ``(column + first) % NK``, copied from the rows of a strided view of
+    ``arange(2 NK) % NK`` (a modulo over every entry cost three times as much); a row is one run
+    when its last True entry is ``count - 1`` after its first. The other rows write each True
+    entry at its rank (``nonzero``), which is cheaper when there are few of them.
+    """
+    n_cols = dense.shape[-1]
+    count = dense.sum(-1, dtype=torch.int32)
+    columns = torch.arange(n_cols, dtype=torch.int32, device=dense.device)
+    flat = dense.reshape(-1, n_cols)
+    counts = count.reshape(-1)
+    total = int(counts.sum())
+    if total > RUN_PATH_FRACTION * flat.numel() and n_cols > 1:
+        as_bytes = flat.view(torch.uint8)
+        first = as_bytes.argmax(-1)
+        last = (n_cols - 1) - as_bytes.flip(-1).argmax(-1)
+        rotations = (torch.arange(2 * n_cols, dtype=torch.int32, device=dense.device) % n_cols
+                     ).unfold(0, n_cols, 1)  # row s: (s + column) % NK, without a copy
+        indices = rotations.index_select(0, first)
+        rows = ((last - first + 1 != counts) & (counts > 0)).nonzero().reshape(-1)
+        if rows.numel():  # rows of several runs
+            indices[rows] = _ordered_by_rank(flat[rows], counts[rows], columns)
+    else:
+        indices = _ordered_by_rank(flat, counts, columns)
+    return count.contiguous(), indices.reshape(dense.shape)
+
+
+def _ordered_by_rank(flat: torch.Tensor, counts: torch.Tensor, columns: torch.Tensor):
+    """:func:`ordered`'s indices for 2-D ``flat``, writing every True entry at its rank."""
+    indices = columns.expand(flat.shape).contiguous()
+    rows, cols = flat.nonzero(as_tuple=True)
+    if rows.numel():
+        counts = counts.long()
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(rows.numel(), device=flat.device) - starts[rows]
+        indices[rows, rank] = cols.to(torch.int32)
+    return indices
+
+
+def to_block_mask(classes: torch.Tensor, sizes: dict, block: tuple, mask_mod=None) -> BlockMask:
+    """A torch BlockMask from tile classes, with the q-side tables built directly."""
+    kv_num, kv_idx = ordered(classes == PARTIAL)
+    full_kv_num, full_kv_idx = ordered(classes == FULL)
+    # one contiguous transposed copy of the int8 classes is cheaper than walking two
+    # transposed bool views
+    by_kv = classes.transpose(-2, -1).contiguous()
+    q_num, q_idx = ordered(by_kv == PARTIAL)
+    full_q_num, full_q_idx = ordered(by_kv == FULL)
+    return BlockMask(
+        seq_lengths=(sizes["Q_LEN"], sizes["KV_LEN"]),
+        kv_num_blocks=kv_num, kv_indices=kv_idx,
+        full_kv_num_blocks=full_kv_num, full_kv_indices=full_kv_idx,
+        q_num_blocks=q_num, q_indices=q_idx,
+        full_q_num_blocks=full_q_num, full_q_indices=full_q_idx,
+        BLOCK_SIZE=tuple(block), mask_mod=mask_mod or noop_mask)
+
+
+def tile_classes(block_mask: BlockMask) -> torch.Tensor:
+    """The tile classes (EMPTY, PARTIAL, FULL as int8, ``[B, H, NQ, NK]``) a BlockMask's kv-side
+    tables hold: the inverse of :func:`to_block_mask`."""
+    kv_num = block_mask.kv_num_blocks
+    nk = block_mask.kv_indices.shape[-1]
+    classes = torch.full((*kv_num.shape, nk), EMPTY, dtype=torch.int8, device=kv_num.device)
+    for num, indices, value in ((kv_num, block_mask.kv_indices, PARTIAL),
+                                (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL)):
+        if num is None:
+            continue
+        # only the first `num` entries of a row are blocks; the rest is filler (see ordered)
+        listed = (torch.arange(nk, device=num.device) < num.unsqueeze(-1)).nonzero(as_tuple=True)
+        classes[listed[:-1] + (indices[listed].long(),)] = value
+    return classes

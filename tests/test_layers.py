@@ -1,0 +1,100 @@
+"""The layering rules of docs/architecture.md, read from the import statements of every module:
+lower layers never import upper ones, only the parser imports lark, only the registry reads YAML,
+the front end has no torch, the lowering and the reference stay independent, and nothing
+imports the package's ``__init__`` from below."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "flexspec"
+# Bottom to top; a module may import its own layer and those below it.
+LAYERS = ("errors", "resources", "ir", "lang", "kernels", "runtime", "tools")
+RANK = {"errors": 0, "resources": 0, "ir": 1, "lang": 2, "kernels": 2, "runtime": 3, "tools": 4}
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        yield path, parts
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module name an import statement of ``path`` names (relative ones resolved)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = path.relative_to(ROOT).with_suffix("").parts[:-node.level]
+                base = ".".join(package + ((base,) if base else ()))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _layer(name: str) -> str | None:
+    parts = name.split(".")
+    if parts[0] != "flexspec" or len(parts) < 2:
+        return None
+    return parts[1] if parts[1] in RANK else None
+
+
+@pytest.mark.parametrize("path, parts", list(_modules()), ids=lambda x: "/".join(x)
+                         if isinstance(x, tuple) else "")
+def test_no_module_imports_a_layer_above_its_own(path, parts):
+    layer = parts[0] if parts[0] in RANK else None
+    if layer is None:  # the package __init__, __main__, testing: the top, may import anything
+        return
+    above = sorted(name for name in _imports(path)
+                   if _layer(name) is not None and RANK[_layer(name)] > RANK[layer])
+    assert above == [], f"{path.relative_to(ROOT)} imports upwards"
+    # the package's public API (flexspec.parse, flexspec.compile...) sits above every layer
+    modules = {p.stem for p in PACKAGE.iterdir()} | {"ir", "lang", "kernels", "runtime"}
+    public = sorted(name for name in _imports(path) if name.count(".") == 1
+                    and name.startswith("flexspec.") and name.split(".")[1] not in modules)
+    assert public == [] or layer == "tools", f"{path.relative_to(ROOT)} imports {public}"
+
+
+@pytest.mark.parametrize("path, parts", list(_modules()), ids=lambda x: "/".join(x)
+                         if isinstance(x, tuple) else "")
+def test_third_party_imports_stay_in_their_rooms(path, parts):
+    roots = {name.split(".")[0] for name in _imports(path)}
+    where = "/".join(parts)
+    if "lark" in roots:
+        assert where == "lang/parser", f"only the parser imports lark, not {where}"
+    if "yaml" in roots:
+        assert where == "lang/registry", f"only the registry reads YAML, not {where}"
+    if parts[0] in ("ir", "lang", "errors", "resources"):
+        assert "torch" not in roots, f"{where} is front end and must not import torch"
+
+
+def test_lowering_and_reference_never_import_each_other():
+    lower = _imports(PACKAGE / "kernels" / "lower.py")
+    reference = _imports(PACKAGE / "kernels" / "reference.py")
+    assert not any(name.startswith("flexspec.kernels.reference") for name in lower)
+    assert not any(name.startswith("flexspec.kernels.lower") for name in reference)
+
+
+def test_no_module_is_over_500_lines():
+    long = {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+            for path, _ in _modules() if len(path.read_text().splitlines()) > 500}
+    assert long == {}
+
+
+def test_parsing_and_loading_import_no_torch():
+    code = ("import sys, flexspec\n"
+            "flexspec.parse('causal & window(128) + alibi')\n"
+            "flexspec.load(sys.argv[1])\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    result = subprocess.run([sys.executable, "-c", code, str(ROOT / "examples" / "model.attn")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
