@@ -44,9 +44,9 @@ def breakdown(text: str, device, calls: int, rounds: int) -> list[str]:
     functions = {
         "hand": case.hand,
         "entry+hand mods": lambda: fresh_entry(q, k, v, case.score_mod, case.block_mask, None,
-                                               False, call.kernel_options),
+                                               False, call.kernel_options, None),
         "entry+our mods": lambda: entry(q, k, v, call.score_mod, our_mask, None, False,
-                                        call.kernel_options),
+                                        call.kernel_options, None),
         "flexspec": case.ours,
     }
     times = alternate(functions, device, calls, rounds)

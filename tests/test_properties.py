@@ -208,7 +208,9 @@ def test_reference_rows_are_rows_of_the_reference(case, data):
 def test_counted_visible_pairs_equal_the_reference_mask(case, block):
     attn = case.attention(block_size=block)
     sizes = case.shape.sizes
-    values, spec = attn._tensors(sizes, case.bindings, torch.device("cpu"), mask_only=True)
+    placed = attn._positions(case.bindings, None, None, case.shape.B, case.shape.Q_LEN,
+                             case.shape.KV_LEN, "cpu")
+    values, spec = attn._tensors(sizes, placed, torch.device("cpu"), mask_only=True)
     batch, heads, _ = mask_extent(spec.mask, sizes)
     counted = count_visible(spec.mask, sizes, block, values, "cpu", batch=batch, heads=heads)
     dense = attn.dense_mask(case.shape.Q_LEN, case.shape.KV_LEN, batch=case.shape.B,
@@ -271,9 +273,10 @@ def test_lowered_mods_match_the_reference_sweep(case, seed):
 @given(st.data())
 def test_simplification_preserves_mask_and_scores(data):
     spec = data.draw(specs(**ALL_KINDS))
-    value = Checker(flexspec.lang.registry.registry().scope).spec(spec.expr)
-    raw = ir.AttentionIR(value.mask, value.score)
-    assert spec.ir == ir.AttentionIR(simplify(raw.mask), simplify(raw.score))
+    checker = Checker(flexspec.lang.registry.registry().scope)
+    value = checker.spec(spec.expr)
+    raw = ir.AttentionIR(value.mask, value.score, checker.align)
+    assert spec.ir == ir.AttentionIR(simplify(raw.mask), simplify(raw.score), checker.align)
     shape = data.draw(shapes(max_len=150, spec=raw))
     values = data.draw(tensor_values(raw, shape))
     sizes = (shape.B, shape.Hq, shape.Q_LEN, shape.KV_LEN)

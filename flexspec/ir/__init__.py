@@ -6,15 +6,14 @@
 :mod:`~flexspec.ir.intervals`.
 """
 
-from flexspec.ir.nodes import (ALL_VARS, ARITH_OPS, COMPARE_OPS, FALSE, FUNCTIONS, INDEX_VARS,
-                               OPERATORS, SCORE, SCORE_VAR, SIZE_VARS, TRUE, And, AttentionIR, Binary, Call,
-                               Const, Expr, Lookup, Or, Param, Tensor, Unary, Var, children,
-                               depends_on, format_number, free_vars, rebuild, substitute,
-                               tensor_key, to_text, transform, type_of, walk)
+from flexspec.ir.nodes import (ALIGNMENTS, ALL_VARS, ARITH_OPS, COMPARE_OPS, FALSE, FUNCTIONS,
+                               INDEX_VARS, OPERATORS, SCORE, SCORE_VAR, SIZE_VARS, TRUE, Align,
+                               And, AttentionIR, Binary, Call, Const, Expr, Lookup, Or, Param,
+                               Tensor, Unary, Var, children, depends_on, format_number, free_vars,
+                               rebuild, substitute, tensor_key, to_text, transform, type_of, walk)
 
-__all__ = ["ALL_VARS", "ARITH_OPS", "COMPARE_OPS", "FALSE", "FUNCTIONS", "INDEX_VARS", "OPERATORS",
-           "SCORE",
-           "SCORE_VAR", "SIZE_VARS", "TRUE", "And", "AttentionIR", "Binary", "Call", "Const",
-           "Expr", "Lookup", "Or", "Param", "Tensor", "Unary", "Var", "children", "depends_on",
-           "format_number", "free_vars", "rebuild", "substitute", "tensor_key", "to_text", "transform",
-           "type_of", "walk"]
+__all__ = ["ALIGNMENTS", "ALL_VARS", "ARITH_OPS", "COMPARE_OPS", "FALSE", "FUNCTIONS",
+           "INDEX_VARS", "OPERATORS", "SCORE", "SCORE_VAR", "SIZE_VARS", "TRUE", "Align", "And",
+           "AttentionIR", "Binary", "Call", "Const", "Expr", "Lookup", "Or", "Param", "Tensor",
+           "Unary", "Var", "children", "depends_on", "format_number", "free_vars", "rebuild",
+           "substitute", "tensor_key", "to_text", "transform", "type_of", "walk"]

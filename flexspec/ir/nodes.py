@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator, Union
+from typing import Callable, Iterator, Literal, Union
 
 from flexspec.ir import ops
 
 INDEX_VARS = ("b", "h", "q", "kv")
 SIZE_VARS = ("B", "H", "Q_LEN", "KV_LEN")
 SCORE_VAR = "score"
+# Where a call's query rows stand by default (see AttentionIR.align).
+Align = Literal["start", "end"]
+ALIGNMENTS: tuple[Align, ...] = ("start", "end")
 ALL_VARS = INDEX_VARS + SIZE_VARS + (SCORE_VAR,)
 
 # The operator table owns what operators and functions mean; these names are its views.
@@ -139,10 +142,17 @@ SCORE = Var(SCORE_VAR)
 
 @dataclass(frozen=True)
 class AttentionIR:
-    """A resolved spec: the mask (bool) and the score pipeline (numeric, of ``Var('score')``)."""
+    """A resolved spec: the mask (bool) and the score pipeline (numeric, of ``Var('score')``).
+
+    ``align`` says where a call's query rows stand when the call gives no ``q_offset``:
+    ``"start"`` (row ``i`` at position ``i``, top-left) or ``"end"`` (the last row at the last
+    key, ``KV_LEN - Q_LEN + i``: bottom-right, as ``causal_bottom_right`` asks). It is one
+    setting for the whole spec, so no two parts of a spec can count positions differently.
+    """
 
     mask: Expr = TRUE
     score: Expr = SCORE
+    align: Align = "start"
 
     @property
     def has_mask(self) -> bool:

@@ -99,4 +99,4 @@ def specialize_ir(spec: ir.AttentionIR, shapes: dict,
                   sizes: dict | None = None) -> ir.AttentionIR:
     """:func:`specialize` applied to both halves of an :class:`~flexspec.ir.AttentionIR`."""
     return ir.AttentionIR(specialize(spec.mask, shapes, sizes),
-                          specialize(spec.score, shapes, sizes))
+                          specialize(spec.score, shapes, sizes), spec.align)

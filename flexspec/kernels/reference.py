@@ -56,15 +56,44 @@ def _gib(n: int) -> str:
     return f"{n / 1024**3:.1f} GiB"
 
 
-def index_grid(batch: int, heads: int, q_len: int, kv_len: int, device="cpu") -> dict:
+def index_grid(batch: int, heads: int, q_len: int, kv_len: int, device="cpu",
+               q_offset=None) -> dict:
     """The variables of the IR for a dense evaluation: broadcastable int64 index grids for
-    ``b h q kv`` (shaped ``[B,1,1,1]``, ``[1,H,1,1]``, ...) and the sizes as Python ints."""
+    ``b h q kv`` (shaped ``[B,1,1,1]``, ``[1,H,1,1]``, ...) and the sizes as Python ints.
+
+    ``q`` holds absolute query positions: row ``i`` stands at ``q_offset + i`` (``q_offset`` an
+    int, or an int tensor of one offset per batch row, ``[B]`` or ``[1]``; 0 when ``None``)."""
     def axis(n: int, dim: int) -> torch.Tensor:
         shape = [1, 1, 1, 1]
         shape[dim] = n
         return torch.arange(n, dtype=_INT, device=device).reshape(shape)
-    return {"b": axis(batch, 0), "h": axis(heads, 1), "q": axis(q_len, 2), "kv": axis(kv_len, 3),
+    positions = axis(q_len, 2)
+    if q_offset is not None:
+        positions = positions + query_offsets(q_offset, batch, device)
+    return {"b": axis(batch, 0), "h": axis(heads, 1), "q": positions, "kv": axis(kv_len, 3),
             "B": batch, "H": heads, "Q_LEN": q_len, "KV_LEN": kv_len}
+
+
+def placement(spec: ir.AttentionIR, q_offset, kv_lengths, q_len: int, kv_len: int):
+    """Where row 0 of a call stands: ``q_offset`` when given; else 0 for a spec aligned at the
+    start, and for one aligned at the end the position that puts the last row on the last
+    (valid) key, ``KV_LEN - Q_LEN`` (or ``kv_lengths - Q_LEN``, per batch row)."""
+    if q_offset is not None or spec.align == "start":
+        return q_offset
+    if kv_lengths is not None:
+        return torch.as_tensor(kv_lengths).to(_INT).reshape(-1) - q_len
+    return kv_len - q_len
+
+
+def query_offsets(q_offset, batch: int, device="cpu") -> torch.Tensor:
+    """``q_offset`` (an int, or an int tensor ``[B]`` or ``[1]``) as an int64 tensor shaped
+    ``[B or 1, 1, 1, 1]``, to add to the rows of a grid."""
+    offsets = torch.as_tensor(q_offset, device=device)
+    if offsets.dtype.is_floating_point or offsets.dtype == torch.bool or offsets.dim() > 1 \
+            or (offsets.dim() == 1 and offsets.shape[0] not in (1, batch)):
+        raise SpecError(f"q_offset must be an int or an int tensor of shape [{batch}] or [1], "
+                        f"got {offsets.dtype} of shape {list(offsets.shape)}")
+    return offsets.to(_INT).reshape(-1, 1, 1, 1)
 
 
 def evaluate(expr: ir.Expr, grid: dict, tensors: dict) -> torch.Tensor:
@@ -184,25 +213,35 @@ def _bool(value: torch.Tensor, node: ir.Expr) -> torch.Tensor:
 
 def dense_mask(spec: ir.AttentionIR, batch: int, heads: int, q_len: int, kv_len: int,
                tensors: dict | None = None, device="cpu", *,
-               max_bytes: int | None = None) -> torch.Tensor:
-    """The mask as a bool tensor ``[batch, heads, q_len, kv_len]``: True where ``q`` sees ``kv``."""
+               max_bytes: int | None = None, q_offset=None, kv_lengths=None) -> torch.Tensor:
+    """The mask as a bool tensor ``[batch, heads, q_len, kv_len]``: True where ``q`` sees ``kv``
+    (row ``i`` standing at position ``q_offset + i``; keys from ``kv_lengths[b]`` on hidden)."""
     check_budget(batch, heads, q_len, kv_len, max_bytes)
-    grid = index_grid(batch, heads, q_len, kv_len, device)
-    return _mask_on(spec, grid, tensors).expand(batch, heads, q_len, kv_len).contiguous()
+    q_offset = placement(spec, q_offset, kv_lengths, q_len, kv_len)
+    grid = index_grid(batch, heads, q_len, kv_len, device, q_offset)
+    mask = _mask_on(spec, grid, tensors, kv_lengths)
+    return mask.expand(batch, heads, q_len, kv_len).contiguous()
 
 
 def dense_scores(spec: ir.AttentionIR, logits: torch.Tensor, tensors: dict | None = None, *,
-                 max_bytes: int | None = None) -> torch.Tensor:
+                 max_bytes: int | None = None, q_offset=None) -> torch.Tensor:
     """The score pipeline applied to float64 ``logits [B, H, Q_LEN, KV_LEN]`` (no masking)."""
     batch, heads, q_len, kv_len = logits.shape
     check_budget(batch, heads, q_len, kv_len, max_bytes)
-    grid = index_grid(batch, heads, q_len, kv_len, logits.device)
+    q_offset = placement(spec, q_offset, None, q_len, kv_len)
+    grid = index_grid(batch, heads, q_len, kv_len, logits.device, q_offset)
     return _scores_on(spec, grid, logits, tensors).expand(batch, heads, q_len, kv_len)
 
 
-def _mask_on(spec: ir.AttentionIR, grid: dict, tensors: dict | None) -> torch.Tensor:
-    """The mask evaluated on an index grid (broadcastable bool)."""
-    return _bool(evaluate(spec.mask, grid, tensors or {}), spec.mask)
+def _mask_on(spec: ir.AttentionIR, grid: dict, tensors: dict | None,
+             kv_lengths=None) -> torch.Tensor:
+    """The mask evaluated on an index grid (broadcastable bool); with ``kv_lengths`` (valid keys
+    per batch row, ``[B]`` or ``[1]``), keys from ``kv_lengths[b]`` on are hidden too."""
+    mask = _bool(evaluate(spec.mask, grid, tensors or {}), spec.mask)
+    if kv_lengths is None:
+        return mask
+    lengths = torch.as_tensor(kv_lengths, device=grid["kv"].device).to(_INT).reshape(-1, 1, 1, 1)
+    return mask & (grid["kv"] < lengths)
 
 
 def _scores_on(spec: ir.AttentionIR, grid: dict, logits: torch.Tensor,
@@ -218,8 +257,8 @@ def _scores_on(spec: ir.AttentionIR, grid: dict, logits: torch.Tensor,
 
 def reference_attention(spec: ir.AttentionIR, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         *, scale: float | None = None, tensors: dict | None = None,
-                        max_bytes: int | None = None,
-                        rows: torch.Tensor | None = None) -> torch.Tensor:
+                        max_bytes: int | None = None, rows: torch.Tensor | None = None,
+                        q_offset=None, kv_lengths=None, return_lse: bool = False):
     """Attention as the spec defines it, computed densely in float64, returned in ``q.dtype``.
 
     ``q`` is ``(B, Hq, Q_LEN, D)``, ``k`` and ``v`` are ``(B, Hkv, KV_LEN, D)`` (``v`` may have its
@@ -227,8 +266,16 @@ def reference_attention(spec: ir.AttentionIR, q: torch.Tensor, k: torch.Tensor, 
     ``h`` reads kv head ``h // (Hq // Hkv)``; the ``h`` and ``H`` the spec sees are the query
     head and ``Hq``. ``scale`` defaults to ``1 / sqrt(D)``.
 
-    ``rows`` (int query positions) computes only those rows of the output, ``(B, Hq, len(rows),
-    Dv)``: the same semantics at a fraction of the memory, to check long sequences.
+    Row ``i`` of ``q`` stands at absolute position ``q_offset + i`` (``q_offset``: an int, or
+    one per batch row as an int tensor ``[B]``; 0 when ``None``): ``q`` in the spec is that
+    position. With ``kv_lengths`` (an int tensor ``[B]``), only the first ``kv_lengths[b]`` keys
+    of batch row ``b`` are visible (a preallocated cache). ``rows`` (row numbers of ``q``) computes only those rows of the output,
+    ``(B, Hq, len(rows), Dv)``: the same semantics at a fraction of the memory, to check long
+    sequences.
+
+    With ``return_lse``, returns ``(out, lse)``: ``lse`` is the natural logarithm of the sum of
+    ``exp`` of the final scores over the visible keys, ``(B, Hq, rows)``, ``-inf`` for a row that
+    sees no key; float32 (float64 when ``q`` is float64).
     """
     batch, heads, q_len, dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -237,12 +284,14 @@ def reference_attention(spec: ir.AttentionIR, q: torch.Tensor, k: torch.Tensor, 
                         "fit together")
     if heads % kv_heads:
         raise SpecError(f"{heads} query heads cannot share {kv_heads} key/value heads")
-    grid = index_grid(batch, heads, q_len, kv_len, q.device)
+    q_offset = placement(spec, q_offset, kv_lengths, q_len, kv_len)
+    grid = index_grid(batch, heads, q_len, kv_len, q.device, q_offset)
     if rows is not None:
         rows = torch.as_tensor(rows, dtype=_INT, device=q.device).reshape(-1)
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= q_len):
             raise SpecError(f"rows must lie in 0..{q_len - 1}")
-        grid["q"] = rows.reshape(1, 1, -1, 1)
+        grid["q"] = rows.reshape(1, 1, -1, 1) + (0 if q_offset is None else
+                                                 query_offsets(q_offset, batch, q.device))
         q = q[:, :, rows]
     n_rows = q.shape[2]
     check_budget(batch, heads, n_rows, kv_len, max_bytes)
@@ -255,7 +304,8 @@ def reference_attention(spec: ir.AttentionIR, q: torch.Tensor, k: torch.Tensor, 
 
     logits = torch.matmul(q64, k64.transpose(-2, -1)) * scale
     scores = _scores_on(spec, grid, logits, tensors).expand(shape)
-    scores = torch.where(_mask_on(spec, grid, tensors).expand(shape), scores, -math.inf)
+    scores = torch.where(_mask_on(spec, grid, tensors, kv_lengths).expand(shape), scores,
+                         -math.inf)
 
     # Softmax by hand so a row without any finite logit gives zeros instead of NaN.
     row_max = scores.amax(dim=-1, keepdim=True)
@@ -263,4 +313,8 @@ def reference_attention(spec: ir.AttentionIR, q: torch.Tensor, k: torch.Tensor, 
     weights = torch.exp(scores - row_max)
     total = weights.sum(dim=-1, keepdim=True)
     weights = weights / torch.where(total > 0, total, 1.0)
-    return torch.matmul(weights, v64).to(q.dtype)
+    out = torch.matmul(weights, v64).to(q.dtype)
+    if not return_lse:
+        return out
+    lse = torch.where(total > 0, torch.log(total) + row_max, -math.inf).squeeze(-1)
+    return out, lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)

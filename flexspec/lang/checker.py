@@ -47,6 +47,7 @@ class Checker(ExpressionChecker):
         self.scope = scope
         self.stack: list[str] = []
         self.learnables: dict[str, int] = {}  # base name -> uses so far
+        self.align: ir.Align = "start"  # "end" once a definition aligned at the end is used
 
     # ------------------------------------------------------------------------------------------
     # spec expressions
@@ -133,6 +134,8 @@ class Checker(ExpressionChecker):
             raise SpecCheckError("definitions refer to each other in a cycle: "
                                  + " -> ".join(cycle), node.span)
         self.stack.append(definition.name)
+        if definition.align == "end":
+            self.align = "end"
         try:
             yield
         finally:
@@ -387,8 +390,10 @@ def _example_literal(type_name: str) -> str:
 def check_spec(node: ast.Node, scope: Scope) -> ir.AttentionIR:
     """Resolve a spec expression into its IR (simplified), raising :class:`SpecCheckError`."""
     try:
-        value = Checker(scope).spec(node)
-        result = ir.AttentionIR(mask=simplify(value.mask), score=simplify(value.score))
+        checker = Checker(scope)
+        value = checker.spec(node)
+        result = ir.AttentionIR(mask=simplify(value.mask), score=simplify(value.score),
+                                align=checker.align)
     except RecursionError:
         raise SpecCheckError(_TOO_DEEP, node.span) from None
     _check_bindings_agree(result, node)

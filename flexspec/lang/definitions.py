@@ -55,6 +55,9 @@ class Definition:
     body: ast.Node
     origin: str = ""  # where it was defined, for messages ("registry", a file name)
     span: Optional[Span] = field(default=None, compare=False, repr=False)
+    # "end": a spec that uses this definition counts query positions from the end (see
+    # flexspec.ir.AttentionIR.align)
+    align: str = "start"
 
     def signature(self) -> str:
         if not self.params:

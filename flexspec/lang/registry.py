@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from flexspec import ir
 from flexspec.lang import ast
 from flexspec.lang.checker import check_definition, check_spec
 from flexspec.lang.definitions import SCALAR_TYPES, Definition, ParamSpec, Scope
@@ -23,7 +24,7 @@ from flexspec.resources import data_path
 
 KINDS = ("mask", "score")
 REQUIRED_KEYS = ("name", "kind", "summary", "definition", "references", "example")
-OPTIONAL_KEYS = ("description", "params", "aliases", "tags")
+OPTIONAL_KEYS = ("description", "params", "aliases", "tags", "align")
 PARAM_KEYS = ("name", "type", "default", "constraint", "doc")
 
 
@@ -47,6 +48,7 @@ class Pattern:
     aliases: tuple
     tags: tuple
     example: str
+    align: str = "start"
     path: str = field(default="", compare=False)
     body: ast.Node = field(default=None, compare=False, repr=False)
 
@@ -54,7 +56,8 @@ class Pattern:
         return self.as_definition().signature()
 
     def as_definition(self) -> Definition:
-        return Definition(self.name, self.kind, self.params, self.body, origin=self.path)
+        return Definition(self.name, self.kind, self.params, self.body, origin=self.path,
+                          align=self.align)
 
 
 def patterns_dir() -> Path:
@@ -214,6 +217,9 @@ def load_pattern(path: Path) -> tuple[Pattern, _File, dict]:
             file.fail("a reference url must start with http:// or https://", ref_keys["url"])
         references.append(Reference(file.string(ref_keys["title"], "title"), url))
     body = parse_expr(file.source(keys["definition"], "definition"))
+    align = file.string(keys["align"], "align") if "align" in keys else "start"
+    if align not in ir.ALIGNMENTS:
+        file.fail(f"align must be 'start' or 'end', not '{align}'", keys["align"])
     pattern = Pattern(
         name=name, kind=kind, params=params,
         summary=file.string(keys["summary"], "summary"),
@@ -222,7 +228,7 @@ def load_pattern(path: Path) -> tuple[Pattern, _File, dict]:
         references=tuple(references),
         aliases=file.strings(keys["aliases"], "aliases") if "aliases" in keys else (),
         tags=file.strings(keys["tags"], "tags") if "tags" in keys else (),
-        example=file.string(keys["example"], "example"),
+        example=file.string(keys["example"], "example"), align=align,
         path=str(path), body=body)
     return pattern, file, keys
 

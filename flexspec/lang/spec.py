@@ -32,6 +32,8 @@ class Spec:
     def explain(self) -> str:
         """The resolved, simplified IR as text."""
         lines = [f"spec:  {self}", f"mask:  {self.ir.mask}", f"score: {self.ir.score}"]
+        if self.ir.align == "end":
+            lines.append("align: end (without q_offset, query row i stands at KV_LEN - Q_LEN + i)")
         for tensor in self.ir.tensors():
             dims = ", ".join(str(d) for d in tensor.shape)
             origin = {"binding": "runtime binding", "builtin": "computed",

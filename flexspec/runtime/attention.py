@@ -25,6 +25,7 @@ from flexspec.runtime.explanation import Explanation, explain_plan
 from flexspec.runtime.inputs import Tensors, as_device, check_qkv, given_sizes
 from flexspec.runtime.masks import BLOCK_MASK_MODES, BlockMaskMode, BlockMasks
 from flexspec.runtime.notices import warn_once
+from flexspec.runtime import positions
 from flexspec.runtime.plan import PLAN_CACHE_SIZE, Plan, call_key, make_plan
 
 
@@ -51,7 +52,9 @@ class Attention:
         self.backend = backend
         self.block_size = sizes
         self.block_masks = block_masks
-        self._inputs = Tensors(spec.ir)
+        # a Tensors per way the call places its queries: (q_offset read, kv_lengths read)
+        self._inputs = {(False, False): Tensors(spec.ir)}
+        self._default_offset = spec.ir.align == "end" and positions.reads_positions(spec.ir)
         self._masks = BlockMasks(block_masks, sizes)
         self._plans: collections.OrderedDict = collections.OrderedDict()
 
@@ -70,32 +73,70 @@ class Attention:
     def _tensors(self, sizes: dict, bindings: dict, device, learnables=None,
                  mask_only: bool = False) -> tuple:
         """Checked tensor values (keyed by tensor_key) and the IR specialized to their shapes
-        (see :meth:`flexspec.runtime.inputs.Tensors.gather`)."""
-        return self._inputs.gather(sizes, bindings, device, learnables, mask_only)
+        (see :meth:`flexspec.runtime.inputs.Tensors.gather`); ``bindings`` may hold the
+        ``q_offset`` and ``kv_lengths`` tensors of :meth:`_positions`."""
+        return self._inputs_for(bindings).gather(sizes, bindings, device, learnables, mask_only)
+
+    def _inputs_for(self, bindings: dict) -> Tensors:
+        variant = (positions.Q_OFFSET in bindings, positions.KV_LENGTHS in bindings)
+        inputs = self._inputs.get(variant)
+        if inputs is None:
+            inputs = self._inputs[variant] = Tensors(positions.positioned(self.ir, *variant))
+        return inputs
+
+    def _positions(self, bindings: dict, q_offset, kv_lengths, batch: int, q_len: int,
+                   kv_len: int, device) -> dict:
+        """``bindings`` with the tensors that place the queries (see
+        :mod:`flexspec.runtime.positions`), when the call or the spec's alignment asks for them."""
+        if q_offset is None and kv_lengths is None and not self._default_offset:
+            return bindings
+        added = positions.call_tensors(self.ir, q_offset, kv_lengths, batch, q_len, kv_len,
+                                       as_device(device))
+        return {**bindings, **added} if added else bindings
+
+    def _reference_positions(self, q_offset, kv_lengths, batch: int, q_len: int, kv_len: int,
+                             device) -> tuple:
+        """``(q_offset, kv_lengths)`` of a call, checked as a call checks them, for the
+        reference (which places the queries of an end-aligned spec itself)."""
+        checked = positions.call_tensors(self.ir, q_offset, kv_lengths, batch, q_len, kv_len,
+                                         as_device(device))
+        return (checked.get(positions.Q_OFFSET) if q_offset is not None else None,
+                checked.get(positions.KV_LENGTHS))
 
     def block_mask(self, q_len: int, kv_len: int, *, batch: int | None = None,
-                   heads: int | None = None, device="cpu", **bindings) -> BlockMask:
+                   heads: int | None = None, device="cpu", q_offset=None, kv_lengths=None,
+                   **bindings) -> BlockMask:
         """The BlockMask for these sizes. Batch and head dimensions are 1 unless the mask depends
         on ``b`` or ``h``. A spec without a mask gets an all-full block mask: torch 2.13's
         compiled CPU kernel gave wrong results (NaN, or differing run to run) with
         ``block_mask=None`` and a score_mod, so flexspec always passes one."""
         sizes = given_sizes(q_len, kv_len, batch, heads).as_dict()
         device = as_device(device)
+        bindings = self._positions(bindings, q_offset, kv_lengths, sizes["B"], q_len, kv_len,
+                                   device)
         values, spec = self._tensors(sizes, bindings, device, mask_only=True)
         return self._masks.get(spec, sizes, values, device)
 
     def dense_mask(self, q_len: int, kv_len: int, *, batch: int | None = None,
-                   heads: int | None = None, device="cpu", **bindings) -> torch.Tensor:
-        """The mask from the reference semantics: bool ``[B or 1, H or 1, Q_LEN, KV_LEN]``."""
+                   heads: int | None = None, device="cpu", q_offset=None, kv_lengths=None,
+                   **bindings) -> torch.Tensor:
+        """The mask from the reference semantics: bool ``[B or 1, H or 1, Q_LEN, KV_LEN]``
+        (``B`` when the mask depends on the batch row, per-row ``q_offset`` or ``kv_lengths``
+        included)."""
         sizes = given_sizes(q_len, kv_len, batch, heads).as_dict()
         device = as_device(device)
+        offset, lengths = self._reference_positions(q_offset, kv_lengths, sizes["B"], q_len,
+                                                    kv_len, device)
         values, spec = self._tensors(sizes, bindings, device, mask_only=True)
         key = self._masks.key(spec, sizes, device)
-        return dense_mask(spec, key.batch, key.heads, q_len, kv_len, values, device)
+        per_row = any(t is not None and t.numel() > 1 for t in (offset, lengths))
+        rows = sizes["B"] if per_row else key.batch
+        return dense_mask(spec, rows, key.heads, q_len, kv_len, values, device,
+                          q_offset=offset, kv_lengths=lengths)
 
     def mods(self, *, q_len: int | None = None, kv_len: int | None = None,
-             batch: int | None = None, heads: int | None = None, device=None,
-             **bindings) -> tuple:
+             batch: int | None = None, heads: int | None = None, device=None, q_offset=None,
+             kv_lengths=None, **bindings) -> tuple:
         """``(mask_mod, score_mod)`` for raw ``flex_attention`` (``None`` for a missing half).
 
         Sizes the generated code or the bindings' shapes need must be known: pass them, or let
@@ -118,6 +159,8 @@ class Attention:
             sizes_used = ir.free_vars(tensor) & set(ir.SIZE_VARS)
             # a binding broadcasts over B and H; computed and learnable tensors need their sizes
             needed |= sizes_used - {"B", "H"} if tensor.origin == "binding" else sizes_used
+        if q_offset is not None or kv_lengths is not None or self._default_offset:
+            needed |= {"Q_LEN", "KV_LEN"}  # where the queries stand depends on both
         missing = sorted(n for n in needed if given[n] is None)
         if missing:
             names = {"B": "batch", "H": "heads", "Q_LEN": "q_len", "KV_LEN": "kv_len"}
@@ -125,38 +168,70 @@ class Attention:
                                + ", ".join(f"{names[n]}=..." for n in missing))
         sizes = given_sizes(*(given[n] or 1 for n in ("Q_LEN", "KV_LEN", "B", "H"))).as_dict()
         device = as_device(device or "cpu")
+        bindings = self._positions(bindings, q_offset, kv_lengths, sizes["B"], sizes["Q_LEN"],
+                                   sizes["KV_LEN"], device)
         values, spec = self._tensors(sizes, bindings, device)
         return lower(spec).make_mods(sizes, values)
 
     # ---- attention
-    def reference(self, q, k, v, *, scale=None, rows=None, **bindings) -> torch.Tensor:
-        """The dense float64 reference result (in q's dtype); with ``rows`` (query positions),
-        only those rows of it, to check long sequences at a fraction of the memory."""
+    def reference(self, q, k, v, *, scale=None, rows=None, q_offset=None, kv_lengths=None,
+                  return_lse: bool = False, **bindings):
+        """The dense float64 reference result (in q's dtype); with ``rows`` (row numbers of q),
+        only those rows of it, to check long sequences at a fraction of the memory. The
+        arguments mean what they mean in a call."""
         sizes = check_qkv(q, k, v, allow_float64=True).as_dict()
+        offset, lengths = self._reference_positions(q_offset, kv_lengths, sizes["B"],
+                                                    sizes["Q_LEN"], sizes["KV_LEN"], q.device)
         values, spec = self._tensors(sizes, bindings, q.device)
-        return reference_attention(spec, q, k, v, scale=scale, tensors=values, rows=rows)
+        return reference_attention(spec, q, k, v, scale=scale, tensors=values, rows=rows,
+                                   q_offset=offset, kv_lengths=lengths, return_lse=return_lse)
 
-    def __call__(self, q, k, v, *, scale=None, **bindings) -> torch.Tensor:
-        return self._call(q, k, v, scale, bindings, None)
+    def __call__(self, q, k, v, *, scale=None, q_offset=None, kv_lengths=None,
+                 return_lse: bool = False, **bindings):
+        """Attention of ``q`` ``(B, Hq, Q_LEN, D)`` over ``k``, ``v`` ``(B, Hkv, KV_LEN, D)``.
 
-    def explain(self, q, k, v, *, scale=None, **bindings) -> Explanation:
+        ``q_offset`` (an int, or an int tensor ``[B]``) places query row ``i`` at absolute
+        position ``q_offset + i`` (decoding, chunked prefill); ``kv_lengths`` (an int tensor
+        ``[B]``) says how many keys of a preallocated cache are valid per batch row. With
+        ``return_lse``, returns ``(out, lse)``: the natural-log sum of ``exp`` of the scores over
+        the visible keys, ``(B, Hq, Q_LEN)`` float32, ``-inf`` for a row that sees no key.
+        Bindings are passed by name (``doc_ids=ids``)."""
+        return self._call(q, k, v, scale, bindings, None, q_offset, kv_lengths, return_lse)
+
+    def explain(self, q, k, v, *, scale=None, q_offset=None, kv_lengths=None,
+                return_lse: bool = False, **bindings) -> Explanation:
         """What a call with these inputs would do: the canonical spec, the visible fraction of
         the score matrix, the work in FLOPs, the backend chosen and why (and why not the others).
-        Only the shapes, dtypes and devices of ``q``, ``k``, ``v`` matter."""
-        plan = self._plan(q, k, v, scale, bindings, None)
+        Only the shapes, dtypes and devices of ``q``, ``k``, ``v`` matter (and the values of the
+        tensors the mask reads)."""
+        bindings = self._placed(q, k, bindings, q_offset, kv_lengths)
+        plan = self._plan(q, k, v, scale, bindings, None, return_lse)
         values = plan.values(bindings)
         block_mask = self._masks.get(plan.spec, plan.sizes, values, q.device, plan.mask)
         return explain_plan(plan, values, block_mask, str(self.spec), q, k, v)
 
     # ---- the call path: a plan per input signature, then a few cheap steps per call
-    def _call(self, q, k, v, scale, bindings, learnables):
+    def _placed(self, q, k, bindings, q_offset, kv_lengths) -> dict:
+        """:meth:`_positions` for a call, sized by q and k (checked first when they are not
+        what a call takes, so the error names them)."""
+        if q_offset is None and kv_lengths is None and not self._default_offset:
+            return bindings
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+                and q.dim() == k.dim() == 4):
+            check_qkv(q, k, k)
+        return self._positions(bindings, q_offset, kv_lengths, q.shape[0], q.shape[2],
+                               k.shape[2], q.device)
+
+    def _call(self, q, k, v, scale, bindings, learnables, q_offset=None, kv_lengths=None,
+              return_lse=False):
+        bindings = self._placed(q, k, bindings, q_offset, kv_lengths)
         try:
-            key = call_key(q, k, v, scale, bindings, learnables)
+            key = call_key(q, k, v, scale, bindings, learnables, return_lse)
             plan = self._plans.get(key)
         except TypeError:  # an unhashable argument: the checks of _plan say what is wrong
             key, plan = None, None
         if plan is None:
-            plan = self._plan(q, k, v, scale, bindings, learnables)
+            plan = self._plan(q, k, v, scale, bindings, learnables, return_lse)
             if plan.choice.backend == "reference" and plan.request.grads \
                     and self.backend == "auto":
                 device = q.device.type
@@ -176,7 +251,8 @@ class Attention:
             plan.check_lookups(values)
         return plan.backend.run(plan, q, k, v, scale, bindings, values)
 
-    def _plan(self, q, k, v, scale, bindings, learnables) -> Plan:
-        return make_plan(text=str(self.spec), asked=self.backend, tensors=self._inputs,
-                         masks=self._masks, block_size=self.block_size, q=q, k=k, v=v,
-                         scale=scale, bindings=bindings, learnables=learnables)
+    def _plan(self, q, k, v, scale, bindings, learnables, return_lse=False) -> Plan:
+        return make_plan(text=str(self.spec), asked=self.backend,
+                         tensors=self._inputs_for(bindings), masks=self._masks,
+                         block_size=self.block_size, q=q, k=k, v=v, scale=scale,
+                         bindings=bindings, learnables=learnables, return_lse=return_lse)

@@ -12,6 +12,11 @@ import linecache
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
+try:
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # torch before return_aux
+    AuxRequest = None
+
 from flexspec.errors import SpecError
 from flexspec.kernels.lower import Lowered
 
@@ -27,10 +32,14 @@ _entry_counter = itertools.count(1)
 def compiled_entry(lowered: Lowered):
     """A compiled ``flex_attention`` call whose code object belongs to this spec alone, so each
     spec has its own dynamo cache and recompile budget."""
-    text = ("def run(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options):\n"
+    text = ("def run(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, lse):\n"
+            "    if lse is None:\n"
+            "        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,\n"
+            "                              scale=scale, enable_gqa=enable_gqa,\n"
+            "                              kernel_options=kernel_options)\n"
             "    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,\n"
             "                          scale=scale, enable_gqa=enable_gqa,\n"
-            "                          kernel_options=kernel_options)\n")
+            "                          kernel_options=kernel_options, **lse)\n")
     filename = f"<flexspec-entry-{next(_entry_counter)}>"
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
     namespace = {"flex_attention": flex_attention}
@@ -39,6 +48,22 @@ def compiled_entry(lowered: Lowered):
     # docs/performance.md#why-the-backend-rules-are-what-they-are); run_compiled asks for the
     # same around the calls that compile instead
     return torch.compile(namespace["run"])
+
+
+def lse_request(return_lse: bool) -> dict | None:
+    """The keyword that asks ``flex_attention`` for the log-sum-exp too (``return_aux`` where
+    torch has it, the older ``return_lse`` elsewhere), or ``None``."""
+    if not return_lse:
+        return None
+    if AuxRequest is not None:
+        return {"return_aux": AuxRequest(lse=True)}
+    return {"return_lse": True}
+
+
+def split_lse(result) -> tuple:
+    """``(out, lse)`` from what ``flex_attention`` returned when asked for the log-sum-exp."""
+    out, extra = result
+    return out, getattr(extra, "lse", extra)
 
 
 # Dynamo settings for the calls that may compile: static shapes (a kernel per shape, as

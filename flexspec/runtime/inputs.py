@@ -146,7 +146,7 @@ class Tensors:
                mask_only: bool = False) -> tuple:
         """Checked tensor values (keyed by tensor_key) and the IR specialized to their shapes.
         With ``mask_only``, only the tensors the mask reads are required."""
-        spec = ir.AttentionIR(mask=self.ir.mask) if mask_only else self.ir
+        spec = ir.AttentionIR(mask=self.ir.mask, align=self.ir.align) if mask_only else self.ir
         expected = {t.name: t for t in spec.bindings()}
         learnable = {t.name: t for t in spec.tensors() if t.origin == "learnable"}
         if mask_only:  # a binding of the score is not needed here, but is not unexpected either

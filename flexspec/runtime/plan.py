@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from flexspec import ir
+from flexspec.errors import BindingError
 from flexspec.ir import tensor_key
 from flexspec.ir.specialize import declared_shape
 from flexspec.kernels.lower import lower
@@ -86,19 +87,23 @@ class Plan:
         return tuple(identity(values[tensor_key(t)]) for t, _, _ in self.unproven)
 
 
-def call_key(q, k, v, scale, bindings: dict, learnables: dict | None) -> tuple:
+def call_key(q, k, v, scale, bindings: dict, learnables: dict | None,
+             return_lse: bool = False) -> tuple:
     """The input signature a plan is cached under (a TypeError for unhashable arguments)."""
-    return (meta(q), meta(k), meta(v), scale, torch.is_grad_enabled(),
+    return (meta(q), meta(k), meta(v), scale, torch.is_grad_enabled(), bool(return_lse),
             tuple((name, meta(value)) for name, value in bindings.items()),
             None if learnables is None else
             tuple((name, id(value), meta(value)) for name, value in learnables.items()))
 
 
 def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, block_size: tuple,
-              q, k, v, scale, bindings: dict, learnables: dict | None) -> Plan:
+              q, k, v, scale, bindings: dict, learnables: dict | None,
+              return_lse: bool = False) -> Plan:
     """Check a call's inputs and decide everything that depends only on their signature."""
     sizes = check_qkv(q, k, v, allow_float64=asked == "reference").as_dict()
     check_scale(scale)
+    if not isinstance(return_lse, bool):
+        raise BindingError(f"return_lse must be True or False, got {return_lse!r}")
     device = q.device
     values, spec = tensors.gather(sizes, bindings, device, learnables)
     slots = [Slot(t.name, tensor_key(t), len(declared_shape(t, sizes)))
@@ -123,7 +128,8 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, blo
         q_len=sizes["Q_LEN"], kv_len=sizes["KV_LEN"], head_dim=q.shape[-1],
         v_head_dim=v.shape[-1], grads=grads, table_grads=table_grads,
         score_tensors=bool(score_keys), block_size=block_size,
-        reference_fits=math.prod(q.shape[:3]) * k.shape[2] * 8 <= MAX_BYTES, **facts)
+        reference_fits=math.prod(q.shape[:3]) * k.shape[2] * 8 <= MAX_BYTES,
+        lse=bool(return_lse), **facts)
     if q.dtype == torch.float64 and asked == "reference":
         choice = Choice("reference", "backend='reference' was asked for")
     else:

@@ -63,13 +63,16 @@ def lookups_fit(spec, shape: Shape, *, exact: bool = True) -> bool:
     which is what the runtime checks before a call: sound, but it may refuse shapes that fit.
     """
     from flexspec.ir.intervals import lookup_ranges
-    from flexspec.kernels.reference import evaluate, index_grid
     from flexspec.ir.specialize import declared_shape
+    from flexspec.kernels.reference import evaluate, index_grid, placement
 
     spec_ir = as_ir(spec)
     sizes = shape.sizes
-    grid = index_grid(shape.B, shape.Hq, shape.Q_LEN, shape.KV_LEN) if exact else None
-    for tensor, dim, index, span in lookup_ranges(spec_ir, sizes):
+    # where the rows stand when a call gives no q_offset (an end-aligned spec counts from the end)
+    offset = placement(spec_ir, None, None, shape.Q_LEN, shape.KV_LEN) or 0
+    grid = index_grid(shape.B, shape.Hq, shape.Q_LEN, shape.KV_LEN, q_offset=offset) \
+        if exact else None
+    for tensor, dim, index, span in lookup_ranges(spec_ir, sizes, offset):
         size = declared_shape(tensor, sizes)[dim]
         plain = not any(isinstance(n, ir.Lookup) or (isinstance(n, ir.Var) and n.name == "score")
                         for n in ir.walk(index))

@@ -42,6 +42,9 @@ def _param_rows(pattern: Pattern) -> list[str]:
 def render_pattern(pattern: Pattern) -> str:
     lines = [f"## {pattern.name}", "", f"*{pattern.kind}* — {pattern.summary}", ""]
     lines += ["```", f"{pattern.kind} {pattern.signature()} = {pattern.definition.strip()}", "```", ""]
+    if pattern.align == "end":
+        lines += ["Aligned at the end: in a spec that uses it, query row i stands at position "
+                  "`KV_LEN - Q_LEN + i` unless the call gives `q_offset`.", ""]
     if pattern.aliases:
         lines += ["Aliases: " + ", ".join(f"`{a}`" for a in pattern.aliases) + ".", ""]
     lines += _param_rows(pattern)

@@ -108,6 +108,8 @@ def cmd_show(args) -> int:
     out.append(f"aliases:    {', '.join(p.aliases) or '-'}")
     out.append(f"tags:       {', '.join(p.tags) or '-'}")
     out.append(f"definition: {p.definition.strip()}")
+    if p.align == "end":
+        out.append("align:      end (query positions counted from the end: without q_offset, row i stands at KV_LEN - Q_LEN + i)")
     if p.params:
         out.append("")
         out.append("parameters:")

@@ -76,7 +76,9 @@ class Case:
         self.spec, self.shape, self.bindings, self.block = spec, shape, values, tuple(block)
         self.attn = flexspec.compile(spec, library=LIBRARY)
         self.sizes = shape.sizes
-        self.values, self.ir = self.attn._tensors(self.sizes, values, CPU)
+        # where the queries stand (an end-aligned spec reads a q_offset tensor)
+        placed = self.attn._positions(values, None, None, shape.B, shape.Q_LEN, shape.KV_LEN, CPU)
+        self.values, self.ir = self.attn._tensors(self.sizes, placed, CPU)
         free = ir.free_vars(self.ir.mask)
         self.batch = shape.B if "b" in free else 1
         self.heads = shape.Hq if "h" in free else 1

@@ -379,7 +379,8 @@ def test_pattern_file(path):
     assert data["name"] == path.stem
     assert data["kind"] in ("mask", "score")
     assert set(data) <= {"name", "kind", "summary", "description", "params", "definition",
-                         "aliases", "tags", "references", "example"}
+                         "aliases", "tags", "references", "example", "align"}
+    assert data.get("align", "start") in ("start", "end")
     assert data["summary"].strip() and "\n" not in data["summary"].strip()
     assert len(data.get("description", "")) > 200, "describe conventions and pitfalls"
     assert "\n" not in data["definition"].strip(), "the definition is one line"

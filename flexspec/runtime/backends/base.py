@@ -48,6 +48,7 @@ class Request:
     reference_fits: bool = True      # the dense reference fits its memory budget
     flash_installed: bool = False
     flash_failed: str | None = None  # FLASH failed to compile this spec before (the error)
+    lse: bool = False                # the call asks for the log-sum-exp too (return_lse)
 
     @property
     def blocks_of_128(self) -> bool:

@@ -125,7 +125,8 @@ class FlashBackend(FlexBackend):
                                      "this one)", rejected)
         plan.backend = flex
         plan.prepared.kernel_options = flex.kernel_options(plan.request)
-        return flex.launch(plan, args[:-1] + (plan.prepared.kernel_options,))
+        # the kernel options are the second to last argument (see FlexBackend.run)
+        return flex.launch(plan, args[:-2] + (plan.prepared.kernel_options, args[-1]))
 
 
 def first_line(err: Exception) -> str:

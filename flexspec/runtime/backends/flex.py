@@ -49,6 +49,7 @@ class FlexCall:
     last_block_mask: BlockMask | None = None
     score_varies: bool = True                # the score_mod captures this call's bindings
     score_mod: object = None
+    lse: dict | None = None                  # compiled.lse_request(return_lse)
     warm: bool = False                       # the compiled entry has run once for this plan
 
     def same_mask_bindings(self, bindings: dict) -> bool:
@@ -100,7 +101,8 @@ class FlexBackend(Backend):
     def prepare(self, plan, values, masks):
         lowered = lower(plan.spec)
         call = FlexCall(lowered=lowered, entry=compiled.compiled_entry(lowered),
-                        kernel_options=self.kernel_options(plan.request), masks=masks)
+                        kernel_options=self.kernel_options(plan.request), masks=masks,
+                        lse=compiled.lse_request(plan.request.lse))
         call.mask_bindings = tuple(slot.name for slot in plan.slots
                                    if slot.key in plan.mask.reads)
         if not call.mask_bindings:
@@ -137,13 +139,15 @@ class FlexBackend(Backend):
             score_mod = call.score_mod
         if plan.detach:
             q, k, v = q.detach(), k.detach(), v.detach()
-        args = (q, k, v, score_mod, block_mask, scale, plan.gqa, call.kernel_options)
+        args = (q, k, v, score_mod, block_mask, scale, plan.gqa, call.kernel_options,
+                call.lse)
         if call.warm:
             # a warm plan cannot recompile (see compiled.run_compiled): no watch needed
-            return call.entry(*args)
-        out = self.launch(plan, args)
-        call.warm = True
-        return out
+            out = call.entry(*args)
+        else:
+            out = self.launch(plan, args)
+            call.warm = True
+        return compiled.split_lse(out) if call.lse is not None else out
 
     def launch(self, plan, args: tuple):
         """The first call of a plan, which may compile."""

@@ -32,4 +32,5 @@ class ReferenceBackend(Backend):
         plan.needs_values = True
 
     def run(self, plan, q, k, v, scale, bindings, values):
-        return reference_attention(plan.spec, q, k, v, scale=scale, tensors=values)
+        return reference_attention(plan.spec, q, k, v, scale=scale, tensors=values,
+                                   return_lse=plan.request.lse)

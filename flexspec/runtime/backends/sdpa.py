@@ -34,8 +34,8 @@ def sdpa_form(spec: ir.AttentionIR) -> SdpaForm | None:
     if mask == ir.Const(True):
         causal = False
     elif mask in (ir.Binary(">=", ir.Var("q"), ir.Var("kv")),
-                  ir.Binary("<=", ir.Var("kv"), ir.Var("q"))):
-        causal = True
+                  ir.Binary("<=", ir.Var("kv"), ir.Var("q"))) and spec.align == "start":
+        causal = True  # is_causal is top-left: an end-aligned causal is another mask
     else:
         return None
     factor, score = 1.0, spec.score
@@ -88,6 +88,8 @@ class SdpaBackend(Backend):
         form = sdpa_form(spec)
         if form is None:
             return not_sdpa(spec)
+        if request.lse:
+            return "SDPA does not return the log-sum-exp that return_lse=True asks for"
         if form.causal and request.q_len != request.kv_len:
             return (f"SDPA's is_causal equals `causal` only when Q_LEN == KV_LEN, got "
                     f"{request.q_len} and {request.kv_len}")

@@ -1,0 +1,242 @@
+"""Absolute query positions (q_offset), end alignment (causal_bottom_right), valid cache lengths
+(kv_lengths) and the log-sum-exp (return_lse): the decoding invariant as a property over random
+specs, shapes and bindings, checked on the reference and on FlexAttention with flexspec's mods and
+block masks; then worked examples through the runtime."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import flex_attention
+
+import flexspec
+from flexspec import ir
+from flexspec.kernels.reference import dense_mask, dense_scores
+from flexspec.testing import KINDS, Shape, bindings, lookups_fit, specs
+
+PROPERTY = settings(max_examples=25, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+EAGER = settings(max_examples=8, deadline=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+def reads(spec, name: str) -> bool:
+    return name in ir.free_vars(spec.ir.mask) | ir.free_vars(spec.ir.score)
+
+
+@st.composite
+def decoding_cases(draw, max_len: int = 90):
+    """A spec that does not read Q_LEN, a square shape (the whole sequence), its bindings, and
+    how many of the last queries to decode (1, or more for speculative decoding)."""
+    spec = draw(specs(kinds=KINDS))
+    assume(not reads(spec, "Q_LEN"))
+    length = draw(st.integers(1, max_len))
+    kv_heads = draw(st.integers(1, 2))
+    shape = Shape(draw(st.integers(1, 2)), kv_heads * draw(st.integers(1, 2)), kv_heads,
+                  length, length, draw(st.sampled_from((8, 16))))
+    assume(lookups_fit(spec, shape))
+    values = draw(bindings(spec, shape, learnables=True))
+    last = draw(st.one_of(st.just(1), st.integers(1, length)))
+    return spec, shape, values, last
+
+
+def close(got, want, what):
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+# ---- the decoding invariant -----------------------------------------------------------------
+
+
+@PROPERTY
+@given(decoding_cases(), st.integers(0, 2**31 - 1))
+def test_the_last_queries_at_their_offset_equal_the_last_rows_of_full_attention(case, seed):
+    spec, shape, values, last = case
+    attn = flexspec.compile(spec)
+    q, k, v = shape.qkv(seed)
+    start = shape.Q_LEN - last
+    full = attn.reference(q, k, v, **values)
+    part = attn.reference(q[:, :, start:], k, v, q_offset=start, **values)
+    close(part, full[:, :, start:], f"{spec} {shape} last {last}")
+    # one offset per batch row: each row as if it had been called alone
+    offsets = torch.tensor([start] * shape.B)
+    close(attn.reference(q[:, :, start:], k, v, q_offset=offsets, **values), part,
+          f"{spec} per-row offsets")
+
+
+@PROPERTY
+@given(decoding_cases(), st.data())
+def test_a_chunk_of_queries_against_the_keys_up_to_its_end_equals_those_rows(case, data):
+    """Chunked prefill: queries a..b-1 at offset a against keys 0..b-1, for masks under which
+    those queries see no later key (causal ones)."""
+    spec, shape, values, _ = case
+    assume(not reads(spec, "KV_LEN"))
+    attn = flexspec.compile(spec)
+    q, k, v = shape.qkv(data.draw(st.integers(0, 2**31 - 1)))
+    end = data.draw(st.integers(1, shape.KV_LEN))
+    begin = data.draw(st.integers(0, end - 1))
+    mask = attn.dense_mask(shape.Q_LEN, shape.KV_LEN, batch=shape.B, heads=shape.Hq,
+                           **{n: t for n, t in values.items() if n in attn.bindings})
+    assume(not mask[:, :, begin:end, end:].any())
+    full = attn.reference(q, k, v, **values)
+    cut = {name: _keys_up_to(spec, name, value, end) for name, value in values.items()}
+    chunk = attn.reference(q[:, :, begin:end], k[:, :, :end], v[:, :, :end], q_offset=begin,
+                           **cut)
+    close(chunk, full[:, :, begin:end], f"{spec} {shape} chunk {begin}..{end}")
+
+
+def _keys_up_to(spec, name: str, value: torch.Tensor, end: int) -> torch.Tensor:
+    """A binding cut to the first ``end`` keys along its KV_LEN dimensions."""
+    tensor = next(t for t in spec.ir.tensors() if t.name == name)
+    dims = tensor.shape[len(tensor.shape) - value.dim():]
+    index = tuple(slice(0, end) if d == ir.Var("KV_LEN") else slice(None) for d in dims)
+    return value[index]
+
+
+@EAGER
+@given(decoding_cases(max_len=70), st.integers(0, 2**31 - 1))
+def test_flex_attention_with_offset_mods_and_block_masks_decodes_like_the_reference(case, seed):
+    """The lowering and the block masks place the queries as the reference does."""
+    spec, shape, values, last = case
+    attn = flexspec.compile(spec)
+    q, k, v = shape.qkv(seed)
+    start = shape.Q_LEN - last
+    sizes = dict(q_len=last, kv_len=shape.KV_LEN, batch=shape.B, heads=shape.Hq)
+    _, score_mod = attn.mods(q_offset=start, **sizes, **values)
+    block_mask = attn.block_mask(last, shape.KV_LEN, batch=shape.B, heads=shape.Hq,
+                                 q_offset=start, **values)
+    out = flex_attention(q[:, :, start:], k, v, score_mod=score_mod, block_mask=block_mask,
+                         enable_gqa=shape.Hq != shape.Hkv)
+    close(out, attn.reference(q, k, v, **values)[:, :, start:], f"{spec} {shape} last {last}")
+
+
+# ---- end alignment --------------------------------------------------------------------------
+
+
+def softmax_rows(q_len, kv_len, heads, bias_of):
+    """Expected output when logits are 0 and v is the identity: softmax of the bias per row."""
+    bias = torch.tensor([[[bias_of(h, i, j) for j in range(kv_len)] for i in range(q_len)]
+                         for h in range(heads)], dtype=torch.float64)
+    return torch.softmax(bias, -1).unsqueeze(0)
+
+
+def probe(heads, q_len, kv_len):
+    """q of zeros (every logit 0) and v the identity: the output rows are the weights."""
+    q = torch.zeros(1, heads, q_len, kv_len, dtype=torch.float64)
+    k = torch.zeros(1, heads, kv_len, kv_len, dtype=torch.float64)
+    v = torch.eye(kv_len, dtype=torch.float64).expand(1, heads, kv_len, kv_len)
+    return q, k, v
+
+
+def test_alibi_decodes_at_the_end_with_causal_bottom_right():
+    """The issue's example: at Q_LEN=1, KV_LEN=4 the newest token's ALiBi bias is
+    -slope * [3, 2, 1, 0], not the top-left [0, 1, 2, 3]."""
+    heads = 8
+    attn = flexspec.compile("causal_bottom_right + alibi", backend="reference")
+    slope = lambda h: 2.0 ** (-8.0 * (h + 1) / heads)  # noqa: E731
+    want = softmax_rows(1, 4, heads, lambda h, i, j: -slope(h) * abs(3 - j))
+    got = attn(*probe(heads, 1, 4))
+    torch.testing.assert_close(got, want)
+    assert torch.allclose(got[0, 0, 0], torch.softmax(torch.tensor([-1.5, -1.0, -0.5, 0.0],
+                                                                    dtype=torch.float64), -1))
+    # causal + alibi at the same offset says the same thing
+    explicit = flexspec.compile("causal + alibi", backend="reference")
+    torch.testing.assert_close(explicit(*probe(heads, 1, 4), q_offset=3), want)
+
+
+def test_end_alignment_is_one_setting_for_the_whole_spec():
+    for text in ("causal_bottom_right + alibi", "alibi + causal_bottom_right",
+                 "causal_bottom_right & window(2)", "window(2) & causal_bottom_right"):
+        assert flexspec.parse(text).ir.align == "end", text
+    assert flexspec.parse("causal & window(2) + alibi").ir.align == "start"
+    lib = flexspec.lang.library.load_text("mask recent(n: int) = causal_bottom_right & window(n)\n"
+                                          "spec decode = recent(4) + alibi\n")
+    assert lib["decode"].ir.align == "end"
+    assert "align: end" in flexspec.parse("causal_bottom_right").explain()
+
+
+@pytest.mark.parametrize("text", ["causal_bottom_right", "causal_bottom_right & window(3)",
+                                  "causal_bottom_right + alibi"])
+def test_an_end_aligned_spec_is_the_start_aligned_one_at_offset_kv_minus_q(text):
+    start_aligned = text.replace("causal_bottom_right", "causal")
+    end, plain = flexspec.compile(text), flexspec.compile(start_aligned)
+    for q_len, kv_len in ((1, 9), (5, 9), (9, 9), (12, 9)):
+        assert torch.equal(end.dense_mask(q_len, kv_len),
+                           plain.dense_mask(q_len, kv_len, q_offset=kv_len - q_len))
+        q, k, v = Shape(1, 8, 8, q_len, kv_len, 8).qkv(0)
+        torch.testing.assert_close(end.reference(q, k, v),
+                                   plain.reference(q, k, v, q_offset=kv_len - q_len))
+    # an explicit offset wins over the alignment
+    assert torch.equal(end.dense_mask(3, 9, q_offset=2), plain.dense_mask(3, 9, q_offset=2))
+
+
+# ---- kv_lengths -----------------------------------------------------------------------------
+
+
+def test_kv_lengths_hide_the_unused_tail_of_a_preallocated_cache():
+    attn = flexspec.compile("causal_bottom_right", backend="reference")
+    q, k, v = Shape(3, 2, 2, 1, 16, 8).qkv(1)
+    lengths = torch.tensor([5, 16, 1])
+    out = attn(q, k, v, kv_lengths=lengths)
+    for row, n in enumerate(lengths.tolist()):
+        # the same as a cache of exactly n keys with the newest token last
+        alone = attn(q[row:row + 1], k[row:row + 1, :, :n], v[row:row + 1, :, :n])
+        torch.testing.assert_close(out[row:row + 1], alone)
+    mask = attn.dense_mask(1, 16, batch=3, kv_lengths=lengths)
+    assert mask.sum(-1).flatten().tolist() == [5, 16, 1]
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"q_offset": 1.5}, "q_offset must be an int or an int tensor"),
+    ({"q_offset": True}, "q_offset must be an int or an int tensor"),
+    ({"q_offset": torch.tensor([1.0])}, "q_offset must hold ints"),
+    ({"q_offset": torch.tensor([1, 2, 3])}, "of shape [2] (one per batch row) or [1]"),
+    ({"q_offset": 2**63}, "out of range"),
+    ({"kv_lengths": torch.tensor([3, 99])}, "kv_lengths must lie in 0..20"),
+    ({"kv_lengths": [3, 4]}, "kv_lengths must be an int or an int tensor"),
+    ({"return_lse": "yes"}, "return_lse must be True or False"),
+])
+def test_bad_positions_are_binding_errors(kwargs, message):
+    attn = flexspec.compile("causal & window(3)", backend="reference")
+    q, k, v = Shape(2, 2, 2, 4, 20, 8).qkv(0)
+    with pytest.raises(flexspec.BindingError, match=re.escape(message)):
+        attn(q, k, v, **kwargs)
+
+
+def test_positions_must_keep_lookups_in_range():
+    attn = flexspec.compile("causal & doc", backend="reference")
+    q, k, v = Shape(1, 1, 1, 2, 6, 8).qkv(0)
+    ids = torch.tensor([0, 0, 1, 1, 1, 2])
+    attn(q, k, v, q_offset=4, doc_ids=ids)  # rows at 4 and 5: inside doc_ids
+    with pytest.raises(flexspec.SpecError, match="doc_ids"):
+        attn(q, k, v, q_offset=5, doc_ids=ids)  # row 1 at 6 reads past the end
+
+
+# ---- the log-sum-exp ------------------------------------------------------------------------
+
+
+def expected_lse(attn, q, k, scale, values, q_offset=None):
+    logits = (q.double() @ k.double().transpose(-1, -2)) * scale
+    scores = dense_scores(attn.ir, logits, values, q_offset=q_offset)
+    mask = dense_mask(attn.ir, *logits.shape, values, q_offset=q_offset)
+    return torch.logsumexp(torch.where(mask, scores, -math.inf), -1)
+
+
+@pytest.mark.parametrize("text", ["causal & window(2)", "causal + softcap(5.0)", "~full"])
+def test_reference_lse_is_the_log_sum_exp_of_the_visible_scores(text):
+    attn = flexspec.compile(text, backend="reference")
+    q, k, v = Shape(1, 2, 2, 7, 7, 4).qkv(3)
+    out, lse = attn(q, k, v, q_offset=2, return_lse=True)
+    assert lse.shape == (1, 2, 7) and lse.dtype == torch.float32
+    torch.testing.assert_close(out, attn(q, k, v, q_offset=2))
+    want = expected_lse(attn, q, k, 0.5, {}, q_offset=2).float()
+    torch.testing.assert_close(lse, want)
+    if text == "~full":
+        assert torch.isneginf(lse).all()  # a row that sees no key
