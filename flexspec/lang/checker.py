@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from flexspec import ir
 from flexspec.ir import ops
 from flexspec.lang import ast
-from flexspec.lang.definitions import Definition, ParamSpec, Scope
+from flexspec.lang.definitions import CALL_ARGUMENTS, Definition, ParamSpec, Scope
 from flexspec.lang.expressions import (INDEX_NAMES, LOGIC, SIZE_NAMES, ExpressionChecker,
                                        describe, type_name)
 from flexspec.errors import SpecCheckError, did_you_mean
@@ -246,14 +246,14 @@ class Checker(ExpressionChecker):
                 node, value = given[param.name]
                 if param.is_tensor and isinstance(value, ir.Tensor) and value.origin == "binding" \
                         and not value.shape:
-                    value = self._binding(param, value.name, bound, definition)
+                    value = self._binding(param, value.name, bound, definition, node.span)
                 self._check_argument(definition, param, value, node)
                 if param.type == "float" and not param.is_tensor and value.type == "int":
                     value = _to_float(value)
             elif param.default is not None:
                 value = self._default(definition, param, bound)
             elif param.is_tensor:
-                value = self._binding(param, param.name, bound, definition)
+                value = self._binding(param, param.name, bound, definition, call.span)
             else:
                 raise SpecCheckError(f"'{definition.name}' needs a value for '{param.name}' "
                                      f"({param.type}): write {definition.signature()}", call.span)
@@ -327,7 +327,14 @@ class Checker(ExpressionChecker):
                                  f"{type_name(value.type)}", node.span)
         return value
 
-    def _binding(self, param: ParamSpec, name: str, bound: dict, definition: Definition) -> ir.Tensor:
+    def _binding(self, param: ParamSpec, name: str, bound: dict, definition: Definition,
+                 span=None) -> ir.Tensor:
+        if name in CALL_ARGUMENTS:
+            raise SpecCheckError(
+                f"'{name}' cannot name the runtime tensor '{param.name}' of '{definition.name}': "
+                f"every call takes an argument of that name ({', '.join(CALL_ARGUMENTS[1:])}); "
+                f"bind it under another name, e.g. {definition.name}({param.name}=my_{name})",
+                span)
         dims = tuple(self._dim(d, dict(bound), definition) for d in param.dims)
         return ir.Tensor(name, dims, param.type, "binding")
 

@@ -17,6 +17,11 @@ from flexspec.errors import Span
 SCALAR_TYPES = ("int", "float", "bool")
 
 
+# The arguments of every attention call (Attention.__call__ and SpecAttention.forward): a runtime
+# tensor cannot be bound under one of these names, since the call would take it as the argument.
+CALL_ARGUMENTS = ("self", "q", "k", "v", "scale", "q_offset", "kv_lengths", "return_lse")
+
+
 @dataclass(frozen=True)
 class ParamSpec:
     """One parameter: ``n: int = 1024`` or ``doc_ids: int[B, KV_LEN]``.

@@ -38,12 +38,17 @@ class SpecAttention(nn.Module):
             self.tables[tensor.name] = nn.Parameter(value)
             self._keys[tensor_key(tensor)] = tensor.name
 
-    def forward(self, q, k, v, *, scale=None, **bindings):
-        if q.shape[1] != self.num_heads:
+    def forward(self, q, k, v, *, scale=None, q_offset=None, kv_lengths=None,
+                return_lse: bool = False, **bindings):
+        """Attention as :meth:`flexspec.runtime.attention.Attention.__call__` computes it, with
+        this module's tables."""
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] != self.num_heads:
+            found = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else "no heads"
             raise BindingError(f"this module was built for {self.num_heads} heads, but q has "
-                               f"{q.shape[1]}")
+                               f"{found}; q must be (B, H, S, D)")
         learnables = {key: self.tables[name] for key, name in self._keys.items()}
-        return self.attention._call(q, k, v, scale, bindings, learnables)
+        return self.attention._call(q, k, v, scale, bindings, learnables, q_offset, kv_lengths,
+                                    return_lse)
 
     def extra_repr(self) -> str:
         return f"{str(self.attention.spec)!r}, num_heads={self.num_heads}"

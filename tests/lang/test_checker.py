@@ -582,3 +582,24 @@ def test_load_and_library_arguments_of_the_wrong_type_are_spec_errors():
         flexspec.parse("causal", library="x")
     with pytest.raises(flexspec.SpecError, match="library must be a flexspec.Library"):
         flexspec.compile("causal", library="x")
+
+
+@pytest.mark.parametrize("text", ["doc(q)", "doc(self)", "doc(scale)", "doc(k)",
+                                  "causal & doc(doc_ids=q_offset)", "document(kv_lengths)"])
+def test_bindings_cannot_take_the_names_of_call_arguments(text):
+    """Red-team finding: doc(q) failed with TypeError at call time and doc(scale) was read as
+    the scale."""
+    with pytest.raises(flexspec.SpecCheckError, match="every call takes an argument of that name"):
+        flexspec.parse(text)
+
+
+def test_call_arguments_are_the_ones_the_runtime_takes():
+    import inspect
+
+    from flexspec.lang.definitions import CALL_ARGUMENTS
+    from flexspec.runtime import Attention, SpecAttention
+
+    for method in (Attention.__call__, SpecAttention.forward):
+        named = [p for p, info in inspect.signature(method).parameters.items()
+                 if info.kind is not inspect.Parameter.VAR_KEYWORD]
+        assert set(named) <= set(CALL_ARGUMENTS), method
