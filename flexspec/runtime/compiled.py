@@ -66,10 +66,42 @@ def split_lse(result) -> tuple:
     return out, getattr(extra, "lse", extra)
 
 
-# Dynamo settings for the calls that may compile: static shapes (a kernel per shape, as
-# dynamic=False gives), and an error instead of a silent eager fallback at the recompile limit.
-COMPILE_SETTINGS = {"fail_on_recompile_limit_hit": True, "automatic_dynamic_shapes": False,
-                    "assume_static_by_default": True}
+# Dynamo settings for the calls that may compile: an error instead of a silent eager fallback at
+# the recompile limit. Shapes are static on an entry's first compile and dynamic in the lengths
+# from its second on (see mark_lengths_dynamic): two compiles serve every length.
+COMPILE_SETTINGS = {"fail_on_recompile_limit_hit": True}
+# Entries that have compiled, with the (Q_LEN, KV_LEN) of their first compile.
+_COMPILED: dict = {}
+
+
+def mark_lengths_dynamic(entry, q, k, v, score_mod, block_mask) -> None:
+    """Before an entry compiles for a second shape, ask dynamo to keep every length dimension
+    symbolic: the sequence dimension of q, k and v, the block counts of the block mask, and the
+    dimensions of captured tensors as long as Q_LEN or KV_LEN (``doc_ids``). Without it, dynamo
+    makes a dimension dynamic only after seeing it change, which took three compiles (and eight
+    ended in the recompile limit before)."""
+    first = _COMPILED.get(entry)
+    if first is None or first == (q.shape[2], k.shape[2]):
+        return  # marking the same lengths again would itself be a new guard, so a recompile
+    lengths = {q.shape[2], k.shape[2]}
+    for tensor in (q, k, v):
+        torch._dynamo.maybe_mark_dynamic(tensor, 2)
+    tables = () if block_mask is None else (
+        block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+        block_mask.full_kv_indices, block_mask.q_num_blocks, block_mask.q_indices,
+        block_mask.full_q_num_blocks, block_mask.full_q_indices)
+    for table in tables:
+        if table is not None:
+            for dim in range(2, table.dim()):
+                torch._dynamo.maybe_mark_dynamic(table, dim)
+    mods = (score_mod, None if block_mask is None else block_mask.mask_mod)
+    for mod in mods:
+        for cell in getattr(mod, "__closure__", None) or ():
+            value = cell.cell_contents
+            if isinstance(value, torch.Tensor):
+                for dim, size in enumerate(value.shape):
+                    if size in lengths and size > 1:
+                        torch._dynamo.maybe_mark_dynamic(value, dim)
 # torch.compile's graph-break switch as a context manager (torch >= 2.9); fullgraph=True's
 # meaning without its per-call cost
 _NO_GRAPH_BREAKS = getattr(torch._dynamo, "error_on_graph_break",
@@ -88,7 +120,9 @@ def run_compiled(entry, *args):
         setattr(config, name, value)
     try:
         with _NO_GRAPH_BREAKS(True):
-            return entry(*args)
+            out = entry(*args)
+        _COMPILED.setdefault(entry, (args[0].shape[2], args[1].shape[2]))
+        return out
     except Exception as err:  # dynamo's own exception type moves between torch versions
         if "recompile" in type(err).__name__.lower() or "RecompileLimit" in str(err):
             raise CompileLimitError(

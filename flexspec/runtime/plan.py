@@ -60,6 +60,7 @@ class Plan:
     # gradients where it has no backward, and FLASH captured tables that do, even though
     # nothing is recorded under no_grad
     detach: bool
+    scale: float | None = None      # the call's scale (None: 1 / sqrt(D))
     checked: tuple = ()             # identity of the values whose lookups were last checked
     needs_values: bool = False      # calls gather their tensor values (see Plan.values)
     prepared: object = None
@@ -127,7 +128,8 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, blo
         dtype=q.dtype, batch=sizes["B"], heads=sizes["H"], kv_heads=k.shape[1],
         q_len=sizes["Q_LEN"], kv_len=sizes["KV_LEN"], head_dim=q.shape[-1],
         v_head_dim=v.shape[-1], grads=grads, table_grads=table_grads,
-        score_tensors=bool(score_keys), block_size=block_size,
+        # a given scale reaches FlexAttention's kernels as a tensor the score reads (flex.py)
+        score_tensors=bool(score_keys) or scale is not None, block_size=block_size,
         reference_fits=math.prod(q.shape[:3]) * k.shape[2] * 8 <= MAX_BYTES,
         lse=bool(return_lse), **facts)
     if q.dtype == torch.float64 and asked == "reference":
@@ -140,7 +142,7 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, blo
                 fixed={key: value for key, value in values.items() if key not in slot_keys},
                 slots=tuple(slots), score_keys=score_keys,
                 mask=masks.key(spec, sizes, device), unproven=unproven,
-                gqa=k.shape[1] != q.shape[1], detach=not grad_on,
+                gqa=k.shape[1] != q.shape[1], detach=not grad_on, scale=scale,
                 needs_values=bool(unproven))
     plan.checked = plan.lookup_identity(values)
     plan.backend.prepare(plan, values, masks)

@@ -507,22 +507,6 @@ def test_reaching_the_recompile_limit_is_a_flexspec_error():
             attn(*second)
 
 
-@pytest.mark.slow
-def test_every_shape_gets_its_own_static_kernel():
-    # dynamic=False semantics without its per-call cost: compiles happen under static-shape
-    # settings, so a third shape compiles again (automatic dynamic shapes would have made the
-    # second graph dynamic and reused it), and a shape seen before does not
-    attn = flexspec.compile("causal & window(5) + softcap(10.0)")
-    shapes = [Shape(1, 2, 2, n, n, 8).qkv(seed=0) for n in (136, 152, 168)]
-    graphs = counters["stats"]["unique_graphs"]
-    for qkv in shapes:
-        attn(*qkv)
-    assert counters["stats"]["unique_graphs"] == graphs + 3
-    out = attn(*shapes[0])
-    assert counters["stats"]["unique_graphs"] == graphs + 3
-    torch.testing.assert_close(out, attn.reference(*shapes[0]), atol=2e-5, rtol=1e-5)
-
-
 def test_compiled_calls_refuse_graph_breaks():
     # fullgraph=True's meaning without its per-call cost: a graph break while compiling is an
     # error (a broken graph would run flex_attention unfused), not a silent split

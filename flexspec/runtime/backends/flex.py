@@ -9,7 +9,9 @@ launches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import math
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -50,6 +52,7 @@ class FlexCall:
     score_varies: bool = True                # the score_mod captures this call's bindings
     score_mod: object = None
     lse: dict | None = None                  # compiled.lse_request(return_lse)
+    scale_values: dict = field(default_factory=dict)  # the scale as a tensor (see scaled())
     warm: bool = False                       # the compiled entry has run once for this plan
 
     def same_mask_bindings(self, bindings: dict) -> bool:
@@ -99,10 +102,19 @@ class FlexBackend(Backend):
         return options or None
 
     def prepare(self, plan, values, masks):
-        lowered = lower(plan.spec)
+        spec, scale_values = plan.spec, {}
+        if plan.scale is not None:
+            # the kernel keeps its default 1/sqrt(D) and the score is multiplied by a tensor:
+            # a new scale is a new value, not a new kernel
+            spec = scaled(plan.spec)
+            ratio = float(plan.scale) * math.sqrt(plan.request.head_dim)
+            scale_values = {SCALE_KEY: torch.tensor([ratio], dtype=torch.float32,
+                                                    device=plan.device)}
+            values = {**values, **scale_values}
+        lowered = lower(spec)
         call = FlexCall(lowered=lowered, entry=compiled.compiled_entry(lowered),
                         kernel_options=self.kernel_options(plan.request), masks=masks,
-                        lse=compiled.lse_request(plan.request.lse))
+                        lse=compiled.lse_request(plan.request.lse), scale_values=scale_values)
         call.mask_bindings = tuple(slot.name for slot in plan.slots
                                    if slot.key in plan.mask.reads)
         if not call.mask_bindings:
@@ -134,13 +146,14 @@ class FlexBackend(Backend):
             # the kernel computes scores in float32: a float64 table would turn them into float64
             kernel_values = {key: value.float() if value.dtype == torch.float64 else value
                              for key, value in values.items()}
-            score_mod = call.lowered.make_mods(plan.sizes, kernel_values)[1]
+            score_mod = call.lowered.make_mods(plan.sizes,
+                                               {**kernel_values, **call.scale_values})[1]
         else:
             score_mod = call.score_mod
         if plan.detach:
             q, k, v = q.detach(), k.detach(), v.detach()
-        args = (q, k, v, score_mod, block_mask, scale, plan.gqa, call.kernel_options,
-                call.lse)
+        # a given scale is in the score_mod (see prepare): the kernel keeps its default
+        args = (q, k, v, score_mod, block_mask, None, plan.gqa, call.kernel_options, call.lse)
         if call.warm:
             # a warm plan cannot recompile (see compiled.run_compiled): no watch needed
             out = call.entry(*args)
@@ -151,7 +164,21 @@ class FlexBackend(Backend):
 
     def launch(self, plan, args: tuple):
         """The first call of a plan, which may compile."""
-        return compiled.run_compiled(plan.prepared.entry, *args)
+        entry = plan.prepared.entry
+        compiled.mark_lengths_dynamic(entry, *args[:5])
+        return compiled.run_compiled(entry, *args)
+
+
+SCALE_KEY = "scale"
+_SCALE = ir.Tensor(SCALE_KEY, (ir.Const(1),), "float")
+
+
+@functools.lru_cache(maxsize=256)
+def scaled(spec: ir.AttentionIR) -> ir.AttentionIR:
+    """``spec`` with its logits multiplied by ``scale[0]`` before the score pipeline: the ratio of
+    the call's scale to the kernel's default (``scale`` cannot be a binding's name)."""
+    logit = ir.Binary("*", ir.SCORE, ir.Lookup(_SCALE, (ir.Const(0),)))
+    return ir.AttentionIR(spec.mask, ir.substitute(spec.score, {ir.SCORE_VAR: logit}), spec.align)
 
 
 def small_block_tiles(q_block: int, kv_block: int) -> FlexKernelOptions:

@@ -1,0 +1,105 @@
+"""How often a spec compiles in real use: any number of lengths (variable-length batches, a
+growing KV cache, a preallocated cache) and of scales costs at most two compilations, counted
+with dynamo's own counters; results stay equal to the reference throughout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import flexspec
+from flexspec.testing import Shape
+
+# Lengths that are not multiples of 128, crossing block boundaries both ways.
+LENGTHS = (200, 230, 129, 300, 333, 257, 400, 450, 513, 385, 600, 700, 777)
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()  # other tests' compiles of the same spec would count as warm-up
+    yield
+
+
+def test_any_number_of_lengths_compiles_at_most_twice():
+    attn = flexspec.compile("causal & window(64) + alibi")
+    before = graphs()
+    with torch.no_grad():
+        for n in LENGTHS:
+            q, k, v = Shape(1, 4, 2, n, n, 16).qkv(n)
+            torch.testing.assert_close(attn(q, k, v), attn.reference(q, k, v),
+                                       rtol=1e-4, atol=1e-4)
+    assert graphs() - before <= 2
+
+
+def test_new_scales_never_recompile():
+    attn = flexspec.compile("causal & doc + softcap(20.0)")
+    q, k, v = Shape(2, 4, 4, 200, 200, 16).qkv(0)
+    ids = torch.arange(200) // 70
+    before = graphs()
+    with torch.no_grad():
+        for scale in (None, 0.1, 0.2, 0.25, 0.3, 0.5, 1.0, 2.0, 0.05, 0.7, 0.9, 1.5, 3.0, 0.0):
+            torch.testing.assert_close(attn(q, k, v, scale=scale, doc_ids=ids),
+                                       attn.reference(q, k, v, scale=scale, doc_ids=ids),
+                                       rtol=1e-4, atol=1e-4)
+    assert graphs() - before <= 2  # one kernel for the default scale, one for any other
+
+
+def test_a_growing_cache_decodes_for_a_hundred_steps_without_recompiling():
+    """Decoding a window of the newest 128 queries (the CPU kernel's smallest block; on a GPU a
+    single token works the same) while the cache grows by one key a step."""
+    attn = flexspec.compile("causal & doc + alibi")
+    window, heads = 128, 4
+    q, k, v = Shape(2, heads, 2, 430, 430, 16).qkv(7)
+    ids = torch.arange(430) // 150
+    before, warm = graphs(), None
+    with torch.no_grad():
+        for step, length in enumerate(range(300, 405)):
+            start = length - window
+            out = attn(q[:, :, start:length], k[:, :, :length], v[:, :, :length],
+                       q_offset=start, doc_ids=ids[:length])
+            if step == 2:
+                warm = graphs()
+            if step % 25 == 0:
+                full = attn.reference(q[:, :, :length], k[:, :, :length], v[:, :, :length],
+                                      doc_ids=ids[:length])
+                torch.testing.assert_close(out, full[:, :, start:], rtol=1e-4, atol=1e-4)
+    assert graphs() - before <= 2 and graphs() == warm
+
+
+def test_a_preallocated_cache_runs_with_fixed_shapes():
+    """A static cache: the buffers keep their shape, the valid length of each row grows in
+    place, and the end-aligned spec places the newest queries at the end of each row."""
+    attn = flexspec.compile("causal_bottom_right & window(100)")
+    window, capacity = 128, 512
+    q, k, v = Shape(2, 4, 2, window, capacity, 16).qkv(3)
+    lengths = torch.tensor([200, 260])
+    before = graphs()
+    with torch.no_grad():
+        for step in range(100):
+            out = attn(q, k, v, kv_lengths=lengths)
+            if step % 33 == 0:
+                for row, n in enumerate(lengths.tolist()):
+                    alone = attn.reference(q[row:row + 1], k[row:row + 1, :, :n],
+                                           v[row:row + 1, :, :n])
+                    torch.testing.assert_close(out[row:row + 1], alone, rtol=1e-4, atol=1e-4)
+            lengths += 1  # in place, as a decode loop over a static cache does
+    assert graphs() - before <= 1
+
+
+def test_single_token_decoding_on_the_cpu_needs_no_compilation():
+    """On the CPU a sequence shorter than one block runs on the reference (torch's compiled CPU
+    kernel was wrong there): a hundred single-token steps, no graph."""
+    attn = flexspec.compile("causal_bottom_right + alibi")
+    q, k, v = Shape(1, 4, 4, 150, 150, 8).qkv(1)
+    before = graphs()
+    with torch.no_grad():
+        for length in range(51, 151):
+            out = attn(q[:, :, length - 1:length], k[:, :, :length], v[:, :, :length])
+        full = attn.reference(q, k, v)
+    torch.testing.assert_close(out, full[:, :, -1:], rtol=1e-5, atol=1e-5)
+    assert graphs() == before
