@@ -222,6 +222,10 @@ class Attention:
         return self._positions(bindings, q_offset, kv_lengths, q.shape[0], q.shape[2],
                                k.shape[2], q.device)
 
+    # Inside torch.compile(model), dynamo must not trace the planning (dictionaries, the
+    # lowering, interval analysis: it ran out of memory trying): the call runs as it does eagerly,
+    # compiling its own kernel, and the model's graph breaks around it.
+    @torch.compiler.disable
     def _call(self, q, k, v, scale, bindings, learnables, q_offset=None, kv_lengths=None,
               return_lse=False):
         bindings = self._placed(q, k, bindings, q_offset, kv_lengths)
