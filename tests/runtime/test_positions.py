@@ -240,3 +240,16 @@ def test_reference_lse_is_the_log_sum_exp_of_the_visible_scores(text):
     torch.testing.assert_close(lse, want)
     if text == "~full":
         assert torch.isneginf(lse).all()  # a row that sees no key
+
+
+def test_two_partial_attentions_merge_exactly_through_their_lse():
+    """Split-KV: attention over keys 0..n-1 from the halves' outputs weighted by exp(lse)."""
+    attn = flexspec.compile("softcap(5.0)", backend="reference")
+    q, k, v = Shape(2, 4, 2, 3, 40, 8).qkv(5)
+    out_a, lse_a = attn(q, k[:, :, :25], v[:, :, :25], return_lse=True)
+    out_b, lse_b = attn(q, k[:, :, 25:], v[:, :, 25:], return_lse=True)
+    lse = torch.logaddexp(lse_a, lse_b)
+    merged = (torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b)
+    out, want_lse = attn(q, k, v, return_lse=True)
+    torch.testing.assert_close(merged, out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse)
