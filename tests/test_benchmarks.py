@@ -34,3 +34,25 @@ def test_suite_options_match_the_reference_on_the_cpu(tmp_path, capsys):
         ratio = float(row.split("|")[-3])  # flexspec / best: a number, so every cell ran
         assert ratio > 0
     torch._dynamo.reset()
+
+
+def test_decode_benchmark_hand_masks_match_flexspec():
+    """benchmarks/decode.py writes each spec's mask by hand: at a short cache it must equal
+    flexspec's reference mask for the newest token (the bandwidth floor's key counts too)."""
+    spec = importlib.util.spec_from_file_location("benchmark_decode", ROOT / "benchmarks" / "decode.py")
+    decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(decode)
+    import flexspec
+
+    length, batch = 9000, 2
+    ids = (torch.arange(length) * decode.DOCUMENTS // length).expand(batch, length).contiguous()
+    kv = torch.arange(length).view(1, -1)
+    rows = torch.arange(batch).view(-1, 1)
+    for text in decode.SPECS:
+        bindings = {"doc_ids": ids} if "doc" in text else {}
+        want = flexspec.compile(text).dense_mask(1, length, batch=batch, q_offset=length - 1,
+                                                 **bindings).expand(batch, 1, 1, length)
+        got = decode.hand_mask(text, length - 1, ids)(rows, 0, torch.zeros(1, 1, dtype=torch.long),
+                                                      kv)
+        assert torch.equal(got.expand(batch, length).reshape(batch, 1, 1, length), want), text
+        assert decode.visible_keys(text, length, ids) == want.sum(-1).float().mean().item(), text

@@ -290,3 +290,57 @@ def test_small_blocks_with_gradients_are_refused_with_the_fix():
         attn(q, k, v)
     with torch.no_grad():
         assert torch.isfinite(attn(q, k, v)).all()
+
+
+# ---- positions, the log-sum-exp and changing lengths (the positions issue) ------------------
+
+
+@pytest.mark.parametrize("backend", ["auto", "flex", "flash"])
+@pytest.mark.parametrize("text", ["causal + alibi", "causal & doc", "sliding_window(100)",
+                                  "causal_bottom_right & window(300) + softcap(20)"])
+def test_decoding_at_an_offset_matches_the_last_rows_of_full_attention(text, backend):
+    if backend == "flash" and not flash_installed():
+        pytest.skip("needs FlashAttention-4 (flash_attn.cute)")
+    attn = flexspec.compile(text, backend=backend)
+    length, last = 1000, 130 if backend == "flash" else 3  # FLASH needs 128-blocks of work
+    q, k, v = (torch.randn(2, 8, length, 64, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    values = _bindings(attn, 2, 8, length, length, "cuda")
+    full = attn.reference(q, k, v, **values)
+    with torch.no_grad():
+        part = attn(q[:, :, -last:], k, v, q_offset=length - last, **values)
+    assert _relative_error(part, full[:, :, -last:]) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("backend", ["flex", "flash"])
+def test_lse_matches_the_reference(backend):
+    if backend == "flash" and not flash_installed():
+        pytest.skip("needs FlashAttention-4 (flash_attn.cute)")
+    attn = flexspec.compile("causal & window(200) + alibi", backend=backend)
+    q, k, v = (torch.randn(2, 8, 1024, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with torch.no_grad():
+        out, lse = attn(q, k, v, q_offset=5, return_lse=True)
+    ref_out, ref_lse = attn.reference(q, k, v, q_offset=5, return_lse=True)
+    assert _relative_error(out, ref_out) < TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(lse, ref_lse, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["flex", "flash"])
+def test_twelve_lengths_compile_at_most_twice_on_the_gpu(backend):
+    if backend == "flash" and not flash_installed():
+        pytest.skip("needs FlashAttention-4 (flash_attn.cute)")
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    attn = flexspec.compile("causal & doc + softcap(30)", backend=backend)
+    before = counters["stats"]["unique_graphs"]
+    for length in (1024, 1100, 1280, 1500, 1664, 2000, 2048, 2300, 2560, 3000, 3072, 4000):
+        q, k, v = (torch.randn(1, 8, length, 64, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(3))
+        ids = torch.arange(length, device="cuda") * 3 // length
+        with torch.no_grad():
+            out = attn(q, k, v, doc_ids=ids)
+        rows = torch.arange(0, length, 97, device="cuda")
+        ref = attn.reference(q, k, v, doc_ids=ids, rows=rows)
+        assert _relative_error(out[:, :, rows], ref) < TOLERANCE[torch.bfloat16], length
+    assert counters["stats"]["unique_graphs"] - before <= 2

@@ -1,0 +1,166 @@
+"""Decode speed on a GPU: one new query token against a KV cache, flexspec against SDPA and
+hand-written FlexAttention, with the memory-bandwidth floor.
+
+For each cache length, batch and spec (Hq=32, Hkv=8, D=128, bf16):
+
+* ``flexspec step``: a decode loop as a model runs it, 20 steps with the cache growing by one key
+  each step and ``q_offset`` the new token's position; the median time per step (every step is
+  a new length, so this includes flexspec's planning and block mask per step);
+* ``flexspec warm``: the same call repeated at one length and offset (the kernel and per-call
+  overhead alone);
+* ``hand flex``: ``torch.compile(flex_attention)`` with a block mask from compiled
+  ``create_block_mask``, built once outside the timed region;
+* ``SDPA``: ``scaled_dot_product_attention`` with a boolean mask where the spec needs one (none
+  for causal: the newest token sees the whole cache);
+* ``floor``: the bytes of the keys and values the spec lets the token see, at 4.3 TB/s.
+
+Outputs are checked against flexspec's float64 reference on the first batch row. Times are
+medians of ``triton.testing.do_bench``. The last lines printed are the table (markdown).
+
+    python benchmarks/decode.py                      # 32K and 128K caches, B 1 and 8
+    python benchmarks/decode.py --caches 32768 --batches 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import flexspec  # noqa: E402
+
+SPECS = ["causal", "sliding_window(4096)", "causal & (window(4096) | sink(4))", "causal & doc"]
+HEADS, KV_HEADS, DIM = 32, 8, 128
+BANDWIDTH = 4.3e12  # bytes per second, the H200's HBM3e
+DOCUMENTS = 8
+STEPS = 20
+
+
+def hand_mask(text: str, position: int, ids):
+    """The mask a user writes by hand for the newest token at ``position`` (not flexspec's)."""
+    if text == "causal":
+        return lambda b, h, q, kv: q + position >= kv
+    if text == "sliding_window(4096)":
+        return lambda b, h, q, kv: (q + position >= kv) & (q + position - kv <= 4096)
+    if text.startswith("causal & (window"):
+        return lambda b, h, q, kv: (q + position >= kv) & ((q + position - kv <= 4096) | (kv < 4))
+    return lambda b, h, q, kv: (q + position >= kv) & (ids[b, q + position] == ids[b, kv])
+
+
+def visible_keys(text: str, length: int, ids) -> float:
+    """Keys the newest token sees, averaged over the batch (for the bandwidth floor)."""
+    if text == "causal":
+        return float(length)
+    if "sink" in text:
+        return float(min(length, 4097 + 4))
+    if text.startswith("sliding"):
+        return float(min(length, 4097))
+    last = ids[:, length - 1:length]
+    return float((ids == last).sum(-1).float().mean())
+
+
+def bench(fn) -> float:
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def run(caches, batches, device="cuda") -> list:
+    rows = []
+    for length in caches:
+        for batch in batches:
+            generator = torch.Generator(device=device).manual_seed(0)
+            total = length + STEPS
+            k = torch.randn(batch, KV_HEADS, total, DIM, device=device, dtype=torch.bfloat16,
+                            generator=generator)
+            v = torch.randn_like(k)
+            q = torch.randn(batch, HEADS, 1, DIM, device=device, dtype=torch.bfloat16,
+                            generator=generator)
+            ids = (torch.arange(total, device=device) * DOCUMENTS // total).expand(batch, total)
+            ids = ids.contiguous()
+            for text in SPECS:
+                rows.append(measure(text, q, k, v, ids, length, batch))
+                print(rows[-1], flush=True)
+    return rows
+
+
+def measure(text, q, k, v, ids, length, batch) -> dict:
+    attn = flexspec.compile(text)
+    bindings = {"doc_ids": ids} if "doc" in text else {}
+    kc, vc = k[:, :, :length], v[:, :, :length]
+    sliced = {"doc_ids": ids[:, :length]} if bindings else {}
+    position = length - 1
+    with torch.no_grad():
+        out = attn(q, kc, vc, q_offset=position, **sliced)
+        ref = attn.reference(q[:1], kc[:1], vc[:1], q_offset=position,
+                             **{n: t[:1] for n, t in sliced.items()})
+        error = ((out[:1].double() - ref.double()).norm() / ref.double().norm()).item()
+        backend = attn.explain(q, kc, vc, q_offset=position, **sliced).choice.backend
+        warm = bench(lambda: attn(q, kc, vc, q_offset=position, **sliced))
+        # the loop a model runs: a new length and position each step
+        times = []
+        for step in range(STEPS):
+            n = length + step
+            step_bindings = {"doc_ids": ids[:, :n]} if bindings else {}
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            attn(q, k[:, :, :n], v[:, :, :n], q_offset=n - 1, **step_bindings)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - started) * 1e3)
+        step_ms = statistics.median(times[2:])
+        # hand-written
+        mask = create_block_mask(hand_mask(text, position, ids), batch if bindings else None,
+                                 None, 1, length, device=q.device, _compile=True)
+        compiled = torch.compile(flex_attention)
+        hand = bench(lambda: compiled(q, kc, vc, block_mask=mask, enable_gqa=True))
+        sdpa_mask = None
+        if text != "causal":  # the hand mask, evaluated densely for the one query row
+            kv = torch.arange(length, device=q.device).view(1, -1)
+            rows = torch.arange(batch, device=q.device).view(-1, 1)
+            zero = torch.zeros(1, 1, dtype=torch.long, device=q.device)
+            sdpa_mask = hand_mask(text, position, ids)(rows, 0, zero, kv).expand(batch, length)
+            sdpa_mask = sdpa_mask.reshape(batch, 1, 1, length)
+        sdpa = bench(lambda: F.scaled_dot_product_attention(q, kc, vc, attn_mask=sdpa_mask,
+                                                             enable_gqa=True))
+    keys = visible_keys(text, length, ids[:, :length])
+    floor = 2 * batch * KV_HEADS * keys * DIM * 2 / BANDWIDTH * 1e3
+    return {"spec": text, "cache": length, "batch": batch, "backend": backend,
+            "error": error, "flexspec step": step_ms, "flexspec warm": warm, "hand flex": hand,
+            "sdpa": sdpa, "floor": floor}
+
+
+def table(rows) -> str:
+    head = ("| cache | B | spec | flexspec backend | flexspec step | flexspec warm | hand flex | "
+            "SDPA | floor | warm / floor | rel. error |")
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        lines.append(f"| {r['cache'] // 1024}K | {r['batch']} | `{r['spec']}` | {r['backend']} | "
+                     f"{r['flexspec step']:.3f} ms | {r['flexspec warm']:.3f} ms | "
+                     f"{r['hand flex']:.3f} ms | {r['sdpa']:.3f} ms | {r['floor']:.3f} ms | "
+                     f"{r['flexspec warm'] / r['floor']:.2f}x | {r['error']:.1e} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--caches", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/decode.py needs a CUDA GPU", file=sys.stderr)
+        return 1
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    rows = run(args.caches, args.batches)
+    print()
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
