@@ -12,7 +12,10 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 # instead of writing each True entry (nonzero): the measured crossover (docs/performance.md,
 # "The block-mask builder's constants").
 RUN_PATH_FRACTION = 1 / 32
-
+# Matrices up to this many entries are ordered by one stable sort per row: a few kernels and no
+# host synchronisation (the paths below read counts and nonzero entries on the host), which is
+# what a mask rebuilt at every decoding step needs.
+SORT_PATH_ENTRIES = 1 << 16
 
 
 def ordered(dense: torch.Tensor):
@@ -26,10 +29,15 @@ def ordered(dense: torch.Tensor):
     and document masks) get ``(column + first) % NK``, copied from the rows of a strided view of
     ``arange(2 NK) % NK`` (a modulo over every entry cost three times as much); a row is one run
     when its last True entry is ``count - 1`` after its first. The other rows write each True
-    entry at its rank (``nonzero``), which is cheaper when there are few of them.
+    entry at its rank (``nonzero``), which is cheaper when there are few of them. Small matrices
+    (:data:`SORT_PATH_ENTRIES`) are sorted instead, without a host synchronisation.
     """
     n_cols = dense.shape[-1]
     count = dense.sum(-1, dtype=torch.int32)
+    if dense.numel() <= SORT_PATH_ENTRIES:
+        # True (1) before False (0) and, stable, each in increasing column order
+        order = torch.sort(dense.to(torch.int8), dim=-1, descending=True, stable=True).indices
+        return count.contiguous(), order.to(torch.int32)
     columns = torch.arange(n_cols, dtype=torch.int32, device=dense.device)
     flat = dense.reshape(-1, n_cols)
     counts = count.reshape(-1)

@@ -56,7 +56,9 @@ class TorchOps:
         if isinstance(value, torch.Tensor):
             return value
         dtype = torch.bool if isinstance(value, bool) else torch.float64
-        return torch.tensor(value, dtype=dtype, device=self.device)
+        # a fill on the device: torch.tensor(value, device="cuda") would copy from the host and
+        # wait for the queue, once per constant of the formula
+        return torch.full((), value, dtype=dtype, device=self.device)
 
     minimum = staticmethod(torch.minimum)
     maximum = staticmethod(torch.maximum)
@@ -233,10 +235,8 @@ def classify(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, device, *,
 def _classes(must: torch.Tensor, may: torch.Tensor) -> torch.Tensor:
     """Tile classes from the intervals' booleans: FULL where the mask must hold, EMPTY where it
     cannot, PARTIAL elsewhere."""
-    classes = torch.full(must.shape, PARTIAL, dtype=torch.int8, device=must.device)
-    classes[must] = FULL
-    classes[~may] = EMPTY
-    return classes
+    # torch.where rather than masked assignments, which would synchronise with the host
+    return torch.where(~may, EMPTY, torch.where(must, FULL, PARTIAL)).to(torch.int8)
 
 
 def _classify_grid(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, device, *,
@@ -272,12 +272,13 @@ def _without_ragged_full(classes: torch.Tensor, sizes: dict, block: tuple, devic
     PARTIAL: like create_block_mask, which counts the padding as masked. Only the last tile row
     and column can run past the end, so only they are touched."""
     classes = classes.clone()
+    # torch.where, not a masked assignment: no nonzero, so no host synchronisation
     if sizes["Q_LEN"] % block[0]:
         last = classes[..., -1, :]
-        last[last == FULL] = PARTIAL
+        last.copy_(torch.where(last == FULL, PARTIAL, last))
     if sizes["KV_LEN"] % block[1]:
         last = classes[..., :, -1]
-        last[last == FULL] = PARTIAL
+        last.copy_(torch.where(last == FULL, PARTIAL, last))
     return classes
 
 

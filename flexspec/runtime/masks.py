@@ -15,6 +15,10 @@ from flexspec.ir import tensor_key
 from flexspec.kernels.blocks import build_block_mask
 from flexspec.kernels.lower import lower
 from flexspec.runtime.inputs import identity
+from flexspec.runtime.positions import KV_LENGTHS, Q_OFFSET
+
+# The tensors that place a call's queries: new values at every decoding step.
+PER_STEP = frozenset((Q_OFFSET, KV_LENGTHS))
 
 # How block masks are built: interval analysis refined inside partial tiles (equal to
 # create_block_mask), interval analysis alone, or torch's create_block_mask (S^2 evaluations).
@@ -67,6 +71,14 @@ class BlockMasks:
             token = self._tokens[full] = len(self._tokens)
         return MaskKey(token, batch, heads, tuple(sorted(reads)))
 
+    def _decoding(self, key: MaskKey, sizes: dict, device) -> bool:
+        """A decoding step on a GPU: one row of tiles whose mask reads where the queries stand,
+        so it is rebuilt every step. Its tiles keep the classes the intervals give: refining them
+        costs host synchronisations every step and buys little, since the kernel applies the
+        mask inside partial tiles anyway."""
+        return (device.type == "cuda" and sizes["Q_LEN"] <= self.block_size[0]
+                and bool(PER_STEP & set(key.reads)))
+
     def get(self, spec: ir.AttentionIR, sizes: dict, values: dict, device,
             key: MaskKey | None = None) -> BlockMask:
         """The block mask of ``spec`` for these tensor values, from the cache or built."""
@@ -84,7 +96,8 @@ class BlockMasks:
         else:
             block_mask = build_block_mask(spec.mask, sizes, self.block_size, values, device,
                                           batch=key.batch, heads=key.heads, mask_mod=mask_mod,
-                                          exact=self.mode == "exact")
+                                          exact=self.mode == "exact"
+                                          and not self._decoding(key, sizes, device))
         # the values stay alive with the mask, so their memory cannot be reused while cached
         self._cache[cache_key] = (block_mask, values)
         if len(self._cache) > BLOCK_MASK_CACHE_SIZE:

@@ -522,11 +522,13 @@ def test_nan_rows_are_not_full():
 
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 40), st.integers(1, 40), st.floats(0.0, 1.0),
-       st.integers(0, 2**31 - 1))
-def test_ordered_lists_true_columns_first(batch, rows, columns, density, seed):
+       st.booleans(), st.integers(0, 2**31 - 1))
+def test_ordered_lists_true_columns_first(batch, rows, columns, density, sort, seed):
     gen = torch.Generator().manual_seed(seed)
     dense = torch.rand(batch, rows, columns, generator=gen) < density
-    count, indices = ordered(dense)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(block_tables, "SORT_PATH_ENTRIES", 1 << 30 if sort else 0)
+        count, indices = ordered(dense)
     assert count.dtype == indices.dtype == torch.int32
     assert torch.equal(count, dense.sum(-1).to(torch.int32))
     # the first `count` entries: what a stable descending argsort (create_block_mask) lists
@@ -538,11 +540,12 @@ def test_ordered_lists_true_columns_first(batch, rows, columns, density, seed):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 30), st.integers(1, 40), st.booleans(), st.sampled_from([0.0, 1e9]),
-       st.integers(0, 2**31 - 1))
-def test_ordered_run_rows_on_both_paths(rows, columns, scatter, run_fraction, seed):
+@given(st.integers(1, 30), st.integers(1, 40), st.booleans(),
+       st.sampled_from(["run", "rank", "sort"]), st.integers(0, 2**31 - 1))
+def test_ordered_run_rows_on_every_path(rows, columns, scatter, path, seed):
     # rows that are one run of columns (causal, window, document masks), some with extra True
-    # entries (several runs), laid out by the run path (fraction 0) and the rank path
+    # entries (several runs), laid out by the run path (fraction 0), the rank path and the sort
+    # path of small matrices
     gen = torch.Generator().manual_seed(seed)
     ends = torch.randint(0, columns + 1, (2, rows, 1), generator=gen)
     column = torch.arange(columns)
@@ -550,7 +553,8 @@ def test_ordered_run_rows_on_both_paths(rows, columns, scatter, run_fraction, se
     if scatter:
         dense |= torch.rand(rows, columns, generator=gen) < 0.1
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(block_tables, "RUN_PATH_FRACTION", run_fraction)
+        patch.setattr(block_tables, "RUN_PATH_FRACTION", 0.0 if path == "run" else 1e9)
+        patch.setattr(block_tables, "SORT_PATH_ENTRIES", 1 << 30 if path == "sort" else 0)
         count, indices = ordered(dense)
     expected = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
     listed = column < count.unsqueeze(-1)
