@@ -13,7 +13,6 @@ and ``flexspec.kernels.reference``) over a grid of indices ``q, kv in 0..9``, ``
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -26,8 +25,7 @@ from flexspec.errors import Source
 from flexspec.lang.library import Library
 from flexspec.lang.parser import parse_expr, parse_file
 from flexspec.ir.simplify import PASSES, simplify
-
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "simplify.txt"
+from golden import pairs
 
 # ---------------------------------------------------------------------------------------------
 # The scope of the fixtures
@@ -66,21 +64,7 @@ def to_ir(text: str, scope: Scope) -> ir.Expr:
 
 
 def load_cases() -> list[tuple[int, str, str]]:
-    lines = FIXTURES.read_text(encoding="utf-8").splitlines()
-    cases, block, start = [], [], 0
-    for number, line in enumerate(lines + [""], start=1):
-        if line.startswith("#"):
-            continue
-        if line.strip():
-            if not block:
-                start = number
-            block.append(line.strip())
-            continue
-        if block:
-            assert len(block) == 2, f"simplify.txt:{start}: a case is two lines, got {block}"
-            cases.append((start, block[0], block[1]))
-            block = []
-    return cases
+    return pairs("simplify.txt")
 
 
 CASES = load_cases()

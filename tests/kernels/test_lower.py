@@ -1,6 +1,5 @@
 """Tests of flexspec.kernels.lower: the generated source, and FlexAttention runs against the reference."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from flexspec.kernels.lower import lower
 from flexspec.kernels.reference import dense_mask, reference_attention
 from flexspec.ir.specialize import specialize_ir
 from flexspec.kernels.tensors import builtin_tensor
+from golden import pairs
 from ir_examples import (ALIBI, BIAS, CAUSAL, CAUSAL_BR, DILATED, DOC_IDS, DOCUMENT, KV_LEN,
                          PADDING, Q_LEN, SCORE, SLOPES, B, C, H, b, call, h, kv, lookup, op, q,
                          sliding_window, softcap, spec, window)
@@ -111,24 +111,9 @@ def test_missing_tensor_is_a_binding_error():
 
 # --- golden return expressions: tests/fixtures/lowering.txt -------------------------------
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "lowering.txt"
-
 
 def _load_lowering_cases():
-    lines = FIXTURES.read_text(encoding="utf-8").splitlines()
-    cases, block, start = [], [], 0
-    for number, line in enumerate(lines + [""], start=1):
-        if line.startswith("#"):
-            continue
-        if line.strip():
-            start = start if block else number
-            block.append(line.strip())
-            continue
-        if block:
-            assert len(block) == 2, f"lowering.txt:{start}: a case is two lines, got {block}"
-            cases.append((start, block[0], block[1]))
-            block = []
-    return cases
+    return pairs("lowering.txt")
 
 
 LOWERING_CASES = _load_lowering_cases()
