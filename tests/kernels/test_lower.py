@@ -1,6 +1,5 @@
 """Tests of flexspec.kernels.lower: the generated source, and FlexAttention runs against the reference."""
 
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
