@@ -131,7 +131,7 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, blo
         # a given scale reaches FlexAttention's kernels as a tensor the score reads (flex.py)
         score_tensors=bool(score_keys) or scale is not None, block_size=block_size,
         reference_fits=math.prod(q.shape[:3]) * k.shape[2] * 8 <= MAX_BYTES,
-        lse=bool(return_lse), **facts)
+        lse=bool(return_lse), scale=scale, **facts)
     if q.dtype == torch.float64 and asked == "reference":
         choice = Choice("reference", "backend='reference' was asked for")
     else:

@@ -451,3 +451,16 @@ def test_runtime_errors_are_exported_at_the_top_level():
     assert issubclass(flexspec.CompileLimitError, flexspec.SpecError)
     with pytest.raises(flexspec.BackendError):
         flexspec.compile("causal & window(3)", backend="sdpa")
+
+
+@pytest.mark.parametrize("text, scale", [("causal", 0.0), ("causal", 1e-300),
+                                         ("causal", -1e-45), ("causal + scale(1e-300)", None)])
+def test_a_scale_that_rounds_to_zero_is_finite(text, scale):
+    """Red-team finding: causal with scale=0.0 (and causal + scale(1e-300)) ran on SDPA and gave
+    NaN; every key then weighs the same, as the reference says."""
+    attn = flexspec.compile(text)
+    q, k, v = Shape(1, 2, 2, 200, 200, 16).qkv(0)
+    with torch.no_grad():
+        out = attn(q, k, v, scale=scale)
+    assert attn.explain(q, k, v, scale=scale).choice.backend != "sdpa"
+    torch.testing.assert_close(out, attn.reference(q, k, v, scale=scale), rtol=1e-4, atol=1e-4)

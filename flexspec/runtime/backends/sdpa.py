@@ -78,6 +78,11 @@ def not_sdpa(spec: ir.AttentionIR) -> str:
             f"`{ir.to_text(spec.score)}`")
 
 
+# The smallest normal float32: a scale below it is 0 (or a denormal) in the kernels' arithmetic,
+# and SDPA's softmax then divides 0 by 0 (torch's own SDPA gives NaN for scale=0.0).
+SMALLEST_SCALE = 1.1754943508222875e-38
+
+
 class SdpaBackend(Backend):
     name = "sdpa"
 
@@ -90,6 +95,10 @@ class SdpaBackend(Backend):
             return not_sdpa(spec)
         if request.lse:
             return "SDPA does not return the log-sum-exp that return_lse=True asks for"
+        base = 1.0 / math.sqrt(request.head_dim) if request.scale is None else request.scale
+        if not abs(base * form.factor) >= SMALLEST_SCALE:
+            return (f"SDPA returns NaN for a scale that rounds to zero in float32 "
+                    f"({base * form.factor!r})")
         if form.causal and request.q_len != request.kv_len:
             return (f"SDPA's is_causal equals `causal` only when Q_LEN == KV_LEN, got "
                     f"{request.q_len} and {request.kv_len}")
