@@ -57,6 +57,15 @@ class Attention:
         self._default_offset = spec.ir.align == "end" and positions.reads_positions(spec.ir)
         self._masks = BlockMasks(block_masks, sizes)
         self._plans: collections.OrderedDict = collections.OrderedDict()
+        # the spec without its mask, for calls whose rows see every key (see _unmasked_for)
+        self._unmaskable = None
+        self._sees_every_key: dict = {}
+        if (backend == "auto" and spec.ir.has_mask and not any(
+                isinstance(n, ir.Tensor) for n in ir.walk(spec.ir.mask))
+                and "q" not in ir.free_vars(spec.ir.score)):
+            self._unmaskable = Attention(
+                Spec(spec.expr, ir.AttentionIR(ir.TRUE, spec.ir.score, spec.ir.align)),
+                backend=backend, block_size=block_size, block_masks=block_masks)
 
     # ---- descriptions
     def __repr__(self) -> str:
@@ -204,6 +213,9 @@ class Attention:
         the score matrix, the work in FLOPs, the backend chosen and why (and why not the others).
         Only the shapes, dtypes and devices of ``q``, ``k``, ``v`` matter (and the values of the
         tensors the mask reads)."""
+        unmasked = self._unmasked_for(q, k, q_offset, kv_lengths)
+        if unmasked is not None:  # the rows see every key: the call runs without the mask
+            return unmasked.explain(q, k, v, scale=scale, return_lse=return_lse, **bindings)
         bindings = self._placed(q, k, bindings, q_offset, kv_lengths)
         plan = self._plan(q, k, v, scale, bindings, None, return_lse)
         values = plan.values(bindings)
@@ -228,6 +240,9 @@ class Attention:
     @torch.compiler.disable
     def _call(self, q, k, v, scale, bindings, learnables, q_offset=None, kv_lengths=None,
               return_lse=False):
+        unmasked = self._unmasked_for(q, k, q_offset, kv_lengths)
+        if unmasked is not None:
+            return unmasked._call(q, k, v, scale, bindings, learnables, None, None, return_lse)
         bindings = self._placed(q, k, bindings, q_offset, kv_lengths)
         try:
             key = call_key(q, k, v, scale, bindings, learnables, return_lse)
@@ -254,6 +269,29 @@ class Attention:
         if plan.unproven:
             plan.check_lookups(values)
         return plan.backend.run(plan, q, k, v, scale, bindings, values)
+
+    def _unmasked_for(self, q, k, q_offset, kv_lengths) -> "Attention | None":
+        """This spec without its mask, for a call whose rows provably see every key (a decoded
+        token under ``causal``): plain attention runs on the fastest kernel for it (SDPA) and
+        needs no block mask. Only for ``auto``, a mask that reads no tensor, a score that does
+        not read positions, and positions the host knows (an int ``q_offset``)."""
+        if (self._unmaskable is None or kv_lengths is not None
+                or not (q_offset is None or (isinstance(q_offset, int)
+                                             and not isinstance(q_offset, bool)))
+                or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+                        and q.dim() == k.dim() == 4)):
+            return None
+        batch, heads, q_len, kv_len = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        if q_offset is None:
+            q_offset = kv_len - q_len if self._default_offset else 0
+        key = (q_offset, batch, heads, q_len, kv_len)
+        sees = self._sees_every_key.get(key)
+        if sees is None:
+            if len(self._sees_every_key) > PLAN_CACHE_SIZE:
+                self._sees_every_key.clear()
+            sees = self._sees_every_key[key] = positions.sees_every_key(
+                self.ir, q_offset, batch, heads, q_len, kv_len)
+        return self._unmaskable if sees else None
 
     def _plan(self, q, k, v, scale, bindings, learnables, return_lse=False) -> Plan:
         return make_plan(text=str(self.spec), asked=self.backend,

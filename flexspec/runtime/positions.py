@@ -23,6 +23,7 @@ import torch
 
 from flexspec import ir
 from flexspec.errors import BindingError
+from flexspec.ir.intervals import Analyzer, ScalarOps
 
 Q_OFFSET = "q_offset"
 KV_LENGTHS = "kv_lengths"
@@ -53,6 +54,17 @@ def positioned(spec: ir.AttentionIR, offset: bool, lengths: bool) -> ir.Attentio
 def reads_positions(spec: ir.AttentionIR) -> bool:
     """Whether the spec reads ``q`` at all (else an offset changes nothing)."""
     return "q" in ir.free_vars(spec.mask) | ir.free_vars(spec.score)
+
+
+def sees_every_key(spec: ir.AttentionIR, offset: int, batch: int, heads: int, q_len: int,
+                   kv_len: int) -> bool:
+    """Whether the mask provably holds for every query row (at positions ``offset ..
+    offset + Q_LEN - 1``) and every key: a single decoded token under ``causal`` sees the whole
+    cache, so that call is plain attention over all keys."""
+    ranges = {"b": (0, batch - 1), "h": (0, heads - 1), "q": (offset, offset + q_len - 1),
+              "kv": (0, kv_len - 1), "B": (batch, batch), "H": (heads, heads),
+              "Q_LEN": (q_len, q_len), "KV_LEN": (kv_len, kv_len)}
+    return bool(Analyzer(ScalarOps, ranges).boolean(spec.mask)[0])
 
 
 def call_tensors(spec: ir.AttentionIR, q_offset, kv_lengths, batch: int, q_len: int,

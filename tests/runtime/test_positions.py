@@ -253,3 +253,24 @@ def test_two_partial_attentions_merge_exactly_through_their_lse():
     out, want_lse = attn(q, k, v, return_lse=True)
     torch.testing.assert_close(merged, out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, want_lse)
+
+
+@pytest.mark.parametrize("text, offset, unmasked", [
+    ("causal", 299, True), ("causal_bottom_right", None, True), ("causal", 298, False),
+    ("sliding_window(400)", 299, True), ("sliding_window(100)", 299, False),
+    ("causal + alibi", 299, False),  # the score reads positions: the mask stays
+])
+def test_a_decoded_token_that_sees_every_key_runs_as_plain_attention(text, offset, unmasked):
+    """A single new token under `causal` sees the whole cache: the call drops the mask and runs
+    on plain attention (SDPA on this CPU), with the reference's result."""
+    attn = flexspec.compile(text)
+    q, k, v = Shape(2, 8, 2, 1, 300, 16).qkv(2)
+    if offset is not None:
+        kwargs = {"q_offset": offset}
+    else:
+        kwargs = {}
+    explanation = attn.explain(q, k, v, **kwargs)
+    assert (explanation.mask == "true") == unmasked
+    assert (explanation.choice.backend == "sdpa") == unmasked
+    torch.testing.assert_close(attn(q, k, v, **kwargs), attn.reference(q, k, v, **kwargs),
+                               rtol=1e-5, atol=1e-5)
