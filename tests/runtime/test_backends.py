@@ -464,3 +464,26 @@ def test_a_scale_that_rounds_to_zero_is_finite(text, scale):
         out = attn(q, k, v, scale=scale)
     assert attn.explain(q, k, v, scale=scale).choice.backend != "sdpa"
     torch.testing.assert_close(out, attn.reference(q, k, v, scale=scale), rtol=1e-4, atol=1e-4)
+
+
+def test_sdpa_decoding_steps_leave_cudnn_out(monkeypatch):
+    """cuDNN builds a plan for every new key length (about 60 ms a step on the H200): calls of
+    at most DECODING_ROWS query rows on CUDA run SDPA inside sdpa_kernel without it. Checked on
+    the CPU by recording what the backend asks torch for."""
+    from flexspec.runtime.backends import sdpa
+
+    asked = []
+    monkeypatch.setattr(sdpa, "sdpa_kernel", lambda kernels: asked.append(kernels) or
+                        __import__("contextlib").nullcontext())
+
+    class FakeCuda(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    attn = flexspec.compile("full", backend="sdpa")
+    q, k, v = Shape(1, 2, 2, 1, 50, 16).qkv(0)
+    with torch.no_grad():
+        out = attn(q.as_subclass(FakeCuda), k, v)
+    torch.testing.assert_close(out.as_subclass(torch.Tensor), attn.reference(q, k, v))
+    assert asked and torch.nn.attention.SDPBackend.CUDNN_ATTENTION not in asked[0]

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flexspec import ir
 from flexspec.runtime.backends.base import Backend, Rank, Request
@@ -83,6 +84,12 @@ def not_sdpa(spec: ir.AttentionIR) -> str:
 SMALLEST_SCALE = 1.1754943508222875e-38
 
 
+# Calls with at most this many query rows are decoding steps, whose key lengths change every
+# step: they run SDPA without cuDNN.
+DECODING_ROWS = 16
+_NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 class SdpaBackend(Backend):
     name = "sdpa"
 
@@ -121,5 +128,12 @@ class SdpaBackend(Backend):
     def run(self, plan, q, k, v, scale, bindings, values):
         form: SdpaForm = plan.prepared
         base = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        if q.is_cuda and q.shape[2] <= DECODING_ROWS:
+            # cuDNN builds a new plan for every new length (about 60 ms per step of a growing
+            # cache on the H200, docs/performance.md); FlashAttention-2 does not
+            with sdpa_kernel(_NOT_CUDNN):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=form.causal,
+                                                      scale=base * form.factor,
+                                                      enable_gqa=plan.gqa)
         return F.scaled_dot_product_attention(q, k, v, is_causal=form.causal,
                                               scale=base * form.factor, enable_gqa=plan.gqa)
