@@ -102,6 +102,8 @@ def mark_lengths_dynamic(entry, q, k, v, score_mod, block_mask) -> None:
                 for dim, size in enumerate(value.shape):
                     if size in lengths and size > 1:
                         torch._dynamo.maybe_mark_dynamic(value, dim)
+
+
 # torch.compile's graph-break switch as a context manager (torch >= 2.9); fullgraph=True's
 # meaning without its per-call cost
 _NO_GRAPH_BREAKS = getattr(torch._dynamo, "error_on_graph_break",
