@@ -38,7 +38,7 @@ def breakdown(text: str, device, calls: int, rounds: int) -> list[str]:
     q, k, v = case.qkv
     plan = next(iter(case.attn._plans.values()))
     call = plan.prepared  # a FlexCall: the plan of the flex and flash backends
-    our_mask = call.block_mask if call.block_mask is not None else call.last_block_mask
+    our_mask = call.block_mask if call.block_mask is not None else call.last[1]
     fresh_entry = compiled.compiled_entry(call.lowered)
     entry = call.entry
     functions = {

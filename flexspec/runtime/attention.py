@@ -11,6 +11,7 @@ lookups and hand over to the backend's ``run``.
 from __future__ import annotations
 
 import collections
+import threading
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -57,6 +58,8 @@ class Attention:
         self._default_offset = spec.ir.align == "end" and positions.reads_positions(spec.ir)
         self._masks = BlockMasks(block_masks, sizes)
         self._plans: collections.OrderedDict = collections.OrderedDict()
+        # concurrent calls share the plan cache: its bookkeeping is one step at a time
+        self._plans_lock = threading.Lock()
         # the spec without its mask, for calls whose rows see every key (see _unmasked_for)
         self._unmaskable = None
         self._sees_every_key: dict = {}
@@ -246,7 +249,10 @@ class Attention:
         bindings = self._placed(q, k, bindings, q_offset, kv_lengths)
         try:
             key = call_key(q, k, v, scale, bindings, learnables, return_lse)
-            plan = self._plans.get(key)
+            with self._plans_lock:
+                plan = self._plans.get(key)
+                if plan is not None:
+                    self._plans.move_to_end(key)
         except TypeError:  # an unhashable argument: the checks of _plan say what is wrong
             key, plan = None, None
         if plan is None:
@@ -259,11 +265,10 @@ class Attention:
                           "that require gradients run on the dense reference path instead "
                           "(slower, memory grows with Q_LEN * KV_LEN)")
             if key is not None:
-                self._plans[key] = plan
-                if len(self._plans) > PLAN_CACHE_SIZE:
-                    self._plans.popitem(last=False)
-        else:
-            self._plans.move_to_end(key)
+                with self._plans_lock:
+                    self._plans[key] = plan
+                    if len(self._plans) > PLAN_CACHE_SIZE:
+                        self._plans.popitem(last=False)
         # gathering the values costs a dict and a view per binding: only where they are read
         values = plan.values(bindings) if plan.needs_values else None
         if plan.unproven:

@@ -67,6 +67,9 @@ def check_qkv(q, k, v, *, allow_float64: bool = False) -> Sizes:
         raise BindingError(f"{heads} query heads must be a multiple of {kv_heads} key/value heads")
     if q_len == 0 or k.shape[2] == 0:
         raise BindingError("q and k must have at least one position")
+    if dim == 0 or v.shape[3] == 0:
+        raise BindingError(f"the head dimension must be at least 1, got q/k {dim} and v "
+                           f"{v.shape[3]}")
     return Sizes(batch, heads, q_len, k.shape[2])
 
 
@@ -124,7 +127,7 @@ def check_binding(tensor: ir.Tensor, value, sizes: dict, device) -> torch.Tensor
     shape = declared_shape(tensor, sizes)
     if value.dim() > len(shape):
         raise BindingError(f"binding '{name}' has shape {list(value.shape)}, expected {expected}")
-    value = add_leading_dims(value, len(shape))
+    value = contiguous(add_leading_dims(value, len(shape)))
     for dim, (got, want, may_broadcast) in enumerate(zip(value.shape, shape,
                                                          broadcast_dims(tensor))):
         if got != want and not (got == 1 and may_broadcast):
@@ -232,6 +235,12 @@ def check_lookups(spec: ir.AttentionIR, sizes: dict, values: dict,
                 f"'{tensor.name}' is indexed by {index} in dimension {dim}, which reaches "
                 f"{low}..{high} for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}, but that "
                 f"dimension has {size} entries")
+
+
+def contiguous(value: torch.Tensor) -> torch.Tensor:
+    """``value`` in contiguous memory: inductor failed to compile a kernel that captures a
+    strided view (``doc_ids=ids[::2]``)."""
+    return value if value.is_contiguous() else value.contiguous()
 
 
 def identity(value: torch.Tensor) -> tuple:

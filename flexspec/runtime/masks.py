@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Literal
 
@@ -61,6 +62,9 @@ class BlockMasks:
         self.block_size = block_size
         self._tokens: dict = {}
         self._cache: collections.OrderedDict = collections.OrderedDict()
+        # calls from several threads share the cache: its bookkeeping is one step at a time (a
+        # mask is built outside the lock; two threads may build the same one, harmlessly)
+        self._lock = threading.Lock()
 
     def key(self, spec: ir.AttentionIR, sizes: dict, device) -> MaskKey:
         """The :class:`MaskKey` of ``spec``'s mask at ``sizes`` on ``device``."""
@@ -68,7 +72,8 @@ class BlockMasks:
         full = (spec.mask, batch, heads, sizes["Q_LEN"], sizes["KV_LEN"], str(device))
         token = self._tokens.get(full)
         if token is None:
-            token = self._tokens[full] = len(self._tokens)
+            with self._lock:
+                token = self._tokens.setdefault(full, len(self._tokens))
         return MaskKey(token, batch, heads, tuple(sorted(reads)))
 
     def _decoding(self, key: MaskKey, sizes: dict, device) -> bool:
@@ -84,10 +89,11 @@ class BlockMasks:
         """The block mask of ``spec`` for these tensor values, from the cache or built."""
         key = key or self.key(spec, sizes, device)
         cache_key = (key.token,) + tuple(identity(values[name]) for name in key.reads)
-        cached = self._cache.get(cache_key)
-        if cached is not None:
-            self._cache.move_to_end(cache_key)
-            return cached[0]
+        with self._lock:
+            cached = self._cache.get(cache_key)
+            if cached is not None:
+                self._cache.move_to_end(cache_key)
+                return cached[0]
         mask_mod, _ = lower(spec).make_mods(sizes, values)
         if self.mode == "dense":
             block_mask = create_block_mask(mask_mod or noop_mask, key.batch, key.heads,
@@ -99,8 +105,9 @@ class BlockMasks:
                                           exact=self.mode == "exact"
                                           and not self._decoding(key, sizes, device))
         # the values stay alive with the mask, so their memory cannot be reused while cached
-        self._cache[cache_key] = (block_mask, values)
-        if len(self._cache) > BLOCK_MASK_CACHE_SIZE:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[cache_key] = (block_mask, values)
+            if len(self._cache) > BLOCK_MASK_CACHE_SIZE:
+                self._cache.popitem(last=False)
         return block_mask
 

@@ -22,8 +22,8 @@ from flexspec.kernels.lower import lower
 from flexspec.kernels.reference import MAX_BYTES
 from flexspec.kernels.tensors import add_leading_dims
 from flexspec.runtime.backends import REGISTRY, Backend, Choice, Request, choose
-from flexspec.runtime.inputs import (Tensors, check_lookups, check_qkv, check_scale, identity,
-                                     meta, shapes_key, unproven_lookups)
+from flexspec.runtime.inputs import (Tensors, check_lookups, check_qkv, check_scale, contiguous,
+                                     identity, meta, shapes_key, unproven_lookups)
 from flexspec.runtime.masks import BlockMasks, MaskKey
 
 PLAN_CACHE_SIZE = 64
@@ -71,7 +71,7 @@ class Plan:
             return self.fixed
         values = dict(self.fixed)
         for name, key, ndim in self.slots:
-            value = bindings[name]
+            value = contiguous(bindings[name])
             value = value if value.dim() == ndim else add_leading_dims(value, ndim)
             values[key] = value.detach() if self.detach else value
         return values

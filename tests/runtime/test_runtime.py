@@ -518,3 +518,25 @@ def test_compiled_calls_refuse_graph_breaks():
     with pytest.raises(Exception, match="graph_break|graph break"):
         compiled.run_compiled(entry, torch.ones(3))
     torch._dynamo.reset()
+
+
+def test_strided_bindings_run():
+    """Red-team finding: doc_ids=ids[::2] and bias=b[::2] crashed inductor."""
+    q, k, v = Shape(1, 4, 4, 200, 200, 16).qkv(0)
+    ids = torch.arange(400) // 130
+    doc = flexspec.compile("causal & doc")
+    bias = torch.randn(8)
+    head = flexspec.compile("causal + head_bias")
+    with torch.no_grad():
+        torch.testing.assert_close(doc(q, k, v, doc_ids=ids[::2]),
+                                   doc.reference(q, k, v, doc_ids=ids[::2].contiguous()),
+                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(head(q, k, v, bias=bias[::2]),
+                                   head.reference(q, k, v, bias=bias[::2].contiguous()),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_a_head_dimension_of_zero_is_a_binding_error():
+    q = torch.randn(1, 2, 200, 0)
+    with pytest.raises(flexspec.BindingError, match="head dimension must be at least 1"):
+        flexspec.compile("causal & window(3)")(q, q, q)

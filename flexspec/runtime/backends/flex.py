@@ -47,25 +47,27 @@ class FlexCall:
     masks: object                            # the Attention's BlockMasks cache
     mask_bindings: tuple = ()                # names of the bindings the mask reads
     block_mask: BlockMask | None = None      # the block mask when the mask reads no binding
-    last_bindings: tuple = ()                # (tensor, version) of those in the last call
-    last_block_mask: BlockMask | None = None
+    # ((tensor, version) of the mask's bindings, block mask) of the last call: one tuple,
+    # replaced whole, so that concurrent calls never pair one call's bindings with another's mask
+    last: tuple | None = None
     score_varies: bool = True                # the score_mod captures this call's bindings
     score_mod: object = None
     lse: dict | None = None                  # compiled.lse_request(return_lse)
     scale_values: dict = field(default_factory=dict)  # the scale as a tensor (see scaled())
     warm: bool = False                       # the compiled entry has run once for this plan
 
-    def same_mask_bindings(self, bindings: dict) -> bool:
-        """Whether the mask's bindings are the very tensors of the previous call, unchanged in
-        place since (same object, same version counter): then so is its block mask, and the
-        cache lookup (storage identity, hashing) is skipped."""
-        if self.last_block_mask is None:
-            return False
-        for name, (value, version) in zip(self.mask_bindings, self.last_bindings):
+    def last_block_mask(self, bindings: dict) -> BlockMask | None:
+        """The previous call's block mask when the mask's bindings are the very tensors of that
+        call, unchanged in place since (same object, same version counter): the cache lookup
+        (storage identity, hashing) is then skipped. ``None`` otherwise."""
+        last = self.last  # read once: another thread may replace it meanwhile
+        if last is None:
+            return None
+        for name, (value, version) in zip(self.mask_bindings, last[0]):
             given = bindings[name]
             if given is not value or given._version != version:
-                return False
-        return True
+                return None
+        return last[1]
 
 
 class FlexBackend(Backend):
@@ -134,14 +136,14 @@ class FlexBackend(Backend):
         call: FlexCall = plan.prepared
         if not call.mask_bindings:
             block_mask = call.block_mask
-        elif call.same_mask_bindings(bindings):
-            block_mask = call.last_block_mask
         else:
-            block_mask = call.masks.get(plan.spec, plan.sizes,
-                                        values or plan.values(bindings), q.device, plan.mask)
-            call.last_block_mask = block_mask
-            call.last_bindings = tuple((bindings[name], bindings[name]._version)
-                                       for name in call.mask_bindings)
+            block_mask = call.last_block_mask(bindings)
+            if block_mask is None:
+                seen = tuple((bindings[name], bindings[name]._version)
+                             for name in call.mask_bindings)
+                block_mask = call.masks.get(plan.spec, plan.sizes,
+                                            values or plan.values(bindings), q.device, plan.mask)
+                call.last = (seen, block_mask)
         if call.score_varies:
             # the kernel computes scores in float32: a float64 table would turn them into float64
             kernel_values = {key: value.float() if value.dtype == torch.float64 else value
