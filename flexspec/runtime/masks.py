@@ -25,7 +25,12 @@ PER_STEP = frozenset((Q_OFFSET, KV_LENGTHS))
 # create_block_mask), interval analysis alone, or torch's create_block_mask (S^2 evaluations).
 BlockMaskMode = Literal["exact", "intervals", "dense"]
 BLOCK_MASK_MODES: tuple[BlockMaskMode, ...] = ("exact", "intervals", "dense")
+# The cache keeps at most this many block masks, holding at most this many bytes (tables and
+# the binding tensors each entry keeps alive), least recently used out first.
 BLOCK_MASK_CACHE_SIZE = 32
+BLOCK_MASK_CACHE_BYTES = 256 * 1024**2
+# New masks wait in a probation area this small until they are asked for a second time.
+PROBATION_SIZE = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +67,11 @@ class BlockMasks:
         self.block_size = block_size
         self._tokens: dict = {}
         self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._bytes = 0
+        # a new mask waits here until it is asked for again, and only then enters the cache:
+        # bindings that never repeat (fresh doc_ids every training step) pass through these
+        # few entries instead of filling the cache
+        self._probation: collections.OrderedDict = collections.OrderedDict()
         # calls from several threads share the cache: its bookkeeping is one step at a time (a
         # mask is built outside the lock; two threads may build the same one, harmlessly)
         self._lock = threading.Lock()
@@ -94,6 +104,10 @@ class BlockMasks:
             if cached is not None:
                 self._cache.move_to_end(cache_key)
                 return cached[0]
+            waiting = self._probation.pop(cache_key, None)
+            if waiting is not None:
+                self._admit(cache_key, *waiting)
+                return waiting[0]
         mask_mod, _ = lower(spec).make_mods(sizes, values)
         if self.mode == "dense":
             block_mask = create_block_mask(mask_mod or noop_mask, key.batch, key.heads,
@@ -104,10 +118,32 @@ class BlockMasks:
                                           batch=key.batch, heads=key.heads, mask_mod=mask_mod,
                                           exact=self.mode == "exact"
                                           and not self._decoding(key, sizes, device))
-        # the values stay alive with the mask, so their memory cannot be reused while cached
+        # an entry keeps the values alive, so their memory cannot be reused while it exists
         with self._lock:
-            self._cache[cache_key] = (block_mask, values)
-            if len(self._cache) > BLOCK_MASK_CACHE_SIZE:
-                self._cache.popitem(last=False)
+            self._probation[cache_key] = (block_mask, values)
+            if len(self._probation) > PROBATION_SIZE:
+                self._probation.popitem(last=False)
         return block_mask
+
+    def _admit(self, cache_key: tuple, block_mask: BlockMask, values: dict) -> None:
+        """Move a mask asked for twice into the cache, within the count and byte budgets."""
+        size = _nbytes(block_mask, values)
+        if size > BLOCK_MASK_CACHE_BYTES:
+            return
+        self._cache[cache_key] = (block_mask, values, size)
+        self._bytes += size
+        while len(self._cache) > BLOCK_MASK_CACHE_SIZE or self._bytes > BLOCK_MASK_CACHE_BYTES:
+            self._bytes -= self._cache.popitem(last=False)[1][2]
+
+    def cached_bytes(self) -> int:
+        """The bytes the cached entries hold."""
+        return self._bytes
+
+
+def _nbytes(block_mask: BlockMask, values: dict) -> int:
+    tables = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+              block_mask.full_kv_indices, block_mask.q_num_blocks, block_mask.q_indices,
+              block_mask.full_q_num_blocks, block_mask.full_q_indices)
+    tensors = [t for t in tables if t is not None] + list(values.values())
+    return sum(t.numel() * t.element_size() for t in tensors)
 

@@ -540,3 +540,24 @@ def test_a_head_dimension_of_zero_is_a_binding_error():
     q = torch.randn(1, 2, 200, 0)
     with pytest.raises(flexspec.BindingError, match="head dimension must be at least 1"):
         flexspec.compile("causal & window(3)")(q, q, q)
+
+
+def test_fresh_bindings_every_call_do_not_fill_the_block_mask_cache(monkeypatch):
+    """Red-team finding: fresh doc_ids every step filled all 32 entries (about 400 MB at B=8,
+    S=32K) although none was ever reused. New masks now wait in a small probation area; a mask
+    asked for twice enters the cache, which is bounded in bytes too."""
+    attn = flexspec.compile("causal & doc")
+    for step in range(40):
+        attn.block_mask(300, 300, doc_ids=torch.arange(300) * (step % 7 + 2) // 300)
+    assert attn._masks.cached_bytes() == 0 and len(attn._masks._probation) <= masks.PROBATION_SIZE
+    ids = torch.arange(300) // 100
+    first = attn.block_mask(300, 300, doc_ids=ids)
+    assert attn.block_mask(300, 300, doc_ids=ids) is first  # the second request keeps it
+    kept = attn._masks.cached_bytes()
+    assert kept > 0
+    # a byte budget smaller than two entries keeps one
+    monkeypatch.setattr(masks, "BLOCK_MASK_CACHE_BYTES", kept + kept // 2)
+    other = torch.arange(300) // 50
+    attn.block_mask(300, 300, doc_ids=other)
+    attn.block_mask(300, 300, doc_ids=other)
+    assert len(attn._masks._cache) == 1 and attn._masks.cached_bytes() <= kept + kept // 2
