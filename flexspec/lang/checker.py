@@ -12,6 +12,7 @@ Pure Python; no torch.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 from flexspec import ir
@@ -404,7 +405,35 @@ def check_spec(node: ast.Node, scope: Scope) -> ir.AttentionIR:
     except RecursionError:
         raise SpecCheckError(_TOO_DEEP, node.span) from None
     _check_bindings_agree(result, node)
+    _check_runnable(result, node)
     return result
+
+
+# What the kernels compute with: int64 indices and float32 scores. A constant outside these
+# ranges would be computed wrongly (or not at all) where the reference, in float64 and Python
+# ints, computes it exactly.
+INT64 = (-2**63, 2**63 - 1)
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.401298464324817e-45  # the smallest positive float32; less rounds to 0
+
+
+def _check_runnable(result: ir.AttentionIR, node: ast.Node) -> None:
+    """Constants the kernels can hold, and no integer division by a constant zero."""
+    for root in (result.mask, result.score):
+        for part in ir.walk(root):
+            if isinstance(part, ir.Const) and not isinstance(part.value, bool):
+                value = part.value
+                if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
+                    raise SpecCheckError(f"{value} does not fit in a 64-bit int, which the "
+                                         "kernels compute positions with", node.span)
+                if isinstance(value, float) and value != 0 and math.isfinite(value) and not (
+                        FLOAT32_TINY <= abs(value) <= FLOAT32_MAX):
+                    raise SpecCheckError(f"{value!r} is beyond float32 (the kernels compute "
+                                         "scores in float32, from 1.4e-45 to 3.4e38 in "
+                                         "magnitude); use a value in that range", node.span)
+            if isinstance(part, ir.Binary) and part.op in ("//", "%") \
+                    and part.right == ir.Const(0):
+                raise SpecCheckError(f"'{ir.to_text(part)}' divides by zero", node.span)
 
 
 def _check_bindings_agree(result: ir.AttentionIR, node: ast.Node) -> None:

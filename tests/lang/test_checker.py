@@ -603,3 +603,23 @@ def test_call_arguments_are_the_ones_the_runtime_takes():
         named = [p for p, info in inspect.signature(method).parameters.items()
                  if info.kind is not inspect.Parameter.VAR_KEYWORD]
         assert set(named) <= set(CALL_ARGUMENTS), method
+
+
+@pytest.mark.parametrize("text, message", [
+    ("window(9223372036854775808)", "does not fit in a 64-bit int"),
+    ("softcap(1e39)", "beyond float32"),
+    ("causal + scale(1e-46)", "beyond float32"),
+])
+def test_constants_the_kernels_cannot_hold_are_check_errors(text, message):
+    """Red-team finding: these were accepted and computed wrongly (softcap(1e39) off by 0.82,
+    scale(1e-46) NaN) or failed in the reference with a raw ValueError."""
+    with pytest.raises(flexspec.SpecCheckError, match=message):
+        flexspec.parse(text)
+    flexspec.parse("window(9223372036854775807) + scale(1e-40)")  # the edges still check
+
+
+def test_integer_division_by_a_constant_zero_is_a_check_error():
+    with pytest.raises(flexspec.SpecCheckError, match="'q // 0' divides by zero"):
+        load_text("mask m = q // 0 == kv\nspec s = m\n")["s"]
+    with pytest.raises(flexspec.SpecCheckError, match="'q % 0' divides by zero"):
+        load_text("mask m(n: int) = q % n == kv\nspec s = m(0)\n")["s"]

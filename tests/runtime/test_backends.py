@@ -454,10 +454,11 @@ def test_runtime_errors_are_exported_at_the_top_level():
 
 
 @pytest.mark.parametrize("text, scale", [("causal", 0.0), ("causal", 1e-300),
-                                         ("causal", -1e-45), ("causal + scale(1e-300)", None)])
+                                         ("causal", -1e-45), ("causal + scale(1e-40)", None)])
 def test_a_scale_that_rounds_to_zero_is_finite(text, scale):
     """Red-team finding: causal with scale=0.0 (and causal + scale(1e-300)) ran on SDPA and gave
-    NaN; every key then weighs the same, as the reference says."""
+    NaN; every key then weighs the same, as the reference says. (scale(1e-300) itself is now a
+    check error: beyond float32.)"""
     attn = flexspec.compile(text)
     q, k, v = Shape(1, 2, 2, 200, 200, 16).qkv(0)
     with torch.no_grad():
