@@ -246,6 +246,17 @@ def substitute(node: Expr, mapping: dict) -> Expr:
     return transform(node, replace)
 
 
+def depth(node: Expr) -> int:
+    """The number of nodes on the longest path from ``node`` down to a leaf (counted without
+    recursion, so it works on trees too deep for the recursive passes)."""
+    deepest, stack = 0, [(node, 1)]
+    while stack:
+        current, level = stack.pop()
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in children(current))
+    return deepest
+
+
 def free_vars(node: Expr) -> frozenset:
     """Names of the variables an expression reads (tensor shapes included)."""
     return frozenset(n.name for n in walk(node) if isinstance(n, Var))

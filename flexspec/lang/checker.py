@@ -404,9 +404,19 @@ def check_spec(node: ast.Node, scope: Scope) -> ir.AttentionIR:
                                 align=checker.align)
     except RecursionError:
         raise SpecCheckError(_TOO_DEEP, node.span) from None
+    levels = max(ir.depth(result.mask), ir.depth(result.score))
+    if levels > MAX_IR_DEPTH:
+        # every later pass (equality, hashing, the lowering, the printer) recurses over the IR
+        raise SpecCheckError(f"{_TOO_DEEP} ({levels} levels of operators after inlining; at "
+                             f"most {MAX_IR_DEPTH})", node.span)
     _check_bindings_agree(result, node)
     _check_runnable(result, node)
     return result
+
+
+# The deepest IR the recursive passes handle within Python's default recursion limit, with
+# room to spare (about three frames per level when two IRs are compared).
+MAX_IR_DEPTH = 200
 
 
 # What the kernels compute with: int64 indices and float32 scores. A constant outside these

@@ -623,3 +623,13 @@ def test_integer_division_by_a_constant_zero_is_a_check_error():
         load_text("mask m = q // 0 == kv\nspec s = m\n")["s"]
     with pytest.raises(flexspec.SpecCheckError, match="'q % 0' divides by zero"):
         load_text("mask m(n: int) = q % n == kv\nspec s = m(0)\n")["s"]
+
+
+def test_specs_deeper_than_the_passes_handle_are_refused_when_checked():
+    """Red-team finding: `causal` plus 100 x `+ softcap` parsed and checked, then `==` (and at
+    150, explain and the CLI) raised RecursionError."""
+    with pytest.raises(flexspec.SpecCheckError, match="levels of operators after inlining"):
+        flexspec.parse("causal" + " + softcap" * 100)
+    spec = flexspec.parse("causal" + " + softcap" * 60)  # deep, within the limit: every pass works
+    assert flexspec.parse(str(spec)) == spec and hash(spec.ir) == hash(flexspec.parse(str(spec)).ir)
+    assert spec.explain().count("tanh") == 60
