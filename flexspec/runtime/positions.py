@@ -48,7 +48,9 @@ def positioned(spec: ir.AttentionIR, offset: bool, lengths: bool) -> ir.Attentio
     if lengths:
         valid = ir.Binary("<", ir.Var("kv"), ir.Lookup(LENGTHS_TENSOR, (ir.Var("b"),)))
         mask = valid if mask == ir.TRUE else ir.And((mask, valid))
-    return ir.AttentionIR(mask, score, spec.align)
+    # with the offset written into the IR, its q is the row number: aligned at the start (an
+    # end-aligned IR would be shifted a second time by whoever places its rows, the reference)
+    return ir.AttentionIR(mask, score, "start" if offset else spec.align)
 
 
 def reads_positions(spec: ir.AttentionIR) -> bool:

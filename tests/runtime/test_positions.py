@@ -274,3 +274,40 @@ def test_a_decoded_token_that_sees_every_key_runs_as_plain_attention(text, offse
     assert (explanation.choice.backend == "sdpa") == unmasked
     torch.testing.assert_close(attn(q, k, v, **kwargs), attn.reference(q, k, v, **kwargs),
                                rtol=1e-5, atol=1e-5)
+
+
+@PROPERTY
+@given(decoding_cases(max_len=60), st.integers(0, 2**31 - 1), st.integers(-3, 3))
+def test_the_runtime_places_rows_as_the_reference_does(case, seed, shift):
+    """Through the runtime (the reference backend here: no compiles) and through the reference,
+    with the spec's own placement (end-aligned specs at Q_LEN != KV_LEN) and with an explicit
+    offset. Scores that read positions are not shift-invariant only up to softmax: compare
+    outputs with Q_LEN != KV_LEN, where a wrong placement changes which keys a row sees."""
+    spec, shape, values, last = case
+    # at KV_LEN = 1 the reference reads a [B, KV_LEN] tensor's size-1 dimension as a broadcast,
+    # where the runtime (rightly) refuses an index past it: a known difference of that edge
+    assume(shape.KV_LEN > 1)
+    attn = flexspec.compile(spec, backend="reference")
+    q, k, v = shape.qkv(seed)
+    rows = q[:, :, shape.Q_LEN - last:]
+    try:
+        want = attn.reference(rows, k, v, **values)
+    except flexspec.SpecError:
+        assume(False)  # the spec's own placement reads past a tensor at this shape
+    close(attn(rows, k, v, **values), want, f"{spec} {shape} last {last}")
+    offset = max(0, shape.Q_LEN - last + shift)
+    try:
+        want = attn.reference(rows, k, v, q_offset=offset, **values)
+    except flexspec.SpecError:
+        return
+    close(attn(rows, k, v, q_offset=offset, **values), want, f"{spec} offset {offset}")
+
+
+def test_an_end_aligned_position_score_is_placed_once():
+    """A mutation that placed end-aligned rows twice hid behind softmax's shift invariance at
+    Q_LEN=1; at Q_LEN=3 against 5 keys the rows see different keys."""
+    attn = flexspec.compile("causal_bottom_right + alibi", backend="reference")
+    q, k, v = Shape(1, 2, 2, 3, 5, 8).qkv(0)
+    close(attn(q, k, v), attn.reference(q, k, v), "end-aligned, Q_LEN=3, KV_LEN=5")
+    close(attn(q, k, v), flexspec.compile("causal + alibi").reference(q, k, v, q_offset=2),
+          "the same as causal at offset KV_LEN - Q_LEN")
