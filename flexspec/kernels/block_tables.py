@@ -87,6 +87,13 @@ def to_block_mask(classes: torch.Tensor, sizes: dict, block: tuple, mask_mod=Non
         BLOCK_SIZE=tuple(block), mask_mod=mask_mod or noop_mask)
 
 
+def tables(block_mask: BlockMask) -> tuple:
+    """Every index table a BlockMask holds (``None`` where it has none)."""
+    return (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+            block_mask.full_kv_indices, block_mask.q_num_blocks, block_mask.q_indices,
+            block_mask.full_q_num_blocks, block_mask.full_q_indices)
+
+
 def tile_classes(block_mask: BlockMask) -> torch.Tensor:
     """The tile classes (EMPTY, PARTIAL, FULL as int8, ``[B, H, NQ, NK]``) a BlockMask's kv-side
     tables hold: the inverse of :func:`to_block_mask`."""

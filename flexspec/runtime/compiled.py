@@ -18,6 +18,7 @@ except ImportError:  # torch before return_aux
     AuxRequest = None
 
 from flexspec.errors import SpecError
+from flexspec.kernels import block_tables
 from flexspec.kernels.lower import Lowered
 
 
@@ -86,11 +87,7 @@ def mark_lengths_dynamic(entry, q, k, v, score_mod, block_mask) -> None:
     lengths = {q.shape[2], k.shape[2]}
     for tensor in (q, k, v):
         torch._dynamo.maybe_mark_dynamic(tensor, 2)
-    tables = () if block_mask is None else (
-        block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
-        block_mask.full_kv_indices, block_mask.q_num_blocks, block_mask.q_indices,
-        block_mask.full_q_num_blocks, block_mask.full_q_indices)
-    for table in tables:
+    for table in () if block_mask is None else block_tables.tables(block_mask):
         if table is not None:
             for dim in range(2, table.dim()):
                 torch._dynamo.maybe_mark_dynamic(table, dim)

@@ -13,6 +13,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, noop
 
 from flexspec import ir
 from flexspec.ir import tensor_key
+from flexspec.kernels.block_tables import tables
 from flexspec.kernels.blocks import build_block_mask
 from flexspec.kernels.lower import lower
 from flexspec.runtime.inputs import identity
@@ -141,9 +142,6 @@ class BlockMasks:
 
 
 def _nbytes(block_mask: BlockMask, values: dict) -> int:
-    tables = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
-              block_mask.full_kv_indices, block_mask.q_num_blocks, block_mask.q_indices,
-              block_mask.full_q_num_blocks, block_mask.full_q_indices)
-    tensors = [t for t in tables if t is not None] + list(values.values())
+    tensors = [t for t in tables(block_mask) if t is not None] + list(values.values())
     return sum(t.numel() * t.element_size() for t in tensors)
 

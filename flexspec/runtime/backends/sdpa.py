@@ -4,6 +4,7 @@ Q_LEN == KV_LEN, times an optional positive constant."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -128,12 +129,9 @@ class SdpaBackend(Backend):
     def run(self, plan, q, k, v, scale, bindings, values):
         form: SdpaForm = plan.prepared
         base = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        if q.is_cuda and q.shape[2] <= DECODING_ROWS:
-            # cuDNN builds a new plan for every new length (about 60 ms per step of a growing
-            # cache on the H200, docs/performance.md); FlashAttention-2 does not
-            with sdpa_kernel(_NOT_CUDNN):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=form.causal,
-                                                      scale=base * form.factor,
-                                                      enable_gqa=plan.gqa)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=form.causal,
-                                              scale=base * form.factor, enable_gqa=plan.gqa)
+        # cuDNN builds a new plan for every new length (about 60 ms per step of a growing cache
+        # on the H200, docs/performance.md); FlashAttention-2 does not
+        decoding = q.is_cuda and q.shape[2] <= DECODING_ROWS
+        with sdpa_kernel(_NOT_CUDNN) if decoding else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=form.causal,
+                                                  scale=base * form.factor, enable_gqa=plan.gqa)
