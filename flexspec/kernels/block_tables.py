@@ -32,12 +32,10 @@ def ordered(dense: torch.Tensor):
     entry at its rank (``nonzero``), which is cheaper when there are few of them. Small matrices
     (:data:`SORT_PATH_ENTRIES`) are sorted instead, without a host synchronisation.
     """
+    if dense.numel() <= SORT_PATH_ENTRIES:
+        return sorted_rows(dense)
     n_cols = dense.shape[-1]
     count = dense.sum(-1, dtype=torch.int32)
-    if dense.numel() <= SORT_PATH_ENTRIES:
-        # True (1) before False (0) and, stable, each in increasing column order
-        order = torch.sort(dense.to(torch.int8), dim=-1, descending=True, stable=True).indices
-        return count.contiguous(), order.to(torch.int32)
     columns = torch.arange(n_cols, dtype=torch.int32, device=dense.device)
     flat = dense.reshape(-1, n_cols)
     counts = count.reshape(-1)
@@ -57,6 +55,15 @@ def ordered(dense: torch.Tensor):
     return count.contiguous(), indices.reshape(dense.shape)
 
 
+def sorted_rows(dense: torch.Tensor):
+    """:func:`ordered`'s ``(count, indices)`` by one stable sort per row, every column in order:
+    a few kernels at any size and no host synchronisation."""
+    count = dense.sum(-1, dtype=torch.int32)
+    # True (1) before False (0) and, stable, each in increasing column order
+    order = torch.sort(dense.to(torch.int8), dim=-1, descending=True, stable=True).indices
+    return count.contiguous(), order.to(torch.int32)
+
+
 def _ordered_by_rank(flat: torch.Tensor, counts: torch.Tensor, columns: torch.Tensor):
     """:func:`ordered`'s indices for 2-D ``flat``, writing every True entry at its rank."""
     indices = columns.expand(flat.shape).contiguous()
@@ -69,22 +76,29 @@ def _ordered_by_rank(flat: torch.Tensor, counts: torch.Tensor, columns: torch.Te
     return indices
 
 
-def to_block_mask(classes: torch.Tensor, sizes: dict, block: tuple, mask_mod=None) -> BlockMask:
-    """A torch BlockMask from tile classes, with the q-side tables built directly."""
-    kv_num, kv_idx = ordered(classes == PARTIAL)
-    full_kv_num, full_kv_idx = ordered(classes == FULL)
+def index_tables(classes: torch.Tensor, order=ordered) -> tuple:
+    """The eight BlockMask index tables of tile classes, in :func:`tables`' order: each of the
+    partial and full tiles listed per q-block row (kv side) and per kv-block column (q side),
+    each list laid out by ``order`` (:func:`ordered` or :func:`sorted_rows`)."""
+    kv_num, kv_idx = order(classes == PARTIAL)
+    full_kv_num, full_kv_idx = order(classes == FULL)
     # one contiguous transposed copy of the int8 classes is cheaper than walking two
     # transposed bool views
     by_kv = classes.transpose(-2, -1).contiguous()
-    q_num, q_idx = ordered(by_kv == PARTIAL)
-    full_q_num, full_q_idx = ordered(by_kv == FULL)
-    return BlockMask(
-        seq_lengths=(sizes["Q_LEN"], sizes["KV_LEN"]),
-        kv_num_blocks=kv_num, kv_indices=kv_idx,
-        full_kv_num_blocks=full_kv_num, full_kv_indices=full_kv_idx,
-        q_num_blocks=q_num, q_indices=q_idx,
-        full_q_num_blocks=full_q_num, full_q_indices=full_q_idx,
-        BLOCK_SIZE=tuple(block), mask_mod=mask_mod or noop_mask)
+    q_num, q_idx = order(by_kv == PARTIAL)
+    full_q_num, full_q_idx = order(by_kv == FULL)
+    return kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx
+
+
+def from_tables(index: tuple, sizes: dict, block: tuple, mask_mod=None) -> BlockMask:
+    """A torch BlockMask from :func:`index_tables`' eight tables."""
+    return BlockMask((sizes["Q_LEN"], sizes["KV_LEN"]), *index,
+                     BLOCK_SIZE=tuple(block), mask_mod=mask_mod or noop_mask)
+
+
+def to_block_mask(classes: torch.Tensor, sizes: dict, block: tuple, mask_mod=None) -> BlockMask:
+    """A torch BlockMask from tile classes, with the q-side tables built directly."""
+    return from_tables(index_tables(classes), sizes, block, mask_mod)
 
 
 def tables(block_mask: BlockMask) -> tuple:

@@ -158,7 +158,9 @@ class _Lookups:
         exact = []
         for d, (lo, _) in enumerate(index_bounds):
             size = value.shape[d]
-            exact.append(lo.long().clamp(0, size - 1) if size > 1 else torch.zeros_like(lo.long()))
+            index = lo.long().clamp(0, size - 1) if size > 1 else torch.zeros_like(lo.long())
+            # a 0-d index tensor would be read as a Python int (a host read; no graph)
+            exact.append(index.reshape(1) if index.dim() == 0 else index)
         if not ranged:
             found = value[tuple(exact)]
             return found, found
@@ -192,12 +194,6 @@ class _Lookups:
 
 # ---------------------------------------------------------------------------------------------
 # Classification
-
-
-def _tile_ranges(length: int, block: int, device):
-    starts = torch.arange(0, length, block, device=device, dtype=torch.float64)
-    ends = torch.clamp(starts + block - 1, max=length - 1)
-    return starts, ends
 
 
 def classify(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, device, *,
@@ -242,29 +238,41 @@ def _classes(must: torch.Tensor, may: torch.Tensor) -> torch.Tensor:
 def _classify_grid(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, device, *,
                    batch: int, heads: int) -> torch.Tensor:
     """:func:`classify` over the whole tile grid at once (in chunks of rows)."""
-    q_block, kv_block = block
-    q_lo, q_hi = _tile_ranges(sizes["Q_LEN"], q_block, device)
-    kv_lo, kv_hi = _tile_ranges(sizes["KV_LEN"], kv_block, device)
-    nq, nk = q_lo.numel(), kv_lo.numel()
-    b = torch.arange(batch, device=device, dtype=torch.float64).reshape(batch, 1, 1, 1)
-    h = torch.arange(heads, device=device, dtype=torch.float64).reshape(1, heads, 1, 1)
+    nq = -(-sizes["Q_LEN"] // block[0])
+    nk = -(-sizes["KV_LEN"] // block[1])
     out = torch.empty(batch, heads, nq, nk, dtype=torch.int8, device=device)
     rows = max(1, TILES_PER_CHUNK // max(1, batch * heads * nk))
-    kv_tiles = torch.arange(nk, device=device).reshape(1, 1, 1, nk)
     for start in range(0, nq, rows):
         stop = min(nq, start + rows)
-        q_tiles = torch.arange(start, stop, device=device).reshape(1, 1, -1, 1)
-        ranges = {
-            "b": (b, b), "h": (h, h),
-            "q": (q_lo[start:stop].reshape(1, 1, -1, 1), q_hi[start:stop].reshape(1, 1, -1, 1)),
-            "kv": (kv_lo.reshape(1, 1, 1, nk), kv_hi.reshape(1, 1, 1, nk)),
-        }
-        ranges.update((name, (float(sizes[name]), float(sizes[name]))) for name in ir.SIZE_VARS)
-        lookups = _Lookups(tensors, block, {"q": q_tiles, "kv": kv_tiles})
-        must, may = Analyzer(TorchOps(device, lookups), ranges).boolean(mask)
-        shape = (batch, heads, stop - start, nk)
-        out[:, :, start:stop] = _classes(must.expand(shape), may.expand(shape))
+        out[:, :, start:stop] = tile_rows(mask, sizes, block, tensors, device, batch=batch,
+                                          heads=heads, start=start, stop=stop, nk=nk)
     return out
+
+
+def tile_rows(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, device, *, batch: int,
+              heads: int, start, stop, nk) -> torch.Tensor:
+    """The interval classes of the tiles in q-block rows ``start:stop`` (all ``nk`` kv-blocks),
+    ``[batch, heads, stop - start, nk]``. Branch-free in the sizes, so that
+    :mod:`flexspec.kernels.fused_blocks` traces it once for every length."""
+    q_block, kv_block = block
+    q_lo = torch.arange(start, stop, device=device, dtype=torch.float64) * q_block
+    q_hi = torch.clamp(q_lo + (q_block - 1), max=sizes["Q_LEN"] - 1)
+    kv_lo = torch.arange(nk, device=device, dtype=torch.float64) * kv_block
+    kv_hi = torch.clamp(kv_lo + (kv_block - 1), max=sizes["KV_LEN"] - 1)
+    b = torch.arange(batch, device=device, dtype=torch.float64).reshape(batch, 1, 1, 1)
+    h = torch.arange(heads, device=device, dtype=torch.float64).reshape(1, heads, 1, 1)
+    ranges = {
+        "b": (b, b), "h": (h, h),
+        "q": (q_lo.reshape(1, 1, -1, 1), q_hi.reshape(1, 1, -1, 1)),
+        "kv": (kv_lo.reshape(1, 1, 1, -1), kv_hi.reshape(1, 1, 1, -1)),
+    }
+    ranges.update((name, (sizes[name], sizes[name])) for name in ir.SIZE_VARS)
+    q_tiles = torch.arange(start, stop, device=device).reshape(1, 1, -1, 1)
+    kv_tiles = torch.arange(nk, device=device).reshape(1, 1, 1, -1)
+    lookups = _Lookups(tensors, block, {"q": q_tiles, "kv": kv_tiles})
+    must, may = Analyzer(TorchOps(device, lookups), ranges).boolean(mask)
+    shape = (batch, heads, stop - start, nk)
+    return _classes(must.expand(shape), may.expand(shape))
 
 
 def _without_ragged_full(classes: torch.Tensor, sizes: dict, block: tuple, device) -> torch.Tensor:

@@ -14,13 +14,14 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, noop
 from flexspec import ir
 from flexspec.ir import tensor_key
 from flexspec.kernels.block_tables import tables
+from flexspec.kernels import fused_blocks
 from flexspec.kernels.blocks import build_block_mask
 from flexspec.kernels.lower import lower
 from flexspec.runtime.inputs import identity
-from flexspec.runtime.positions import KV_LENGTHS, Q_OFFSET
 
-# The tensors that place a call's queries: new values at every decoding step.
-PER_STEP = frozenset((Q_OFFSET, KV_LENGTHS))
+# Devices where masks that read tensors are built by one compiled program each (fused_blocks):
+# on the CPU a program's first compile (about 20 s on a 2-core machine) outweighs what it saves.
+FUSED_DEVICES = frozenset({"cuda"})
 
 # How block masks are built: interval analysis refined inside partial tiles (equal to
 # create_block_mask), interval analysis alone, or torch's create_block_mask (S^2 evaluations).
@@ -76,6 +77,7 @@ class BlockMasks:
         # calls from several threads share the cache: its bookkeeping is one step at a time (a
         # mask is built outside the lock; two threads may build the same one, harmlessly)
         self._lock = threading.Lock()
+        self._untraceable: set = set()  # tokens of masks the fused program could not trace
 
     def key(self, spec: ir.AttentionIR, sizes: dict, device) -> MaskKey:
         """The :class:`MaskKey` of ``spec``'s mask at ``sizes`` on ``device``."""
@@ -87,13 +89,16 @@ class BlockMasks:
                 token = self._tokens.setdefault(full, len(self._tokens))
         return MaskKey(token, batch, heads, tuple(sorted(reads)))
 
-    def _decoding(self, key: MaskKey, sizes: dict, device) -> bool:
-        """A decoding step on a GPU: one row of tiles whose mask reads where the queries stand,
-        so it is rebuilt every step. Its tiles keep the classes the intervals give: refining them
-        costs host synchronisations every step and buys little, since the kernel applies the
-        mask inside partial tiles anyway."""
-        return (device.type == "cuda" and sizes["Q_LEN"] <= self.block_size[0]
-                and bool(PER_STEP & set(key.reads)))
+    def _fused(self, key: MaskKey, sizes: dict, device) -> bool:
+        """Whether to build with the compiled program (:mod:`flexspec.kernels.fused_blocks`):
+        on the devices in :data:`FUSED_DEVICES`, for masks rebuilt whenever their tensors change
+        (fresh ``doc_ids`` every training step, positions every decoding step), where the eager
+        builder's launches and host synchronisations would cost more than the kernel, and for
+        every mask in ``intervals`` mode. Masks that read no tensor are built once and refined."""
+        return (device.type in FUSED_DEVICES and self.mode != "dense"
+                and key.token not in self._untraceable
+                and (bool(key.reads) or self.mode == "intervals")
+                and fused_blocks.fits(sizes, self.block_size, batch=key.batch, heads=key.heads))
 
     def get(self, spec: ir.AttentionIR, sizes: dict, values: dict, device,
             key: MaskKey | None = None) -> BlockMask:
@@ -114,11 +119,19 @@ class BlockMasks:
             block_mask = create_block_mask(mask_mod or noop_mask, key.batch, key.heads,
                                            sizes["Q_LEN"], sizes["KV_LEN"], device=device,
                                            BLOCK_SIZE=self.block_size)
+        elif self._fused(key, sizes, device):
+            try:
+                block_mask = fused_blocks.fused_block_mask(
+                    spec.mask, sizes, self.block_size, values, device, batch=key.batch,
+                    heads=key.heads, mask_mod=mask_mod)
+            except fused_blocks.Untraceable:
+                # the eager builder runs every mask; this one will not be traced again
+                self._untraceable.add(key.token)
+                return self.get(spec, sizes, values, device, key)
         else:
             block_mask = build_block_mask(spec.mask, sizes, self.block_size, values, device,
                                           batch=key.batch, heads=key.heads, mask_mod=mask_mod,
-                                          exact=self.mode == "exact"
-                                          and not self._decoding(key, sizes, device))
+                                          exact=self.mode == "exact")
         # an entry keeps the values alive, so their memory cannot be reused while it exists
         with self._lock:
             self._probation[cache_key] = (block_mask, values)

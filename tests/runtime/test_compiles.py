@@ -9,6 +9,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import flexspec
+from flexspec.kernels import fused_blocks
+from flexspec.runtime import masks
 from flexspec.testing import Shape
 
 # Lengths that are not multiples of 128, crossing block boundaries both ways.
@@ -89,6 +91,32 @@ def test_a_preallocated_cache_runs_with_fixed_shapes():
                     torch.testing.assert_close(out[row:row + 1], alone, rtol=1e-4, atol=1e-4)
             lengths += 1  # in place, as a decode loop over a static cache does
     assert graphs() - before <= 1
+
+
+def test_a_static_cache_with_fused_block_masks_never_recompiles(monkeypatch):
+    """As on a GPU, where the block mask of every decoding step is built by the mask's compiled
+    program (flexspec.kernels.fused_blocks): the static cache of the test above, a hundred steps,
+    one graph for the kernel and one for the mask's program, results still exact."""
+    monkeypatch.setattr(masks, "FUSED_DEVICES", frozenset({"cpu"}))
+    built = []
+    original = fused_blocks.fused_block_mask
+    monkeypatch.setattr(fused_blocks, "fused_block_mask",
+                        lambda *a, **kw: built.append(1) or original(*a, **kw))
+    attn = flexspec.compile("causal_bottom_right & window(100) + alibi")
+    q, k, v = Shape(2, 4, 2, 128, 512, 16).qkv(5)
+    lengths = torch.tensor([200, 333])
+    before = graphs()
+    with torch.no_grad():
+        for step in range(100):
+            out = attn(q, k, v, kv_lengths=lengths)
+            if step % 33 == 0:
+                for row, n in enumerate(lengths.tolist()):
+                    alone = attn.reference(q[row:row + 1], k[row:row + 1, :, :n],
+                                           v[row:row + 1, :, :n])
+                    torch.testing.assert_close(out[row:row + 1], alone, rtol=1e-4, atol=1e-4)
+            lengths += 1
+    assert len(built) == 100  # a mask per step, each from the program
+    assert graphs() - before <= 2
 
 
 def test_single_token_decoding_on_the_cpu_needs_no_compilation():

@@ -1,0 +1,107 @@
+"""Block masks built by one compiled program per mask: the interval classes of every tile
+(:func:`flexspec.kernels.blocks.tile_rows`), the ragged-edge rule and the eight BlockMask tables,
+traced once by ``torch.compile`` with dynamic lengths.
+
+The eager builder (:mod:`flexspec.kernels.blocks`) launches a few kernels per IR node, reads
+counts on the host (``nonzero``) to refine partial tiles, and chooses its table layout by size. On
+a GPU that is launch- and synchronisation-bound: milliseconds for a mask whose arithmetic takes
+microseconds. Here the same interval rules are fused by inductor into a few kernels, the tables are
+laid out by one stable sort per row (:func:`flexspec.kernels.block_tables.sorted_rows`), and nothing
+is read on the host, so a mask whose bindings change every step (fresh ``doc_ids``, decoding
+positions) costs a few launches and can be captured in a CUDA graph.
+
+The classes are the intervals' alone (sound, not refined): a tile the analysis cannot decide
+stays PARTIAL, which is still exact for attention (the kernel applies ``mask_mod`` inside partial
+tiles) and, for the masks training and decoding rebuild (documents in contiguous runs, windows,
+causal, positions), is what refinement finds anyway.
+
+One program serves a (mask, block size, batch and head extents, device); lengths and tensor
+shapes are symbolic, so new lengths do not recompile (torch specialises a length of 1, which
+decoding's Q_LEN = 1 gets as a second program).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import types
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from torch._inductor.exc import InductorError
+
+from flexspec import ir
+from flexspec.kernels.block_tables import FULL, PARTIAL, from_tables, index_tables, sorted_rows
+from flexspec.kernels.blocks import tile_rows
+
+# Grids of more tiles (batch x heads x NQ x NK) are built by the eager builder: the fused
+# program holds float64 bounds for every tile of every node at once.
+MAX_FUSED_TILES = 1 << 24
+# The torch.compile backend of the programs ("eager" traces the same graph, dynamic lengths
+# included, without generating code: what the CPU tests use to check many masks quickly).
+COMPILER = "inductor"
+
+
+def fits(sizes: dict, block: tuple, *, batch: int, heads: int) -> bool:
+    """Whether a grid is small enough for the fused program (:data:`MAX_FUSED_TILES`)."""
+    nq = -(-sizes["Q_LEN"] // block[0])
+    nk = -(-sizes["KV_LEN"] // block[1])
+    return batch * heads * nq * nk <= MAX_FUSED_TILES
+
+
+def fused_block_mask(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, device, *,
+                     batch: int, heads: int, mask_mod=None, compiler: str = COMPILER) -> BlockMask:
+    """The BlockMask of ``mask`` (an IR boolean specialized to the tensors' shapes) from the
+    intervals alone, built by the mask's program, compiled with the torch.compile backend
+    ``compiler`` (see the module docstring)."""
+    program = _program(mask, tuple(block), batch, heads, str(device), compiler)
+    reads = {key: tensors[key] for key in _reads(mask)}
+    lengths = {name: int(sizes[name]) for name in ir.SIZE_VARS}
+    return from_tables(program(reads, lengths), sizes, block, mask_mod)
+
+
+class Untraceable(Exception):
+    """The mask's program could not be traced or compiled (torch's message is the cause): the
+    caller builds with the eager builder instead."""
+
+
+@functools.lru_cache(maxsize=None)
+def _reads(mask: ir.Expr) -> tuple:
+    return tuple(sorted({ir.tensor_key(n) for n in ir.walk(mask) if isinstance(n, ir.Tensor)}))
+
+
+@functools.lru_cache(maxsize=256)
+def _program(mask: ir.Expr, block: tuple, batch: int, heads: int, device: str, compiler: str):
+    device = torch.device(device)
+
+    def build(tensors: dict, sizes: dict) -> tuple:
+        nq = (sizes["Q_LEN"] + block[0] - 1) // block[0]
+        nk = (sizes["KV_LEN"] + block[1] - 1) // block[1]
+        classes = tile_rows(mask, sizes, block, tensors, device, batch=batch, heads=heads,
+                            start=0, stop=nq, nk=nk)
+        # like create_block_mask, a tile that runs past the end of the sequence is never FULL
+        q_end = (torch.arange(nq, device=device) + 1) * block[0]
+        kv_end = (torch.arange(nk, device=device) + 1) * block[1]
+        ragged = (q_end > sizes["Q_LEN"]).reshape(-1, 1) | (kv_end > sizes["KV_LEN"])
+        classes = torch.where(ragged & (classes == FULL), PARTIAL, classes).to(torch.int8)
+        return index_tables(classes, order=sorted_rows)
+
+    # dynamo keeps compiled code per code object, guarded on the closure: every mask sharing
+    # build's code would count as a recompile of one function (8 at most), so each program
+    # gets a code object of its own. Dynamo also compiles one frame at a time (its own lock),
+    # so threads may share a program.
+    own = build.__code__.replace(co_name=f"flexspec_block_mask_{next(_programs)}")
+    build = types.FunctionType(own, build.__globals__, own.co_name, None, build.__closure__)
+    compiled = torch.compile(build, backend=compiler, dynamic=True, fullgraph=True)
+
+    def run(tensors: dict, sizes: dict) -> tuple:
+        try:
+            return compiled(tensors, sizes)
+        except (torch._dynamo.exc.TorchDynamoException, InductorError) as error:
+            raise Untraceable(str(error).split("\n")[0]) from error
+
+    return run
+
+
+_programs = itertools.count(1)

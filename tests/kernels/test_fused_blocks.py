@@ -1,0 +1,95 @@
+"""Block masks from one compiled program per mask (flexspec.kernels.fused_blocks).
+
+* over random specs, shapes and bindings, the program's BlockMask lists every block the
+  reference mask needs, its FULL blocks are truly full, and its tiles are the interval classes
+  of the eager builder (the programs are traced with dynamo's ``eager`` backend here: the same
+  graph, symbolic lengths included, without inductor's code generation, which costs seconds per
+  mask on this CPU);
+* with inductor, as the runtime uses it, one program serves any number of lengths, and the
+  tables stay right at each;
+* the tables are laid out as ``create_block_mask`` lays them out (listed entries in order).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from test_blocks import (CPU, Case, assert_same_block_mask, block_sets, cases, doc_case,
+                         exact_classes)
+from torch._dynamo.utils import counters
+
+import flexspec
+from flexspec.kernels import fused_blocks
+from flexspec.kernels.block_tables import to_block_mask
+from flexspec.testing import Shape, slow_examples
+
+
+def fused(case: Case, compiler="eager"):
+    mask_mod, _ = case.mods()
+    return fused_blocks.fused_block_mask(case.ir.mask, case.sizes, case.block, case.values, CPU,
+                                         batch=case.batch, heads=case.heads, mask_mod=mask_mod,
+                                         compiler=compiler)
+
+
+def check_fused(case: Case) -> None:
+    nq = -(-case.shape.Q_LEN // case.block[0])
+    nk = -(-case.shape.KV_LEN // case.block[1])
+    ours = fused(case)
+    partial, full = block_sets(ours, nq, nk)
+    any_visible, _, all_visible = case.truth()
+    assert not (partial & full).any(), case
+    assert not (any_visible & ~(partial | full)).any(), f"{case}: a needed block is missing"
+    assert not (full & ~all_visible).any(), f"{case}: a FULL block has hidden or padded pairs"
+    assert_same_block_mask(ours, case.ours(exact=False), str(case))
+
+
+# tracing a mask's program takes dynamo about two seconds here
+FEW_TRACES = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MANY_TRACES = settings(max_examples=slow_examples(150), deadline=None,
+                       suppress_health_check=[HealthCheck.too_slow])
+
+
+@FEW_TRACES
+@given(cases())
+def test_fused_block_masks_are_sound_and_equal_the_interval_classes(case):
+    check_fused(case)
+
+
+@pytest.mark.slow
+@MANY_TRACES
+@given(cases())
+def test_fused_block_masks_sweep(case):
+    check_fused(case)
+
+
+@pytest.mark.parametrize("block", [(128, 128), (16, 32), (64, 128)], ids=str)
+def test_fused_documents_per_batch_row(block):
+    case = doc_case(block)
+    check_fused(case)
+    # contiguous documents: the intervals alone find the exact tiles
+    assert_same_block_mask(fused(case), to_block_mask(exact_classes(case), case.sizes,
+                                                      case.block), str(case))
+
+
+def test_one_compiled_program_serves_every_length():
+    """Inductor, as on a GPU: fresh document ids at 8 lengths (not multiples of the block,
+    Q_LEN != KV_LEN) build through one program (one more where torch specialises a length of
+    1), and each mask is exact for its contiguous documents."""
+    torch._dynamo.reset()
+    spec = flexspec.parse("causal & doc")
+    before = counters["stats"]["unique_graphs"]
+    for q_len, kv_len in ((300, 300), (129, 400), (777, 777), (1000, 1300), (1, 257),
+                          (513, 513), (200, 640), (1, 900)):
+        ids = (torch.arange(kv_len) // 97 + torch.tensor([[0], [1]])).contiguous()
+        case = Case(spec, Shape(2, 2, 1, q_len, kv_len, 16), {"doc_ids": ids})
+        assert_same_block_mask(fused(case, "inductor"),
+                               to_block_mask(exact_classes(case), case.sizes, case.block),
+                               str(case))
+    assert counters["stats"]["unique_graphs"] - before <= 2
+
+
+def test_grids_beyond_the_limit_are_left_to_the_eager_builder():
+    assert fused_blocks.fits({"Q_LEN": 131072, "KV_LEN": 131072}, (128, 128), batch=8, heads=1)
+    assert not fused_blocks.fits({"Q_LEN": 131072, "KV_LEN": 131072}, (128, 128), batch=32,
+                                 heads=1)
