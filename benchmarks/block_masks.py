@@ -1,7 +1,8 @@
 """Benchmark: flexspec's block-mask builder against torch's create_block_mask.
 
 One run prints one table: for each spec and length, the time of flexspec's builder (interval
-analysis + exact refinement), of eager ``create_block_mask`` and of ``torch.compile``d
+analysis + exact refinement), of the mask's compiled program (kernels/fused_blocks: intervals
+only; on CUDA by default), of eager ``create_block_mask`` and of ``torch.compile``d
 ``create_block_mask`` where they run, their ratio, and (on CUDA) the builder's peak memory.
 Every flexspec block mask is checked against create_block_mask's wherever that one ran.
 
@@ -20,6 +21,8 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 import flexspec
+from flexspec.kernels import fused_blocks
+from flexspec.kernels.block_tables import EMPTY, FULL, tile_classes
 from flexspec.kernels.blocks import build_block_mask
 from flexspec.kernels.lower import lower
 
@@ -53,7 +56,8 @@ def timed(fn, device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def case(text: str, length: int, device, *, repeats: int, eager_limit: int, compiled: bool):
+def case(text: str, length: int, device, *, repeats: int, eager_limit: int, compiled: bool,
+         fused: bool):
     label = text
     if text == "natten":
         text = natten_text(length)
@@ -75,9 +79,18 @@ def case(text: str, length: int, device, *, repeats: int, eager_limit: int, comp
         base = torch.cuda.memory_allocated()
     ours_ms = timed(ours, device, repeats)
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda" else None
-    row = {"spec": label, "S": length, "flexspec": ours_ms, "eager": None, "compiled": None,
-           "peak": peak, "same": None}
+    row = {"spec": label, "S": length, "flexspec": ours_ms, "fused": None, "eager": None,
+           "compiled": None, "peak": peak, "same": None}
     mine = ours()
+    if fused and fused_blocks.fits(sizes, (128, 128), batch=1, heads=1):
+        def program():
+            return fused_blocks.fused_block_mask(spec.mask, sizes, (128, 128), values, device,
+                                                 batch=1, heads=1, mask_mod=mask_mod)
+        row["fused"] = timed(program, device, repeats)
+        # the intervals alone: every block of the exact mask listed, FULL ones truly full
+        exact, loose = tile_classes(mine), tile_classes(program())
+        row["fused sound"] = bool(((exact == EMPTY) | (loose != EMPTY)).all()
+                                  and ((loose != FULL) | (exact == FULL)).all())
 
     def theirs():
         return create_block_mask(mask_mod, 1, 1, length, length, device=device)
@@ -123,6 +136,9 @@ def main():
     parser.add_argument("--no-million", dest="million", action="store_false")
     parser.add_argument("--compiled", action="store_true",
                         help="also time torch.compile(create_block_mask) (default on CUDA)")
+    parser.add_argument("--fused", action="store_true",
+                        help="also time the compiled program of kernels/fused_blocks (default "
+                             "on CUDA)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--specs", nargs="*", default=SPECS)
     args = parser.parse_args()
@@ -131,30 +147,32 @@ def main():
     lengths = args.lengths or ([8192, 32768, 131072] if on_gpu else [4096, 16384, 65536])
     eager_limit = 131072 if on_gpu else 16384
     compiled = args.compiled or on_gpu
+    fused = args.fused or on_gpu
     rows = []
     for length in lengths:
         for text in args.specs:
             rows.append(case(text, length, device, repeats=args.repeats, eager_limit=eager_limit,
-                             compiled=compiled))
+                             compiled=compiled, fused=fused))
             print(rows[-1], flush=True)
     if args.million:
         for text in args.specs:
             rows.append(case(text, 1 << 20, device, repeats=max(1, args.repeats // 2),
-                             eager_limit=0, compiled=False))
+                             eager_limit=0, compiled=False, fused=fused))
             print(rows[-1], flush=True)
     name = torch.cuda.get_device_name() if on_gpu else "CPU"
     print(f"\nblock-mask build, {name}, torch {torch.__version__}, B=1 H=1, block 128, "
           f"median ms (one eager run)")
-    header = ["spec", "S", "flexspec ms", "eager ms", "compiled ms", "eager/flexspec",
-              "compiled/flexspec", "peak MiB", "equal"]
+    header = ["spec", "S", "flexspec ms", "fused ms", "eager ms", "compiled ms",
+              "eager/flexspec", "compiled/flexspec", "peak MiB", "equal", "fused sound"]
     table = [header]
     for r in rows:
         ratio = (f"{r['eager'] / r['flexspec']:.0f}x" if isinstance(r["eager"], float) else "-")
         cratio = (f"{r['compiled'] / r['flexspec']:.1f}x" if isinstance(r["compiled"], float)
                   else "-")
-        table.append([r["spec"], str(r["S"]), fmt(r["flexspec"], 2), fmt(r["eager"]),
-                      fmt(r["compiled"], 2), ratio, cratio, fmt(r["peak"], 0),
-                      {None: "-", True: "yes", False: "NO"}[r["same"]]])
+        table.append([r["spec"], str(r["S"]), fmt(r["flexspec"], 2), fmt(r["fused"], 3),
+                      fmt(r["eager"]), fmt(r["compiled"], 2), ratio, cratio, fmt(r["peak"], 0),
+                      {None: "-", True: "yes", False: "NO"}[r["same"]],
+                      {None: "-", True: "yes", False: "NO"}[r.get("fused sound")]])
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for i, row in enumerate(table):
         print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")

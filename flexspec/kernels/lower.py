@@ -65,11 +65,14 @@ class _Code:
 
 
 class _Emitter:
-    """Emits one expression; records which free names (sizes, tensors, inf, math) it used."""
+    """Emits one expression; records which free names (sizes, tensors, inf, math) it used.
+    ``cute``: write ``min``, ``max``, ``clamp``, ``abs`` and ``sign`` of tensors with
+    ``torch.where`` (see :func:`lower`)."""
 
-    def __init__(self, names: dict):
+    def __init__(self, names: dict, cute: bool = False):
         self.names = names  # tensor_key -> Python identifier
         self.used: set[str] = set()
+        self.cute = cute
 
     def emit(self, node: ir.Expr) -> _Code:
         method = getattr(self, "_" + type(node).__name__.lower(), None)
@@ -143,6 +146,8 @@ class _Emitter:
             return args[0]
         special = getattr(self, "_fn_" + fn.name, None)  # forms that depend on which are tensors
         tensor = any(a.tensor for a in args)
+        if tensor and self.cute and hasattr(self, "_cute_" + fn.name):
+            return getattr(self, "_cute_" + fn.name)(args, arg_types)
         form = fn.tensor_form if tensor else fn.scalar_form
         if form is None:
             return special(args, arg_types)
@@ -171,6 +176,33 @@ class _Emitter:
         if x.tensor and lo.tensor == hi.tensor:
             return _call("torch.clamp", x, lo, hi)
         return self._minmax("min", self._minmax("max", x, lo), hi)
+
+    # CuTeDSL (FLASH) rejected torch.maximum (FA4 4.0.0b36): the same values through where
+    def _cute_abs(self, args, arg_types) -> _Code:
+        x = args[0]
+        return _Code(f"torch.where({x.text} < 0, -{x.at(_UNARY)}, {x.text})", _ATOM, True)
+
+    def _cute_sign(self, args, arg_types) -> _Code:
+        x = args[0]
+        one, zero = ("1.0", "0.0") if arg_types[0] == "float" else ("1", "0")
+        return _Code(f"torch.where({x.at(_CMP + 1)} > 0, {one}, torch.where("
+                     f"{x.at(_CMP + 1)} < 0, -{one}, {zero}))", _ATOM, True)
+
+    def _cute_min(self, args, arg_types) -> _Code:
+        return self._where_minmax("<", *args)
+
+    def _cute_max(self, args, arg_types) -> _Code:
+        return self._where_minmax(">", *args)
+
+    def _cute_clamp(self, args, arg_types) -> _Code:
+        x, lo, hi = args
+        return self._where_minmax("<", self._where_minmax(">", x, lo), hi)
+
+    def _where_minmax(self, keep_first_if: str, a: _Code, b: _Code) -> _Code:
+        if not (a.tensor or b.tensor):
+            return _call("min" if keep_first_if == "<" else "max", a, b)
+        cond = f"{a.at(_CMP + 1)} {keep_first_if} {b.at(_CMP + 1)}"
+        return _Code(f"torch.where({cond}, {a.text}, {b.text})", _ATOM, True)
 
     def _fn_where(self, args, arg_types) -> _Code:
         cond, a, b = args
@@ -296,11 +328,16 @@ class Lowered:
 
 
 @functools.lru_cache(maxsize=512)
-def lower(spec: ir.AttentionIR) -> Lowered:
+def lower(spec: ir.AttentionIR, *, cute: bool = False) -> Lowered:
     """The :class:`Lowered` functions of an IR; equal IR gives the very same object.
 
     The IR should already be specialized to the actual tensor shapes
     (:func:`flexspec.kernels.tensors.specialize_ir`), so a broadcast tensor gives a mask without ``b``.
+
+    ``cute=True`` is the form for FLASH, whose CuTeDSL code generator rejected
+    ``torch.maximum``: ``min``, ``max``, ``clamp``, ``abs`` and ``sign`` of tensors become
+    ``torch.where`` over comparisons (equal values except for NaN operands, which ``where``
+    does not propagate).
     """
     taken = set(_RESERVED)
     names = {}
@@ -308,7 +345,7 @@ def lower(spec: ir.AttentionIR) -> Lowered:
         key = tensor_key(t)
         names[key] = _identifier(key, taken)
         taken.add(names[key])
-    emitter = _Emitter(names)
+    emitter = _Emitter(names, cute)
     mask_source = _mask_source(spec.mask, emitter) if spec.has_mask else None
     score_source = _score_source(spec.score, emitter) if spec.has_score else None
     size_names = tuple(n for n in ir.SIZE_VARS if n in emitter.used)

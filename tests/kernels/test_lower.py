@@ -30,9 +30,10 @@ def sizes(batch, heads, q_len, kv_len):
     return {"B": batch, "H": heads, "Q_LEN": q_len, "KV_LEN": kv_len}
 
 
-def lowered_mask(spec_, batch, heads, q_len, kv_len, tensors=None):
+def lowered_mask(spec_, batch, heads, q_len, kv_len, tensors=None, cute=False):
     """The lowered mask_mod evaluated at every position by FlexAttention's own create_mask."""
-    mask_mod, _ = lower(spec_).make_mods(sizes(batch, heads, q_len, kv_len), tensors or {})
+    mask_mod, _ = lower(spec_, cute=cute).make_mods(sizes(batch, heads, q_len, kv_len),
+                                                    tensors or {})
     return create_mask(mask_mod, batch, heads, q_len, kv_len, device="cpu")
 
 
@@ -180,8 +181,10 @@ def test_broadcast_document_ids_give_a_mask_without_b():
     op(">", Q_LEN, C(1000)),
     ir.FALSE,
 ])
-def test_scalar_and_mixed_expressions_lower_correctly(mask):
-    assert torch.equal(lowered_mask(spec(mask), 2, 2, 24, 37), dense_mask(spec(mask), 2, 2, 24, 37))
+@pytest.mark.parametrize("cute", [False, True], ids=["torch", "cute"])
+def test_scalar_and_mixed_expressions_lower_correctly(mask, cute):
+    assert torch.equal(lowered_mask(spec(mask), 2, 2, 24, 37, cute=cute),
+                       dense_mask(spec(mask), 2, 2, 24, 37))
 
 
 # Random integer expressions: precedence, floor division and modulo signs, scalar/tensor mixes.
@@ -215,9 +218,22 @@ def _masks():
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_masks())
-def test_random_masks_match_the_reference(mask):
-    assert torch.equal(lowered_mask(spec(mask), 2, 3, 7, 9), dense_mask(spec(mask), 2, 3, 7, 9))
+@given(_masks(), st.booleans())
+def test_random_masks_match_the_reference(mask, cute):
+    assert torch.equal(lowered_mask(spec(mask), 2, 3, 7, 9, cute=cute),
+                       dense_mask(spec(mask), 2, 3, 7, 9))
+
+
+def test_the_cute_form_has_no_minimum_maximum_clamp_abs_or_sign():
+    """FLASH's form (CuTeDSL rejected torch.maximum): the same functions through where."""
+    mask = op("<", call("abs", op("-", q, kv)), call("clamp", kv, C(5), op("-", KV_LEN, C(3))))
+    score = op("+", SCORE, op("*", call("sign", op("-", q, kv)),
+                              call("max", call("min", q, kv), C(2.5))))
+    lowered = lower(spec(mask, score), cute=True)
+    text = lowered.mask_source + lowered.score_source
+    for name in ("torch.abs", "torch.clamp", "torch.minimum", "torch.maximum", "torch.sign"):
+        assert name not in text
+    assert "torch.where" in lowered.score_source
 
 
 # --- attention against the reference -------------------------------------------------------
@@ -256,8 +272,9 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("cute", [False, True], ids=["torch", "cute"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_eager_flex_attention_matches_the_reference(name):
+def test_eager_flex_attention_matches_the_reference(name, cute):
     spec_, (batch, heads, q_len, kv_len, kv_heads) = CASES[name]
     q_, k_, v_ = qkv(batch, heads, q_len, kv_len, kv_heads=kv_heads)
     tensors = {"alibi_slopes(H)": builtin_tensor(SLOPES, {"H": heads}),
@@ -265,7 +282,7 @@ def test_eager_flex_attention_matches_the_reference(name):
                "bias": torch.linspace(-1.0, 1.0, heads),
                "lengths": torch.tensor([130, 77][:batch])}
     needed = {key: value for key, value in tensors.items() if key in lower(spec_).tensor_names}
-    got = flex(lower(spec_), q_, k_, v_, needed)
+    got = flex(lower(spec_, cute=cute), q_, k_, v_, needed)
     expected = reference_attention(spec_, q_, k_, v_, tensors=needed)
     assert not got.isnan().any()
     assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()

@@ -72,6 +72,7 @@ class FlexCall:
 
 class FlexBackend(Backend):
     name = "flex"
+    cute = False  # the lowering's form (see flexspec.kernels.lower.lower)
 
     def why_not(self, request, spec):
         device = request.device_type
@@ -113,7 +114,7 @@ class FlexBackend(Backend):
             scale_values = {SCALE_KEY: torch.tensor([ratio], dtype=torch.float32,
                                                     device=plan.device)}
             values = {**values, **scale_values}
-        lowered = lower(spec)
+        lowered = lower(spec, cute=self.cute)
         call = FlexCall(lowered=lowered, entry=compiled.compiled_entry(lowered),
                         kernel_options=self.kernel_options(plan.request), masks=masks,
                         lse=compiled.lse_request(plan.request.lse), scale_values=scale_values)

@@ -1,0 +1,141 @@
+"""Benchmark: a training step whose mask bindings change every step (packed documents).
+
+Every step takes a new ``doc_ids`` tensor (a copy of the next of 8 precomputed ones, as a data
+loader hands out), so no block mask can be reused. For each shape it prints, in milliseconds
+(medians):
+
+* ``mask``: flexspec's block mask for fresh ids (``Attention.block_mask``: on CUDA the mask's
+  compiled program, kernels/fused_blocks) and the hand-written ``torch.compile(create_block_mask)``;
+* ``kernel alone``: forward+backward with a block mask built once (FLASH where installed);
+* ``step``: forward+backward including the mask, flexspec (``auto``) and hand-written
+  (compiled ``create_block_mask`` + compiled ``flex_attention``, FLASH where installed);
+* the ratio of flexspec's step to the kernel alone (the target is at most 1.03) and to the
+  hand-written step.
+
+Outputs of flexspec and the hand-written step are compared each run (relative error printed).
+
+    python benchmarks/training_step.py                         # 4x16x8192x128, 1x16x32768x128, 1x16x131072x128
+    python benchmarks/training_step.py 2x4x1024x64 --device cpu # a small check (no FLASH, no backward on CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import flexspec
+from flexspec.runtime.backends import flash_installed
+
+POOL = 8
+DOCUMENTS = 8
+
+
+def doc_ids_pool(batch: int, length: int, device) -> list:
+    """POOL tensors of per-row document ids: DOCUMENTS contiguous documents of random lengths."""
+    generator = torch.Generator().manual_seed(0)
+    pool = []
+    for _ in range(POOL):
+        starts = torch.zeros(batch, length, dtype=torch.int64)
+        for row in range(batch):
+            cuts = torch.randperm(length - 1, generator=generator)[:DOCUMENTS - 1] + 1
+            starts[row, cuts] = 1
+        pool.append(starts.cumsum(1).to(device))
+    return pool
+
+
+def median_ms(fn, device, steps: int, warmup: int) -> float:
+    for i in range(warmup):
+        fn(i)
+    times = []
+    for i in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn(warmup + i)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def measure(batch, heads, length, dim, device, dtype, steps, warmup) -> dict:
+    pool = doc_ids_pool(batch, length, device)
+    grads = device.type == "cuda"  # FlexAttention has no backward on the CPU
+    q, k, v = (torch.randn(batch, heads, length, dim, device=device, dtype=dtype,
+                           requires_grad=grads) for _ in range(3))
+    attn = flexspec.compile("causal & doc")
+    holder = pool[0].clone()  # the hand-written mask reads the ids through this tensor
+
+    def doc_mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (holder[b, q_idx] == holder[b, kv_idx])
+
+    compiled_mask = torch.compile(create_block_mask)
+    compiled_flex = torch.compile(flex_attention)
+    options = {"BACKEND": "FLASH"} if flash_installed() and device.type == "cuda" else None
+
+    def fresh(i):
+        return pool[i % POOL].clone()
+
+    def hand_mask(i):
+        holder.copy_(pool[i % POOL])
+        return compiled_mask(doc_mask, batch, None, length, length, device=device)
+
+    def ours_mask(i):
+        return attn.block_mask(length, length, batch=batch, device=device, doc_ids=fresh(i))
+
+    def run(out):
+        if grads:
+            out.backward(torch.ones_like(out))
+        return out
+
+    fixed = hand_mask(0)
+    row = {"shape": f"{batch}x{heads}x{length}x{dim}"}
+    row["mask flexspec"] = median_ms(ours_mask, device, steps, warmup)
+    row["mask hand"] = median_ms(hand_mask, device, steps, warmup)
+    row["kernel alone"] = median_ms(
+        lambda i: run(compiled_flex(q, k, v, block_mask=fixed, kernel_options=options)),
+        device, steps, warmup)
+    row["step flexspec"] = median_ms(lambda i: run(attn(q, k, v, doc_ids=fresh(i))), device,
+                                     steps, warmup)
+    row["step hand"] = median_ms(
+        lambda i: run(compiled_flex(q, k, v, block_mask=hand_mask(i), kernel_options=options)),
+        device, steps, warmup)
+    row["flexspec / kernel"] = row["step flexspec"] / row["kernel alone"]
+    row["flexspec / hand"] = row["step flexspec"] / row["step hand"]
+    with torch.no_grad():
+        ours = attn(q, k, v, doc_ids=pool[1])
+        theirs = compiled_flex(q, k, v, block_mask=hand_mask(1), kernel_options=options)
+    row["rel. error"] = ((ours.float() - theirs.float()).norm() / theirs.float().norm()).item()
+    row["backend"] = attn.explain(q, k, v, doc_ids=pool[1]).choice.backend
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shapes", nargs="*", default=["4x16x8192x128", "1x16x32768x128",
+                                                      "1x16x131072x128"])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=8)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for text in args.shapes:
+        batch, heads, length, dim = (int(n) for n in text.split("x"))
+        rows.append(measure(batch, heads, length, dim, device, dtype, args.steps, args.warmup))
+        print(rows[-1], flush=True)
+    keys = list(rows[0])
+    print("\n| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
+    for row in rows:
+        cells = [f"{row[k]:.3g}" if isinstance(row[k], float) else str(row[k]) for k in keys]
+        print("| " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
