@@ -232,9 +232,26 @@ def test_rel_bias_runs_on_flash():
     assert attn.explain(q, k, v, rel_bias_table=table).choice.backend == "flash"
 
 
-# Registry examples FLASH cannot run, with the reason seen on the H200 (FA4 4.0.0b36): the
-# sweep below checks that every other one runs there and that these still fail.
-FLASH_CANNOT: dict = {}
+# Registry examples FLASH cannot run, with the reason seen on the H200 (FA4 4.0.0b36, torch
+# 2.11): the sweep below checks that every other one runs there and that these still fail.
+FLASH_CANNOT = {
+    "natten(4, 4, 3, 3)": "could not compile.*'maximum'",  # inductor's, from the where forms
+    "t5_bias(num_buckets=8, max_distance=16)": "could not compile.*'floor'",
+}
+
+
+def _full_size(attn, bindings: dict, batch: int, heads: int) -> dict:
+    """``bindings`` with their B and H dimensions expanded (demo values broadcast them, which
+    would leave FLASH a lookup at a constant index)."""
+    sizes = {"B": batch, "H": heads}
+    full = {}
+    for tensor in attn.ir.tensors():
+        if tensor.name in bindings:
+            shape = [sizes.get(getattr(d, "name", None), -1) for d in tensor.shape]
+            value = bindings[tensor.name]
+            full[tensor.name] = value.reshape((1,) * (len(shape) - value.dim()) + value.shape) \
+                .expand(shape).contiguous()
+    return full
 
 
 @pytest.mark.parametrize("text", [p.example for p in flexspec.patterns()])
@@ -245,11 +262,11 @@ def test_every_pattern_runs_on_flash_forward_and_backward(text):
     from flexspec.tools.values import demo_bindings
     attn = flexspec.compile(text, backend="flash")
     bindings, _ = demo_bindings(attn, 1000, 1000, batch=1, heads=8)
-    bindings = {name: value.cuda() for name, value in bindings.items()}
+    bindings = _full_size(attn, {name: value.cuda() for name, value in bindings.items()}, 2, 8)
     q, k, v = (torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
     if text in FLASH_CANNOT:
-        with pytest.raises(flexspec.BackendError, match="could not compile"):
+        with pytest.raises(flexspec.BackendError, match=FLASH_CANNOT[text]):
             attn(q, k, v, **bindings)
         return
     out = attn(q, k, v, **bindings)
@@ -400,7 +417,8 @@ def test_twelve_lengths_compile_at_most_twice_on_the_gpu(backend):
         rows = torch.arange(0, length, 97, device="cuda")
         ref = attn.reference(q, k, v, doc_ids=ids, rows=rows)
         assert _relative_error(out[:, :, rows], ref) < TOLERANCE[torch.bfloat16], length
-    assert counters["stats"]["unique_graphs"] - before <= 2
+    # at most two for the kernel, one for the block mask's program (kernels/fused_blocks)
+    assert counters["stats"]["unique_graphs"] - before <= 3
 
 
 def test_a_static_cache_decode_step_is_captured_in_a_cuda_graph():

@@ -104,7 +104,7 @@ def _per_row(name: str, value, batch: int, device) -> torch.Tensor:
         if not -2**62 <= value < 2**62:
             raise BindingError(f"{name} = {value} is out of range; positions must stay well "
                                "inside int64")
-        return _int_tensor(value, str(device))
+        return _int_tensor(value, batch, str(device))
     if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
         raise BindingError(f"{name} must hold ints, got dtype {value.dtype}")
     if value.dim() > 1 or (value.dim() == 1 and value.shape[0] not in (1, batch)):
@@ -117,5 +117,8 @@ def _per_row(name: str, value, batch: int, device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=_OFFSET_TENSORS_KEPT)
-def _int_tensor(value: int, device: str) -> torch.Tensor:
-    return torch.tensor([value], dtype=torch.int64, device=device)
+def _int_tensor(value: int, batch: int, device: str) -> torch.Tensor:
+    # one entry per batch row, not one broadcast entry: a lookup then stays at index b, where a
+    # single entry would be read at the constant index 0, which FLASH's code generator
+    # (CuTeDSL) cannot compile
+    return torch.full((batch,), value, dtype=torch.int64, device=device)

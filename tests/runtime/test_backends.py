@@ -130,6 +130,24 @@ def test_flash_backward_is_not_used_for_scores_that_read_tensors_under_gqa():
     assert choose("auto", forward, ir("causal + alibi")).backend == "flash"
 
 
+def test_flash_refuses_lookups_at_a_constant_index():
+    """CuTeDSL could not compile a load at a constant index (FA4 4.0.0b36): a broadcast binding
+    (doc_ids[0, q]) or a given scale (scale[0]) takes Triton, and the reason says how to fix it."""
+    from flexspec import ir as nodes
+    from flexspec.runtime.backends import flash
+    ids = nodes.Tensor("doc_ids", (nodes.Const(1), nodes.Var("KV_LEN")), "int")
+    spec = nodes.AttentionIR(nodes.Binary("==", nodes.Lookup(ids, (nodes.Const(0), nodes.Var("q"))),
+                                          nodes.Lookup(ids, (nodes.Const(0), nodes.Var("kv")))),
+                             nodes.SCORE)
+    request = dataclasses.replace(H200, constant_lookup=flash.constant_lookup(spec))
+    reason = why_not("flash", request, spec)
+    assert "constant index ('doc_ids[0, q]'" in reason and "full B and H" in reason
+    assert choose("auto", request, spec).backend == "flex"
+    scaled = dataclasses.replace(H200, scale=0.5)
+    assert "'scale[0]'" in why_not("flash", scaled, ir("causal"))
+    assert why_not("flash", H200, ir("causal")) is None
+
+
 # ---- auto on the CPU and elsewhere -------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ import importlib.util
 
 import torch
 
+from flexspec import ir
 from flexspec.runtime.backends.base import REGISTRY, BackendError, Choice, Rank, Request
 from flexspec.runtime.backends.flex import FlexBackend, FlexKernelOptions
 from flexspec.runtime.compiled import CompileLimitError
@@ -76,6 +77,14 @@ class FlashBackend(FlexBackend):
                     "such backward passes elsewhere")
         if not request.blocks_of_128:
             return f"FLASH needs block sizes that are multiples of 128, got {request.block_size}"
+        constant = request.constant_lookup or (
+            "scale[0]" if request.scale is not None else None)  # how a given scale is read
+        if constant is not None:
+            return (f"FLASH's code generator (CuTeDSL) cannot read a tensor at a constant index "
+                    f"('{constant}'; FA4 4.0.0b36: 'Expected TensorSSA, but got int'), which a "
+                    "binding with a broadcast batch or head dimension, or a given scale, "
+                    "becomes: pass bindings with their full B and H dimensions (and no scale, "
+                    "or a scale(...) in the spec) to run on FLASH")
         if request.flash_failed is not None:
             return f"FLASH failed to compile this spec: {request.flash_failed}"
         return None
@@ -95,7 +104,8 @@ class FlashBackend(FlexBackend):
 
     def facts(self, device, lowered):
         return {"flash_installed": device.type == "cuda" and flash_installed(),
-                "flash_failed": FAILED.get(lowered.ir)}
+                "flash_failed": FAILED.get(lowered.ir),
+                "constant_lookup": constant_lookup(lowered.ir)}
 
     def kernel_options(self, request):
         return FLASH_OPTIONS
@@ -129,6 +139,17 @@ class FlashBackend(FlexBackend):
         plan.prepared.kernel_options = flex.kernel_options(plan.request)
         # the kernel options are the second to last argument (see FlexBackend.run)
         return flex.launch(plan, args[:-2] + (plan.prepared.kernel_options, args[-1]))
+
+
+@functools.lru_cache(maxsize=512)
+def constant_lookup(spec: ir.AttentionIR) -> str | None:
+    """The first tensor lookup of ``spec`` with a constant index in some dimension (as text:
+    ``doc_ids[0, q]``), or ``None``."""
+    for node in (n for root in (spec.mask, spec.score) for n in ir.walk(root)):
+        if isinstance(node, ir.Lookup) \
+                and not all(ir.free_vars(index) for index in node.index):
+            return ir.to_text(node)
+    return None
 
 
 def first_line(err: Exception) -> str:
