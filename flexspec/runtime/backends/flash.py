@@ -85,6 +85,15 @@ class FlashBackend(FlexBackend):
                     "binding with a broadcast batch or head dimension, or a given scale, "
                     "becomes: pass bindings with their full B and H dimensions (and no scale, "
                     "or a scale(...) in the spec) to run on FLASH")
+        if request.nested_lookup is not None:
+            return (f"FLASH's code generator (CuTeDSL) could not compile a lookup whose index "
+                    f"reads another tensor ('{request.nested_lookup}', such as a document id at "
+                    "a q_offset; FA4 4.0.0b36: 'Type mismatch, store Int64 to Tensor with "
+                    "element type Int32')")
+        if request.lse:
+            return ("FLASH's log-sum-exp disagreed with the reference (causal & window(200) + "
+                    "alibi at q_offset=5, H200, FA4 4.0.0b36), so return_lse=True runs "
+                    "elsewhere")
         if request.flash_failed is not None:
             return f"FLASH failed to compile this spec: {request.flash_failed}"
         return None
@@ -105,7 +114,8 @@ class FlashBackend(FlexBackend):
     def facts(self, device, lowered):
         return {"flash_installed": device.type == "cuda" and flash_installed(),
                 "flash_failed": FAILED.get(lowered.ir),
-                "constant_lookup": constant_lookup(lowered.ir)}
+                "constant_lookup": constant_lookup(lowered.ir),
+                "nested_lookup": nested_lookup(lowered.ir)}
 
     def kernel_options(self, request):
         return FLASH_OPTIONS
@@ -148,6 +158,17 @@ def constant_lookup(spec: ir.AttentionIR) -> str | None:
     for node in (n for root in (spec.mask, spec.score) for n in ir.walk(root)):
         if isinstance(node, ir.Lookup) \
                 and not all(ir.free_vars(index) for index in node.index):
+            return ir.to_text(node)
+    return None
+
+
+@functools.lru_cache(maxsize=512)
+def nested_lookup(spec: ir.AttentionIR) -> str | None:
+    """The first tensor lookup of ``spec`` whose index reads another tensor (as text:
+    ``doc_ids[b, q + q_offset[b]]``), or ``None``."""
+    for node in (n for root in (spec.mask, spec.score) for n in ir.walk(root)):
+        if isinstance(node, ir.Lookup) and any(
+                isinstance(inner, ir.Lookup) for index in node.index for inner in ir.walk(index)):
             return ir.to_text(node)
     return None
 
