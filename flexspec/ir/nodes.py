@@ -257,6 +257,16 @@ def depth(node: Expr) -> int:
     return deepest
 
 
+def size(node: Expr) -> int:
+    """The number of nodes of the tree (a shared subtree counts at each use), without
+    recursion."""
+    count, stack = 0, [node]
+    while stack:
+        count += 1
+        stack.extend(children(stack.pop()))
+    return count
+
+
 def free_vars(node: Expr) -> frozenset:
     """Names of the variables an expression reads (tensor shapes included)."""
     return frozenset(n.name for n in walk(node) if isinstance(n, Var))

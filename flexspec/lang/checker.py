@@ -12,13 +12,13 @@ Pure Python; no torch.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 from flexspec import ir
 from flexspec.ir import ops
 from flexspec.lang import ast
 from flexspec.lang.definitions import CALL_ARGUMENTS, Definition, ParamSpec, Scope
+from flexspec.lang.limits import MAX_INLINED_NODES, MAX_IR_DEPTH, Oversized, check_runnable
 from flexspec.lang.expressions import (INDEX_NAMES, LOGIC, SIZE_NAMES, ExpressionChecker,
                                        describe, type_name)
 from flexspec.errors import SpecCheckError, did_you_mean
@@ -49,6 +49,7 @@ class Checker(ExpressionChecker):
         self.stack: list[str] = []
         self.learnables: dict[str, int] = {}  # base name -> uses so far
         self.align: ir.Align = "start"  # "end" once a definition aligned at the end is used
+        self.inlined = 0  # IR nodes written by inlining so far (see MAX_INLINED_NODES)
 
     # ------------------------------------------------------------------------------------------
     # spec expressions
@@ -110,6 +111,7 @@ class Checker(ExpressionChecker):
         env = self._bind(definition, args, node, spec_level=True)
         with self._inlining(definition, node):
             body = self._definition_body(definition, env)
+        self._count_inlined(body, definition, node)
         if definition.kind == "mask":
             return SpecValue("mask", mask=body)
         return SpecValue("score", score=body)
@@ -129,7 +131,11 @@ class Checker(ExpressionChecker):
 
     @contextlib.contextmanager
     def _inlining(self, definition: Definition, node: ast.Node):
-        """Marks ``definition`` as being inlined; entering it again is a cycle."""
+        """Marks ``definition`` as being inlined; entering it again is a cycle; a definition
+        already found too large (:meth:`_count_inlined`) fails at once."""
+        oversized = self.scope.oversized.get(definition.name)
+        if oversized is not None:
+            raise oversized
         if definition.name in self.stack:
             cycle = self.stack[self.stack.index(definition.name):] + [definition.name]
             raise SpecCheckError("definitions refer to each other in a cycle: "
@@ -139,8 +145,24 @@ class Checker(ExpressionChecker):
             self.align = "end"
         try:
             yield
+        except Oversized as error:
+            self.scope.oversized.setdefault(definition.name, error)
+            raise
         finally:
             self.stack.pop()
+
+    def _count_inlined(self, body: ir.Expr, definition: Definition, node: ast.Node) -> None:
+        """Each use of a definition is a copy of its body: ``m2 = m1 & m1`` doubles, so a few
+        lines can expand beyond any pass's reach. Stop once the copies exceed the budget."""
+        self.inlined += ir.size(body)
+        if self.inlined > MAX_INLINED_NODES:
+            path = " -> ".join(self.stack + [definition.name])
+            error = Oversized(
+                f"the spec expands to more than {MAX_INLINED_NODES} operators when its "
+                f"definitions are inlined (every use of a definition is a copy of it; reached "
+                f"inlining {path}): use large definitions once each rather than several times "
+                "in a chain", node.span)
+            raise error
 
     def _definition_body(self, definition: Definition, env: dict) -> ir.Expr:
         local = dict(env)
@@ -379,6 +401,7 @@ class Checker(ExpressionChecker):
         bound = self._bind(target, args, node, spec_level=False, env=env, context=definition)
         with self._inlining(target, node):
             body = self._definition_body(target, bound)
+        self._count_inlined(body, target, node)
         if target.kind == "score":
             body = ir.substitute(body, {"score": env.get("score", ir.SCORE)})
         return body
@@ -410,40 +433,8 @@ def check_spec(node: ast.Node, scope: Scope) -> ir.AttentionIR:
         raise SpecCheckError(f"{_TOO_DEEP} ({levels} levels of operators after inlining; at "
                              f"most {MAX_IR_DEPTH})", node.span)
     _check_bindings_agree(result, node)
-    _check_runnable(result, node)
+    check_runnable(result, node)
     return result
-
-
-# The deepest IR the recursive passes handle within Python's default recursion limit, with
-# room to spare (about three frames per level when two IRs are compared).
-MAX_IR_DEPTH = 200
-
-
-# What the kernels compute with: int64 indices and float32 scores. A constant outside these
-# ranges would be computed wrongly (or not at all) where the reference, in float64 and Python
-# ints, computes it exactly.
-INT64 = (-2**63, 2**63 - 1)
-FLOAT32_MAX = 3.4028234663852886e38
-FLOAT32_TINY = 1.401298464324817e-45  # the smallest positive float32; less rounds to 0
-
-
-def _check_runnable(result: ir.AttentionIR, node: ast.Node) -> None:
-    """Constants the kernels can hold, and no integer division by a constant zero."""
-    for root in (result.mask, result.score):
-        for part in ir.walk(root):
-            if isinstance(part, ir.Const) and not isinstance(part.value, bool):
-                value = part.value
-                if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
-                    raise SpecCheckError(f"{value} does not fit in a 64-bit int, which the "
-                                         "kernels compute positions with", node.span)
-                if isinstance(value, float) and value != 0 and math.isfinite(value) and not (
-                        FLOAT32_TINY <= abs(value) <= FLOAT32_MAX):
-                    raise SpecCheckError(f"{value!r} is beyond float32 (the kernels compute "
-                                         "scores in float32, from 1.4e-45 to 3.4e38 in "
-                                         "magnitude); use a value in that range", node.span)
-            if isinstance(part, ir.Binary) and part.op in ("//", "%") \
-                    and part.right == ir.Const(0):
-                raise SpecCheckError(f"'{ir.to_text(part)}' divides by zero", node.span)
 
 
 def _check_bindings_agree(result: ir.AttentionIR, node: ast.Node) -> None:

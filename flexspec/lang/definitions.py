@@ -77,6 +77,9 @@ class Scope:
         self.definitions: dict[str, Definition] = {d.name: d for d in definitions}
         self.aliases: dict[str, str] = dict(aliases or {})
         self.parent = parent
+        # definitions of this scope that expand beyond the inlining budget, with the error:
+        # every definition that uses one fails with it at once instead of expanding it again
+        self.oversized: dict = {}
 
     def lookup(self, name: str) -> Definition | None:
         target = self.aliases.get(name, name)

@@ -12,6 +12,7 @@ from flexspec import ir
 from flexspec.errors import SpecError, did_you_mean
 from flexspec.ir.specialize import broadcast_dims, declared_shape
 from flexspec.kernels.tensors import NORMAL_INIT_STD, torch_dtype
+from flexspec.lang.limits import FLOAT32_MAX
 
 # H when the spec reads heads (alibi's slopes depend on it) and nothing else fixes it.
 DEFAULT_HEADS = 8
@@ -109,7 +110,6 @@ def demo_bindings(attn_or_spec, q_len: int, kv_len: int, *, batch: int = 0,
 _TRUE, _FALSE = ("true", "1"), ("false", "0")
 # --bind values are typed in by hand: a few million is already far more than a picture shows.
 MAX_BIND_VALUES = 1 << 24
-FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _bind_scalar(text: str, dtype: str, name: str):

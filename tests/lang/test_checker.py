@@ -633,3 +633,28 @@ def test_specs_deeper_than_the_passes_handle_are_refused_when_checked():
     spec = flexspec.parse("causal" + " + softcap" * 60)  # deep, within the limit: every pass works
     assert flexspec.parse(str(spec)) == spec and hash(spec.ir) == hash(flexspec.parse(str(spec)).ir)
     assert spec.explain().count("tanh") == 60
+
+
+def test_definitions_that_double_at_every_line_are_refused_quickly():
+    """Red-team finding: `mask m{i} = m{i-1} & m{i-1}` took 25 s at 20 lines and never finished
+    at 40 (every use of a definition is a copy). The copies are counted while inlining: past the
+    budget, one error per file, in a fraction of a second."""
+    lines = ["mask m0 = q >= kv"] + [f"mask m{i} = m{i - 1} & m{i - 1}" for i in range(1, 40)]
+    errors = check_text("\n".join(lines) + "\n", "doubling.attn")
+    assert len(errors) == 1
+    error = errors[0]
+    assert isinstance(error, flexspec.SpecCheckError)
+    assert "expands to more than 20000 operators" in error.message
+    assert "-> m4" in error.message and error.line == 6
+    # a few doublings stay well inside the budget and check as before (x & x simplifies to x)
+    spec = load_text("\n".join(lines[:6]) + "\nspec s = m5\n")["s"]
+    assert ir.to_text(spec.ir.mask) == "q >= kv"
+
+
+def test_a_long_chain_of_definitions_is_refused_without_checking_each_again():
+    """Red-team finding: a plain chain of 4,000 definitions took 25 s. Each definition that
+    inlines one already found too large fails at once."""
+    lines = ["mask m0 = q >= kv"] + [f"mask m{i} = m{i - 1} & kv != {i}" for i in range(1, 4000)]
+    errors = check_text("\n".join(lines) + "\n", "chain.attn")
+    assert [e.line for e in errors] == [101]
+    assert "expands to more than" in errors[0].message
