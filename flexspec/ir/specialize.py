@@ -57,8 +57,14 @@ def _eval_size(expr: ir.Expr, sizes: dict):
 
 
 def declared_shape(t: ir.Tensor, sizes: dict) -> tuple[int, ...]:
-    """The shape a tensor is declared with, evaluated for concrete sizes."""
-    return tuple(eval_size_expr(d, sizes) for d in t.shape)
+    """The shape a tensor is declared with, evaluated for concrete sizes (a negative dimension
+    is a :class:`SpecError`)."""
+    shape = tuple(eval_size_expr(d, sizes) for d in t.shape)
+    if any(n < 0 for n in shape):
+        dims = ", ".join(ir.to_text(d) for d in t.shape)
+        raise SpecError(f"tensor '{t.name}' is declared as [{dims}], which is "
+                        f"{list(shape)} here: a dimension cannot be negative")
+    return shape
 
 
 def specialize(expr: ir.Expr, shapes: dict, sizes: dict | None = None) -> ir.Expr:

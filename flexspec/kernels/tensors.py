@@ -18,6 +18,8 @@ This is where torch starts; it must not import the lowering or the reference.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from flexspec import ir
@@ -48,10 +50,26 @@ def builtin_tensor(t: ir.Tensor, sizes: dict, device="cpu",
     args = [eval_size_expr(a, sizes) for a in t.args]
     if t.builtin == "alibi_slopes" and len(args) == 1:
         n = args[0]
+        if n < 1:
+            raise SpecError(f"'{ir.to_text(t)}' needs a positive number of heads, got {n}")
+        _check_allocation(t, (n,))
         # Computed in float64 so every dtype gets the correctly rounded value.
         h = torch.arange(n, dtype=torch.float64, device=device)
         return torch.pow(2.0, -8.0 * (h + 1) / n).to(dtype)
     raise SpecError(f"unknown built-in tensor '{ir.to_text(t)}'")
+
+
+# The most entries flexspec allocates for one built-in or learnable tensor (1 GiB of float32):
+# a parameter such as rel_bias(max_distance=2**40) would otherwise ask the allocator for 8 TB.
+MAX_TABLE_ENTRIES = 1 << 28
+
+
+def _check_allocation(t: ir.Tensor, shape: tuple) -> None:
+    entries = math.prod(shape)
+    if entries > MAX_TABLE_ENTRIES:
+        raise SpecError(f"tensor '{t.name}' would hold {entries:,} entries (shape "
+                        f"{list(shape)}); flexspec allocates at most {MAX_TABLE_ENTRIES:,} for "
+                        "one table: use smaller parameters, or pass your own tensor by name")
 
 
 def init_learnable(t: ir.Tensor, sizes: dict, device="cpu",
@@ -59,6 +77,7 @@ def init_learnable(t: ir.Tensor, sizes: dict, device="cpu",
     """A fresh initial value for a learnable tensor (a plain tensor; the caller makes it a
     parameter). ``init`` is ``"zeros"`` or ``"normal"`` (std :data:`NORMAL_INIT_STD`)."""
     shape = declared_shape(t, sizes)
+    _check_allocation(t, shape)
     if t.init in ("zeros", ""):
         return torch.zeros(shape, dtype=dtype, device=device)
     if t.init == "normal":

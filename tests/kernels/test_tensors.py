@@ -117,3 +117,26 @@ def test_prepare():
     assert values["lengths"].tolist() == [5, 6]
     assert values["alibi_slopes(H)"].shape == (8,)
     assert values["bias"] is bias
+
+
+def test_tables_beyond_the_allocation_limit_are_a_spec_error():
+    """Red-team and fuzzer finding: rel_bias(max_distance=2**40) asked the allocator for 8 TB
+    (a raw RuntimeError). The size is checked before allocating."""
+    import flexspec
+    attn = flexspec.compile("causal + rel_bias(max_distance=1099511627776)")
+    q = torch.randn(1, 2, 8, 8)
+    with pytest.raises(flexspec.SpecError, match="would hold 4,398,046,511,106 entries"):
+        attn.reference(q, q, q)
+
+
+def test_negative_dimensions_and_head_counts_are_spec_errors():
+    import flexspec
+    from flexspec.lang.library import load_text
+    attn = flexspec.compile(load_text("mask m(t: int[-1]) = t[0] > 0\nspec s = m\n")["s"])
+    q = torch.randn(1, 2, 8, 8)
+    with pytest.raises(flexspec.SpecError, match=r"declared as \[-1\].*cannot be negative"):
+        attn.reference(q, q, q, t=torch.ones(1, dtype=torch.long))
+    slopes = ir.Tensor("alibi_slopes(-1)", (ir.Const(1),), "float", "builtin",
+                       builtin="alibi_slopes", args=(ir.Const(-1),))
+    with pytest.raises(flexspec.SpecError, match="positive number of heads"):
+        builtin_tensor(slopes, {"B": 1, "H": 2, "Q_LEN": 8, "KV_LEN": 8})
