@@ -1,0 +1,147 @@
+"""flexspec as an attention implementation of Hugging Face transformers.
+
+:func:`register` adds an attention function and its mask function to transformers'
+``AttentionInterface`` and ``AttentionMaskInterface`` under one name; a model built or loaded with
+``attn_implementation=name`` (or switched with ``model.set_attn_implementation(name)``) then runs
+every attention layer through flexspec. What a layer asks for becomes part of its spec:
+
+* the spec given to :func:`register` (``"causal"`` by default: a decoder);
+* the 2-D ``attention_mask`` (left or right padding): ``& key_padding`` with the padding of the
+  whole cache;
+* the layer's ``sliding_window`` (transformers counts the query itself: a window of W sees W
+  keys, ``sliding_window(W - 1)`` in flexspec), per layer, so models that mix full and sliding
+  layers (Qwen2, Gemma-2) get a spec per kind of layer;
+* the layer's ``softcap`` (Gemma-2's ``attn_logit_softcapping``): ``+ softcap(c)``;
+* ``scaling``: the call's ``scale``;
+* the KV cache: the queries stand at the cache's query offset (``q_offset``), keys at the
+  cache's key offset (a sliding cache that dropped old keys shifts both, which is exact for
+  masks and scores that read ``q - kv`` only);
+* GQA: key and value heads as the model gives them;
+* bindings passed to the model by name (``model(ids, doc_ids=...)``) reach every layer.
+
+What flexspec cannot do raises :class:`flexspec.SpecError` with the reason: attention dropout in
+training, attention sinks (``s_aux``), attention weights (``output_attentions``), packed
+sequences detected from ``position_ids`` (pass ``doc_ids`` instead, with ``causal & doc``).
+
+transformers is an optional dependency: ``pip install 'flexspec[transformers]'``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+import flexspec
+from flexspec.errors import SpecError
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What the mask function hands to the attention function: where the queries and keys stand,
+    and which keys are padding (``valid``: bool ``[B, KV_LEN]``, ``None`` when none is)."""
+
+    q_offset: object        # int, or an int tensor (a static cache)
+    kv_offset: int
+    valid: torch.Tensor | None
+
+
+def register(name: str = "flexspec", spec: str = "causal", library=None,
+             **compile_options) -> str:
+    """Register flexspec with transformers under ``name`` (see the module docstring) and return
+    the name. ``spec`` is the model's own pattern, ``library`` an ``.attn`` library it may use;
+    ``compile_options`` go to :func:`flexspec.compile` (``backend``, ``block_size``...)."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as err:
+        raise SpecError("flexspec.integrations.transformers needs transformers: "
+                        "pip install 'flexspec[transformers]'") from err
+    if not isinstance(name, str) or not name.isidentifier():
+        raise SpecError(f"the attention implementation's name must be an identifier, got {name!r}")
+    base = flexspec.parse(spec, library=library) if isinstance(spec, str) else spec
+    layers = _Layers(base, library, compile_options)
+    AttentionInterface.register(name, layers.attention)
+    AttentionMaskInterface.register(name, placement)
+    return name
+
+
+def placement(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+              mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs
+              ) -> Placement:
+    """transformers' mask function for flexspec: instead of a mask, where the call's queries and
+    keys stand and which keys are padding. The mask itself comes from the spec."""
+    if kwargs.get("packed_sequence_mask") is not None:
+        raise SpecError("packed sequences found from position_ids are not supported: pass "
+                        "doc_ids to the model and register a spec such as 'causal & doc'")
+    valid = None
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise SpecError("flexspec takes the 2-D attention_mask (1 for a token, 0 for "
+                            f"padding), got one of shape {list(attention_mask.shape)}")
+        mask = attention_mask.bool()
+        missing = kv_length + kv_offset - mask.shape[-1]
+        if missing > 0:  # a static cache longer than the tokens seen: its tail is empty
+            mask = torch.nn.functional.pad(mask, (0, missing))
+        valid = mask[:, kv_offset:kv_offset + kv_length]
+    return Placement(q_offset, kv_offset, valid)
+
+
+class _Layers:
+    """The compiled specs of one registration, one per kind of layer (window, softcap,
+    padding), and the attention function transformers calls."""
+
+    def __init__(self, base, library, options: dict):
+        self.base, self.library, self.options = base, library, options
+        self._compiled: dict = {}
+        self._lock = threading.Lock()
+
+    def spec_text(self, sliding_window, softcap, padded: bool) -> str:
+        text = str(self.base)
+        if padded or sliding_window is not None:
+            parts = [f"({text})"]
+            if sliding_window is not None:
+                if int(sliding_window) < 1:
+                    raise SpecError(f"sliding_window must be at least 1, got {sliding_window}")
+                parts.append(f"sliding_window({int(sliding_window) - 1})")
+            if padded:
+                parts.append("key_padding")
+            text = " & ".join(parts)
+        if softcap:
+            text += f" + softcap({float(softcap)!r})"
+        return text
+
+    def attention_for(self, text: str):
+        with self._lock:
+            attn = self._compiled.get(text)
+            if attn is None:
+                attn = self._compiled[text] = flexspec.compile(
+                    flexspec.parse(text, library=self.library), **self.options)
+        return attn
+
+    def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                  sliding_window=None, softcap=None, s_aux=None, **kwargs):
+        if dropout:
+            raise SpecError("flexspec has no attention dropout: set the config's "
+                            "attention_dropout to 0.0 (or train with model.eval() attention)")
+        if s_aux is not None:
+            raise SpecError("attention sinks (s_aux) are not supported by flexspec yet")
+        if kwargs.get("output_attentions"):
+            raise SpecError("flexspec does not return attention weights (output_attentions): "
+                            "use attn_implementation='eager' for them")
+        if attention_mask is not None and not isinstance(attention_mask, Placement):
+            raise SpecError("the attention mask did not come from flexspec's mask function: "
+                            "register() both with transformers (it does) and build the model "
+                            "with attn_implementation set to the registered name")
+        where = attention_mask or Placement(0, 0, None)
+        attn = self.attention_for(self.spec_text(sliding_window, softcap,
+                                                 where.valid is not None))
+        bindings = {name: kwargs[name] for name in attn.bindings if name in kwargs}
+        if where.valid is not None:
+            bindings["valid"] = where.valid
+        q_offset = where.q_offset
+        if where.kv_offset:
+            q_offset = q_offset - where.kv_offset
+        out = attn(query, key, value, scale=scaling, q_offset=q_offset, **bindings)
+        return out.transpose(1, 2).contiguous(), None

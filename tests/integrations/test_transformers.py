@@ -1,0 +1,127 @@
+"""flexspec inside transformers models (flexspec.integrations.transformers), driven as users run
+them: tiny randomly initialised models built from configs (no downloads), compared with the same
+weights under transformers' own eager attention. Each model gets its own config object:
+``set_attn_implementation`` writes to the config, so two models sharing one would both switch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import flexspec
+
+transformers = pytest.importorskip("transformers")
+from flexspec.integrations import transformers as integration  # noqa: E402
+
+COMMON = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+MODELS = {
+    "llama": lambda: (transformers.LlamaForCausalLM, transformers.LlamaConfig(**COMMON)),
+    "mistral (sliding window)": lambda: (transformers.MistralForCausalLM,
+                                         transformers.MistralConfig(sliding_window=16, **COMMON)),
+    "qwen2 (full and sliding layers)": lambda: (
+        transformers.Qwen2ForCausalLM,
+        transformers.Qwen2Config(sliding_window=16, use_sliding_window=True,
+                                 layer_types=["full_attention", "sliding_attention"], **COMMON)),
+    "gemma2 (softcap, sliding layers)": lambda: (
+        transformers.Gemma2ForCausalLM,
+        transformers.Gemma2Config(sliding_window=16, attn_logit_softcapping=20.0,
+                                  final_logit_softcapping=30.0, head_dim=16, **COMMON)),
+}
+
+
+@pytest.fixture(scope="module")
+def name():
+    return integration.register("flexspec_test")
+
+
+def pair(make, implementation: str):
+    """The same random weights under eager attention and under ``implementation``."""
+    cls, config = make()
+    torch.manual_seed(0)
+    eager = cls(copy.deepcopy(config)).eval()
+    eager.set_attn_implementation("eager")
+    ours = cls(copy.deepcopy(config)).eval()
+    ours.load_state_dict(eager.state_dict())
+    ours.set_attn_implementation(implementation)
+    assert eager.config._attn_implementation == "eager"
+    return eager, ours
+
+
+def left_padded(length=40):
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 100, (2, length), generator=generator)
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, :5] = 0  # the second row is 5 tokens shorter, padded on the left
+    return ids, mask
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_logits_and_generated_tokens_equal_eager_attention(model, name):
+    eager, ours = pair(MODELS[model], name)
+    ids, mask = left_padded()
+    with torch.no_grad():
+        expected, got = eager(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+        tokens = eager.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        ours_tokens = ours.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    valid = mask.bool()  # logits at padding positions are not used by anything
+    assert (expected - got)[valid].abs().max() <= 1e-4
+    assert torch.equal(tokens, ours_tokens)
+
+
+def test_a_window_off_by_one_is_caught(monkeypatch, name):
+    """The comparison above can fail: flexspec's sliding_window(W) (W + 1 keys) where the model
+    means W keys changes the logits."""
+    eager, ours = pair(MODELS["mistral (sliding window)"], name)
+    monkeypatch.setattr(integration._Layers, "spec_text",
+                        lambda self, window, softcap, padded: f"sliding_window({window})")
+    ids, _ = left_padded()
+    with torch.no_grad():
+        assert (eager(ids).logits - ours(ids).logits).abs().max() > 1e-3
+
+
+def test_packed_documents_equal_separate_documents():
+    """Two documents packed in one row with doc_ids (spec 'causal & doc') give each document's
+    logits as if it ran alone."""
+    implementation = integration.register("flexspec_packed", spec="causal & doc")
+    _, model = pair(MODELS["llama"], implementation)
+    generator = torch.Generator().manual_seed(2)
+    first, second = (torch.randint(0, 100, (1, n), generator=generator) for n in (17, 23))
+    packed = torch.cat([first, second], dim=1)
+    doc_ids = torch.tensor([[0] * 17 + [1] * 23])
+    # positions restart with each document, as packed training sets them
+    positions = torch.cat([torch.arange(17), torch.arange(23)])[None]
+    with torch.no_grad():
+        together = model(packed, position_ids=positions, doc_ids=doc_ids).logits
+        alone = [model(doc, doc_ids=torch.zeros_like(doc)).logits for doc in (first, second)]
+    torch.testing.assert_close(together, torch.cat(alone, dim=1), rtol=1e-4, atol=1e-4)
+
+
+def test_a_few_training_steps_lower_the_loss(name):
+    _, model = pair(MODELS["llama"], name)
+    model.train()
+    ids, mask = left_padded(24)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for _ in range(5):
+        loss = model(ids, attention_mask=mask, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_what_flexspec_cannot_do_is_a_clear_error(name):
+    cls, config = MODELS["llama"]()
+    config.attention_dropout = 0.1
+    model = cls(config).train()
+    model.set_attn_implementation(name)
+    ids, _ = left_padded(8)
+    with pytest.raises(flexspec.SpecError, match="no attention dropout"):
+        model(ids)
+    with pytest.raises(flexspec.SpecError, match="identifier"):
+        integration.register("not a name")
