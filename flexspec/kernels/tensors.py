@@ -52,7 +52,7 @@ def builtin_tensor(t: ir.Tensor, sizes: dict, device="cpu",
         n = args[0]
         if n < 1:
             raise SpecError(f"'{ir.to_text(t)}' needs a positive number of heads, got {n}")
-        _check_allocation(t, (n,))
+        check_allocation(t, (n,))
         # Computed in float64 so every dtype gets the correctly rounded value.
         h = torch.arange(n, dtype=torch.float64, device=device)
         return torch.pow(2.0, -8.0 * (h + 1) / n).to(dtype)
@@ -64,7 +64,9 @@ def builtin_tensor(t: ir.Tensor, sizes: dict, device="cpu",
 MAX_TABLE_ENTRIES = 1 << 28
 
 
-def _check_allocation(t: ir.Tensor, shape: tuple) -> None:
+def check_allocation(t: ir.Tensor, shape: tuple) -> None:
+    """A :class:`SpecError` when a tensor flexspec would allocate for ``t`` at ``shape`` holds
+    more than :data:`MAX_TABLE_ENTRIES` entries."""
     entries = math.prod(shape)
     if entries > MAX_TABLE_ENTRIES:
         raise SpecError(f"tensor '{t.name}' would hold {entries:,} entries (shape "
@@ -77,7 +79,7 @@ def init_learnable(t: ir.Tensor, sizes: dict, device="cpu",
     """A fresh initial value for a learnable tensor (a plain tensor; the caller makes it a
     parameter). ``init`` is ``"zeros"`` or ``"normal"`` (std :data:`NORMAL_INIT_STD`)."""
     shape = declared_shape(t, sizes)
-    _check_allocation(t, shape)
+    check_allocation(t, shape)
     if t.init in ("zeros", ""):
         return torch.zeros(shape, dtype=dtype, device=device)
     if t.init == "normal":

@@ -11,7 +11,7 @@ import torch
 from flexspec import ir
 from flexspec.errors import SpecError, did_you_mean
 from flexspec.ir.specialize import broadcast_dims, declared_shape
-from flexspec.kernels.tensors import NORMAL_INIT_STD, torch_dtype
+from flexspec.kernels.tensors import NORMAL_INIT_STD, check_allocation, torch_dtype
 from flexspec.lang.limits import FLOAT32_MAX
 
 # H when the spec reads heads (alibi's slopes depend on it) and nothing else fixes it.
@@ -51,6 +51,7 @@ def demo_bindings(attn_or_spec, q_len: int, kv_len: int, *, batch: int = 0,
             continue
         may_broadcast = broadcast_dims(tensor)
         shape = [1 if one else n for one, n in zip(may_broadcast, declared_shape(tensor, sizes))]
+        check_allocation(tensor, tuple(shape))
         dtype = torch_dtype(tensor)
         if tensor.origin == "learnable":
             table = [i for i, one in enumerate(may_broadcast) if not one]

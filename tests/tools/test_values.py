@@ -23,3 +23,11 @@ def test_demo_bindings():
     assert given == {}
     _, notes = demo_bindings("causal & document", 600, 600)
     assert "0 at 0..199, 1 at 200..399, 2 at 400..599" in notes[0]
+
+
+def test_demo_values_beyond_the_allocation_limit_are_a_spec_error():
+    """Fuzzer finding: rendering `rel_bias(max_distance=2**40)` allocated the demo table
+    directly (8 TB: a raw RuntimeError)."""
+    attn = flexspec.compile("causal + rel_bias(max_distance=1099511627776)")
+    with pytest.raises(flexspec.SpecError, match="would hold .* entries"):
+        demo_bindings(attn, 10, 10)
