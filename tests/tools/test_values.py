@@ -4,7 +4,10 @@ pictures and used by the demo. The --bind text is tested through the CLI (tests/
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+import flexspec
 
 from flexspec.tools.values import demo_bindings
 
