@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import flexspec
-
 from flexspec.tools.values import demo_bindings
+
 
 def test_demo_bindings():
     values, notes = demo_bindings("causal & document", 12, 12)
