@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from flexspec.errors import (BindingError, RegistryError, SpecCheckError, SpecError, SpecSyntaxError)
 from flexspec.lang.api import parse
-from flexspec.lang.library import Library, load
+from flexspec.lang.library import Library, load, loads
 from flexspec.lang.registry import Pattern
 from flexspec.lang.registry import registry as _registry
 from flexspec.lang.spec import Spec
@@ -59,4 +59,4 @@ def __getattr__(name):
 
 __all__ = ["Attention", "BackendError", "BindingError", "CompileLimitError", "Library", "Pattern",
            "RegistryError", "Spec", "SpecAttention", "SpecCheckError", "SpecError", "SpecSyntaxError", "compile", "load",
-           "parse", "pattern", "patterns"]
+           "loads", "parse", "pattern", "patterns"]

@@ -132,14 +132,21 @@ def check_text(text: str, name: str = "<file>") -> list[SpecError]:
 
 
 def load_text(text: str, name: str = "<file>") -> Library:
+    """Check ``.attn`` text (``name`` is what error messages call it)."""
+    if not isinstance(text, str):
+        raise SpecError(f"loads() takes the text of an .attn file, got {type(text).__name__}; "
+                        "for a path use flexspec.load")
     return Library(parse_file(text, name), name)
+
+
+loads = load_text  # the public name, as json.load / json.loads
 
 
 def load(path) -> Library:
     """Load and check an ``.attn`` file."""
     if not isinstance(path, (str, os.PathLike)):
         raise SpecError(f"load() takes the path of an .attn file, got {type(path).__name__}; "
-                        "for .attn text use flexspec.lang.library.load_text")
+                        "for .attn text use flexspec.loads")
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
