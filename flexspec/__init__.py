@@ -47,7 +47,8 @@ def pattern(name: str) -> Pattern:
 
 # The runtime's public names: importing them imports torch, so on first use, not by
 # `import flexspec` (which `flexspec check` and `fmt` keep torch-free).
-_RUNTIME_NAMES = ("Attention", "BackendError", "CompileLimitError", "SpecAttention")
+_RUNTIME_NAMES = ("Attention", "BackendError", "CompileLimitError", "MultiheadAttention",
+                  "SpecAttention")
 
 
 def __getattr__(name):
@@ -57,6 +58,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'flexspec' has no attribute {name!r}")
 
 
-__all__ = ["Attention", "BackendError", "BindingError", "CompileLimitError", "Library", "Pattern",
+__all__ = ["Attention", "BackendError", "BindingError", "CompileLimitError", "Library",
+           "MultiheadAttention", "Pattern",
            "RegistryError", "Spec", "SpecAttention", "SpecCheckError", "SpecError", "SpecSyntaxError", "compile", "load",
            "loads", "parse", "pattern", "patterns"]

@@ -35,6 +35,7 @@ import torch
 
 import flexspec
 from flexspec.errors import SpecError
+from flexspec.lang.api import with_mask
 
 
 @dataclass(frozen=True)
@@ -98,16 +99,17 @@ class _Layers:
         self._lock = threading.Lock()
 
     def spec_text(self, sliding_window, softcap, padded: bool) -> str:
-        text = str(self.base)
-        if padded or sliding_window is not None:
-            parts = [f"({text})"]
-            if sliding_window is not None:
-                if int(sliding_window) < 1:
-                    raise SpecError(f"sliding_window must be at least 1, got {sliding_window}")
-                parts.append(f"sliding_window({int(sliding_window) - 1})")
-            if padded:
-                parts.append("key_padding")
-            text = " & ".join(parts)
+        masks = []
+        if sliding_window is not None:
+            if int(sliding_window) < 1:
+                raise SpecError(f"sliding_window must be at least 1, got {sliding_window}")
+            masks.append(f"sliding_window({int(sliding_window) - 1})")
+        if padded:
+            masks.append("key_padding")
+        spec = self.base
+        if masks:
+            spec = with_mask(spec, " & ".join(masks), library=self.library)
+        text = str(spec)
         if softcap:
             text += f" + softcap({float(softcap)!r})"
         return text

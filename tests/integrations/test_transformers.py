@@ -125,3 +125,17 @@ def test_what_flexspec_cannot_do_is_a_clear_error(name):
         model(ids)
     with pytest.raises(flexspec.SpecError, match="identifier"):
         integration.register("not a name")
+
+
+def test_a_spec_with_scores_and_padding_keeps_each_row_as_if_alone():
+    """register(spec="causal + alibi"): padding joins the mask before the score modifiers, and a
+    left-padded row's logits equal the same tokens run alone."""
+    implementation = integration.register("flexspec_alibi", spec="causal + alibi")
+    _, model = pair(MODELS["llama"], implementation)
+    ids, mask = left_padded(30)
+    # rotary positions start at the first real token, as generate() sets them
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        alone = model(ids[1:, 5:]).logits
+        batched = model(ids, attention_mask=mask, position_ids=positions).logits
+    torch.testing.assert_close(batched[1, 5:], alone[0], rtol=1e-4, atol=1e-4)

@@ -1,0 +1,81 @@
+"""flexspec.MultiheadAttention against torch.nn.MultiheadAttention with the same weights (full and
+causal attention, key padding, both layouts), grouped-query heads against a manual computation,
+learnable tables that train, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import flexspec
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*reference path")
+
+
+def torch_pair(spec: str, batch_first: bool, bias: bool = True):
+    torch.manual_seed(0)
+    theirs = nn.MultiheadAttention(32, 4, bias=bias, batch_first=batch_first).eval()
+    ours = flexspec.MultiheadAttention(32, 4, spec, bias=bias, batch_first=batch_first).eval()
+    weight = theirs.in_proj_weight.detach()
+    with torch.no_grad():
+        for i, proj in enumerate((ours.q_proj, ours.k_proj, ours.v_proj)):
+            proj.weight.copy_(weight[32 * i:32 * (i + 1)])
+            if bias:
+                proj.bias.copy_(theirs.in_proj_bias[32 * i:32 * (i + 1)])
+        ours.out_proj.load_state_dict(theirs.out_proj.state_dict())
+    return theirs, ours
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("spec", ["full", "causal"])
+def test_matches_torch_multihead_attention(spec, batch_first):
+    theirs, ours = torch_pair(spec, batch_first)
+    x = torch.randn(2, 21, 32) if batch_first else torch.randn(21, 2, 32)
+    padding = torch.zeros(2, 21, dtype=torch.bool)
+    padding[1, 17:] = True  # the second sequence is 17 tokens, padded on the right
+    causal = torch.ones(21, 21, dtype=torch.bool).triu(1) if spec == "causal" else None
+    with torch.no_grad():
+        expected, _ = theirs(x, x, x, key_padding_mask=padding, attn_mask=causal,
+                             need_weights=False)
+        got, weights = ours(x, key_padding_mask=padding)
+        plain, _ = theirs(x, x, x, attn_mask=causal, need_weights=False)
+        got_plain, _ = ours(x)
+    assert weights is None
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_plain, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_query_heads_and_learnable_tables_train():
+    module = flexspec.MultiheadAttention(32, 4, "causal + rel_bias(max_distance=8)",
+                                         num_kv_heads=2, batch_first=True)
+    x = torch.randn(2, 12, 32, requires_grad=True)
+    out, _ = module(x)
+    assert out.shape == (2, 12, 32)
+    out.square().sum().backward()
+    table = module.attention.tables["rel_bias_table"]
+    assert table.shape == (4, 17) and table.grad is not None and table.grad.abs().sum() > 0
+    assert module.k_proj.weight.shape == (16, 32)  # 2 KV heads of 8
+    # the same attention by hand: heads repeated, the table added, causal
+    q = module.q_proj(x).view(2, 12, 4, 8).transpose(1, 2)
+    k = module.k_proj(x).view(2, 12, 2, 8).transpose(1, 2).repeat_interleave(2, 1)
+    v = module.v_proj(x).view(2, 12, 2, 8).transpose(1, 2).repeat_interleave(2, 1)
+    position = torch.arange(12)
+    distance = (position[None, :] - position[:, None]).clamp(-8, 8) + 8
+    scores = q @ k.transpose(-2, -1) / 8 ** 0.5 + table.detach()[:, distance]
+    scores = scores.masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf"))
+    manual = (scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 12, 32)
+    torch.testing.assert_close(out.detach(), module.out_proj(manual).detach(), rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(flexspec.SpecError, match="multiple of num_heads"):
+        flexspec.MultiheadAttention(30, 4)
+    module = flexspec.MultiheadAttention(32, 4, batch_first=True)
+    with pytest.raises(flexspec.SpecError, match="need_weights=False"):
+        module(torch.randn(1, 3, 32), need_weights=True)
+    with pytest.raises(flexspec.BindingError, match=r"query must be \(N, L, E\) with E = 32"):
+        module(torch.randn(1, 3, 16))
+    with pytest.raises(flexspec.BindingError, match="key_padding_mask must be a bool tensor"):
+        module(torch.randn(1, 3, 32), key_padding_mask=torch.zeros(1, 3))
