@@ -147,6 +147,8 @@ def hw_natten(width, height, kernel_w, kernel_h):
 DOC_IDS = sorted_doc_ids(7, B, 17)
 DOC_IDS_SHUFFLED = rand_ints(11, (B, 17), 0, 3)  # ids need not be contiguous
 IS_GLOBAL = [[i in (0, 5) for i in range(17)], [i in (3, 16) for i in range(17)]]
+# row 0 padded on the left (3 positions), row 1 on the right (4 positions)
+VALID = [[i >= 3 for i in range(17)], [i < 13 for i in range(17)]]
 
 # (spec text, hand-written mask fn, shapes, runtime tensors by name)
 MASK_CASES = [
@@ -196,6 +198,10 @@ MASK_CASES = [
     ("window(1) | global_tokens",
      lambda b, h, q, kv, s: abs(q - kv) <= 1 or IS_GLOBAL[b][q] or IS_GLOBAL[b][kv], SELF_SHAPES,
      {"is_global": as_tensor(IS_GLOBAL, torch.bool)}),
+    ("key_padding", lambda b, h, q, kv, s: VALID[b][kv], [(13, 17), (17, 17)],
+     {"valid": as_tensor(VALID, torch.bool)}),
+    ("causal & padding", lambda b, h, q, kv, s: kv <= q and VALID[b][kv], [(17, 17)],
+     {"valid": as_tensor(VALID, torch.bool)}),
     ("natten(4, 4, 3, 3)", hw_natten(4, 4, 3, 3), [(16, 16)], {}),
     ("natten(5, 3, 3, 1)", hw_natten(5, 3, 3, 1), [(15, 15)], {}),
     ("natten(3, 5, 1, 3)", hw_natten(3, 5, 1, 3), [(15, 15)], {}),
