@@ -97,3 +97,17 @@ def test_attn_error_examples(line, body):
     errors = check_text(text + "\n", "model.attn")
     assert errors, "the example is meant to fail"
     assert "\n".join(str(e) for e in errors) == expected.rstrip("\n")
+
+
+def test_the_packed_training_example_learns(capsys):
+    """examples/packed_training.py, shortened: the loss printed at step 20 is below the first."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "examples" / "packed_training.py"
+    spec = importlib.util.spec_from_file_location("packed_training", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.STEPS = 20
+    example.main()
+    losses = [float(line.split("loss")[1].split()[0])
+              for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    assert len(losses) == 2 and losses[1] < losses[0] - 1.0
