@@ -17,11 +17,13 @@ every attention layer through flexspec. What a layer asks for becomes part of it
   cache's key offset (a sliding cache that dropped old keys shifts both, which is exact for
   masks and scores that read ``q - kv`` only);
 * GQA: key and value heads as the model gives them;
+* packed sequences: without an ``attention_mask`` and a cache (``use_cache=False``),
+  ``position_ids`` that restart (``0 1 2 0 1``) mark documents, as transformers finds them:
+  ``& doc`` with those ids (a model given ``doc_ids`` by name uses them instead);
 * bindings passed to the model by name (``model(ids, doc_ids=...)``) reach every layer.
 
 What flexspec cannot do raises :class:`flexspec.SpecError` with the reason: attention dropout in
-training, attention sinks (``s_aux``), attention weights (``output_attentions``), packed
-sequences detected from ``position_ids`` (pass ``doc_ids`` instead, with ``causal & doc``).
+training, attention sinks (``s_aux``), attention weights (``output_attentions``).
 
 transformers is an optional dependency: ``pip install 'flexspec[transformers]'``.
 """
@@ -46,6 +48,7 @@ class Placement:
     q_offset: object        # int, or an int tensor (a static cache)
     kv_offset: int
     valid: torch.Tensor | None
+    given_mask: bool = False  # the model got a 2-D attention_mask (then packing is not looked for)
 
 
 def register(name: str = "flexspec", spec: str = "causal", library=None,
@@ -73,9 +76,6 @@ def placement(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
               ) -> Placement:
     """transformers' mask function for flexspec: instead of a mask, where the call's queries and
     keys stand and which keys are padding. The mask itself comes from the spec."""
-    if kwargs.get("packed_sequence_mask") is not None:
-        raise SpecError("packed sequences found from position_ids are not supported: pass "
-                        "doc_ids to the model and register a spec such as 'causal & doc'")
     valid = None
     if attention_mask is not None:
         if attention_mask.dim() != 2:
@@ -86,7 +86,19 @@ def placement(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
         if missing > 0:  # a static cache longer than the tokens seen: its tail is empty
             mask = torch.nn.functional.pad(mask, (0, missing))
         valid = mask[:, kv_offset:kv_offset + kv_length]
-    return Placement(q_offset, kv_offset, valid)
+    return Placement(q_offset, kv_offset, valid, attention_mask is not None)
+
+
+def packed_documents(position_ids: torch.Tensor, batch: int) -> torch.Tensor | None:
+    """Document ids of sequences packed in one row, found as transformers finds them: a new
+    document starts wherever the position does not follow the previous one (``0 1 2 0 1`` is
+    two documents). ``None`` when every row holds one sequence."""
+    if position_ids.dim() == 1:
+        position_ids = position_ids[None]
+    position_ids = position_ids.expand(batch, -1)
+    previous = torch.cat([position_ids[:, :1] - 1, position_ids[:, :-1]], dim=1)
+    documents = (position_ids - previous != 1).cumsum(-1)
+    return documents if bool((documents[:, -1] > 0).any()) else None
 
 
 class _Layers:
@@ -98,8 +110,8 @@ class _Layers:
         self._compiled: dict = {}
         self._lock = threading.Lock()
 
-    def spec_text(self, sliding_window, softcap, padded: bool) -> str:
-        masks = []
+    def spec_text(self, sliding_window, softcap, padded: bool, packed: bool = False) -> str:
+        masks = ["doc"] if packed else []
         if sliding_window is not None:
             if int(sliding_window) < 1:
                 raise SpecError(f"sliding_window must be at least 1, got {sliding_window}")
@@ -137,9 +149,18 @@ class _Layers:
                             "register() both with transformers (it does) and build the model "
                             "with attn_implementation set to the registered name")
         where = attention_mask or Placement(0, 0, None)
+        packed = None
+        # transformers looks for packing only without a mask and without a cache (use_cache
+        # off): the same here, so that both give the same logits
+        if not where.given_mask and kwargs.get("position_ids") is not None \
+                and not kwargs.get("use_cache") and "doc_ids" not in kwargs \
+                and isinstance(where.q_offset, int) and where.q_offset == 0:
+            packed = packed_documents(kwargs["position_ids"], query.shape[0])
         attn = self.attention_for(self.spec_text(sliding_window, softcap,
-                                                 where.valid is not None))
+                                                 where.valid is not None, packed is not None))
         bindings = {name: kwargs[name] for name in attn.bindings if name in kwargs}
+        if packed is not None:
+            bindings["doc_ids"] = packed
         if where.valid is not None:
             bindings["valid"] = where.valid
         q_offset = where.q_offset

@@ -77,7 +77,7 @@ def test_a_window_off_by_one_is_caught(monkeypatch, name):
     means W keys changes the logits."""
     eager, ours = pair(MODELS["mistral (sliding window)"], name)
     monkeypatch.setattr(integration._Layers, "spec_text",
-                        lambda self, window, softcap, padded: f"sliding_window({window})")
+                        lambda self, window, softcap, padded, packed: f"sliding_window({window})")
     ids, _ = left_padded()
     with torch.no_grad():
         assert (eager(ids).logits - ours(ids).logits).abs().max() > 1e-3
@@ -139,3 +139,24 @@ def test_a_spec_with_scores_and_padding_keeps_each_row_as_if_alone():
         alone = model(ids[1:, 5:]).logits
         batched = model(ids, attention_mask=mask, position_ids=positions).logits
     torch.testing.assert_close(batched[1, 5:], alone[0], rtol=1e-4, atol=1e-4)
+
+
+def test_packing_found_from_position_ids_keeps_documents_apart(name):
+    """Without doc_ids, an attention_mask or a cache, position_ids that restart mark documents
+    (as transformers finds them): the packed row equals its documents run alone, and equals the
+    eager model's own packed-sequence handling."""
+    eager, model = pair(MODELS["llama"], name)
+    generator = torch.Generator().manual_seed(3)
+    first, second = (torch.randint(0, 100, (1, n), generator=generator) for n in (11, 19))
+    packed = torch.cat([first, second], dim=1)
+    positions = torch.cat([torch.arange(11), torch.arange(19)])[None]
+    with torch.no_grad():
+        together = model(packed, position_ids=positions, use_cache=False).logits
+        alone = torch.cat([model(doc).logits for doc in (first, second)], dim=1)
+        theirs = eager(packed, position_ids=positions, use_cache=False).logits
+        # with a cache transformers does not look for packing: neither does flexspec
+        cached, theirs_cached = (m(packed, position_ids=positions).logits for m in (model, eager))
+    torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(together, theirs, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cached, theirs_cached, rtol=1e-4, atol=1e-4)
+    assert (cached - together).abs().max() > 1e-2
