@@ -20,10 +20,12 @@ every attention layer through flexspec. What a layer asks for becomes part of it
 * packed sequences: without an ``attention_mask`` and a cache (``use_cache=False``),
   ``position_ids`` that restart (``0 1 2 0 1``) mark documents, as transformers finds them:
   ``& doc`` with those ids (a model given ``doc_ids`` by name uses them instead);
+* attention sinks (gpt-oss's ``s_aux``: one more logit per head, on no value), merged through
+  the log-sum-exp, for inference;
 * bindings passed to the model by name (``model(ids, doc_ids=...)``) reach every layer.
 
 What flexspec cannot do raises :class:`flexspec.SpecError` with the reason: attention dropout in
-training, attention sinks (``s_aux``), attention weights (``output_attentions``).
+training, training through attention sinks, attention weights (``output_attentions``).
 
 transformers is an optional dependency: ``pip install 'flexspec[transformers]'``.
 """
@@ -139,8 +141,11 @@ class _Layers:
         if dropout:
             raise SpecError("flexspec has no attention dropout: set the config's "
                             "attention_dropout to 0.0 (or train with model.eval() attention)")
-        if s_aux is not None:
-            raise SpecError("attention sinks (s_aux) are not supported by flexspec yet")
+        if s_aux is not None and torch.is_grad_enabled() and any(
+                t.requires_grad for t in (query, key, value, s_aux)):
+            raise SpecError("attention sinks (s_aux) run through flexspec's log-sum-exp, which "
+                            "carries no gradient: sinks work for inference (torch.no_grad()), "
+                            "not training")
         if kwargs.get("output_attentions"):
             raise SpecError("flexspec does not return attention weights (output_attentions): "
                             "use attn_implementation='eager' for them")
@@ -166,5 +171,13 @@ class _Layers:
         q_offset = where.q_offset
         if where.kv_offset:
             q_offset = q_offset - where.kv_offset
-        out = attn(query, key, value, scale=scaling, q_offset=q_offset, **bindings)
+        if s_aux is None:
+            out = attn(query, key, value, scale=scaling, q_offset=q_offset, **bindings)
+        else:
+            # a sink is one more logit per head in every row's softmax, on no value: it scales
+            # the row's output by exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)
+            out, lse = attn(query, key, value, scale=scaling, q_offset=q_offset,
+                            return_lse=True, **bindings)
+            sink = s_aux.reshape(1, -1, 1).to(lse.dtype)
+            out = out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)
         return out.transpose(1, 2).contiguous(), None

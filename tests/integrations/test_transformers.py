@@ -30,6 +30,13 @@ MODELS = {
         transformers.Gemma2ForCausalLM,
         transformers.Gemma2Config(sliding_window=16, attn_logit_softcapping=20.0,
                                   final_logit_softcapping=30.0, head_dim=16, **COMMON)),
+    "gpt-oss (attention sinks, sliding layers)": lambda: (
+        transformers.GptOssForCausalLM,
+        transformers.GptOssConfig(
+            **{**COMMON, "intermediate_size": 64}, head_dim=16, num_local_experts=4,
+            num_experts_per_tok=2, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 
 
@@ -113,6 +120,14 @@ def test_a_few_training_steps_lower_the_loss(name):
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+def test_sinks_are_refused_for_training(name):
+    _, model = pair(MODELS["gpt-oss (attention sinks, sliding layers)"], name)
+    model.train()
+    ids, _ = left_padded(8)
+    with pytest.raises(flexspec.SpecError, match="sinks work for inference"):
+        model(ids, labels=ids)
 
 
 def test_what_flexspec_cannot_do_is_a_clear_error(name):
