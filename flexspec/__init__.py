@@ -8,6 +8,12 @@
 
 from __future__ import annotations
 
+import warnings
+
+# torch warns at import when numpy is missing ("Failed to initialize NumPy"), which flexspec
+# never uses: a newcomer's first screen (the demo, `flexspec render`) should not start with it.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
 from flexspec.errors import (BindingError, RegistryError, SpecCheckError, SpecError, SpecSyntaxError)
 from flexspec.lang.api import parse
 from flexspec.lang.library import Library, load, loads

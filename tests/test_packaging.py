@@ -71,3 +71,17 @@ def test_wheel_ships_every_module_of_the_source_tree(installed):
     source = {p.relative_to(ROOT).as_posix() for p in (ROOT / "flexspec").rglob("*.py")
               if "__pycache__" not in p.parts}
     assert source - shipped == set()
+
+
+def test_no_numpy_warning_on_the_first_screen():
+    """Red-team finding: on a fresh install without numpy, every torch-using command printed
+    torch's "Failed to initialize NumPy" warning. flexspec filters that one message."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['numpy'] = None\n"  # numpy absent, as on a fresh install
+            "import flexspec, torch\n"
+            "flexspec.compile('causal').dense_mask(4, 4)\n")
+    result = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "NumPy" not in result.stderr

@@ -46,10 +46,14 @@ def check_qkv(q, k, v, *, allow_float64: bool = False) -> Sizes:
         if t.dim() != 4:
             raise BindingError(f"{name} must have 4 dimensions (B, H, S, D), got shape "
                                f"{list(t.shape)}")
+        if t.dtype == torch.float64 and not allow_float64:
+            raise BindingError(f"{name} has dtype torch.float64, which only the reference "
+                               "backend runs (compile(..., backend='reference'), or "
+                               ".reference(q, k, v)); the kernels take float32, float16 or "
+                               "bfloat16")
         if t.dtype not in dtypes:
-            extra = ", float64 (reference backend only)" if not allow_float64 else ", float64"
-            raise BindingError(f"{name} has dtype {t.dtype}; use float32, float16, bfloat16"
-                               f"{extra}")
+            allowed = "float32, float16, bfloat16" + (", float64" if allow_float64 else "")
+            raise BindingError(f"{name} has dtype {t.dtype}; use {allowed}")
     if not (q.dtype == k.dtype == v.dtype):
         raise BindingError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -127,12 +131,16 @@ def check_binding(tensor: ir.Tensor, value, sizes: dict, device) -> torch.Tensor
     shape = declared_shape(tensor, sizes)
     if value.dim() > len(shape):
         raise BindingError(f"binding '{name}' has shape {list(value.shape)}, expected {expected}")
+    given = list(value.shape)
     value = contiguous(add_leading_dims(value, len(shape)))
+    added = len(shape) - len(given)  # leading dimensions of size 1, for broadcasting
     for dim, (got, want, may_broadcast) in enumerate(zip(value.shape, shape,
                                                          broadcast_dims(tensor))):
         if got != want and not (got == 1 and may_broadcast):
-            raise BindingError(f"binding '{name}' has shape {list(value.shape)}, expected "
-                               f"{expected} (dimension {dim} should be {want})")
+            where = (f"its dimension {dim - added} should be {want}" if dim >= added else
+                     f"a leading dimension of size {want} is missing")
+            raise BindingError(f"binding '{name}' has shape {given}, expected {expected} "
+                               f"({where})")
     return value
 
 

@@ -89,10 +89,12 @@ def test_binding_for_a_spec_without_tensors(qkv):
 
 
 @pytest.mark.parametrize("value, expected", [
-    (torch.zeros(2, 149, dtype=torch.int64), "dimension 1 should be 150"),
-    (torch.zeros(3, 150, dtype=torch.int64), "dimension 0 should be 2"),
+    (torch.zeros(2, 149, dtype=torch.int64), "its dimension 1 should be 150"),
+    (torch.zeros(3, 150, dtype=torch.int64), "its dimension 0 should be 2"),
     (torch.zeros(2, 1, 150, dtype=torch.int64), "has shape [2, 1, 150]"),
-    (torch.zeros(149, dtype=torch.int64), "dimension 1 should be 150"),
+    # the shape as given, not with the leading dimension flexspec adds for broadcasting
+    (torch.zeros(149, dtype=torch.int64), "has shape [149], expected int[B, KV_LEN] = [2, 150] "
+                                          "(its dimension 0 should be 150)"),
 ])
 def test_misshaped_binding(attn, qkv, value, expected):
     message = binding_error(attn, qkv, doc_ids=value)
@@ -561,3 +563,13 @@ def test_fresh_bindings_every_call_do_not_fill_the_block_mask_cache(monkeypatch)
     attn.block_mask(300, 300, doc_ids=other)
     attn.block_mask(300, 300, doc_ids=other)
     assert len(attn._masks._cache) == 1 and attn._masks.cached_bytes() <= kept + kept // 2
+
+
+def test_float64_inputs_say_which_backend_runs_them(attn):
+    """Red-team finding: the message listed float64 among the dtypes to use while refusing it."""
+    q = torch.zeros(1, 2, 8, 8, dtype=torch.float64)
+    with pytest.raises(flexspec.BindingError, match="only the reference backend runs") as error:
+        attn(q, q, q, doc_ids=torch.zeros(1, 8, dtype=torch.int64))
+    assert "the kernels take float32, float16 or bfloat16" in str(error.value)
+    assert attn.reference(q, q, q, doc_ids=torch.zeros(1, 8, dtype=torch.int64)).dtype \
+        == torch.float64
