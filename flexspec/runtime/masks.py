@@ -12,6 +12,7 @@ from typing import Literal
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, noop_mask
 
 from flexspec import ir
+from flexspec.errors import BindingError
 from flexspec.ir import tensor_key
 from flexspec.kernels.block_tables import tables
 from flexspec.kernels import fused_blocks
@@ -33,6 +34,11 @@ BLOCK_MASK_CACHE_SIZE = 32
 BLOCK_MASK_CACHE_BYTES = 256 * 1024**2
 # New masks wait in a probation area this small until they are asked for a second time.
 PROBATION_SIZE = 2
+# The most bytes one block mask's tables and tile classes may take (about 1M x 1M positions in
+# blocks of 128 for one batch and head row): beyond, building it is refused up front.
+MAX_BLOCK_MASK_BYTES = 8 * 1024**3
+# bytes per tile: four int32 index tables (two per side), the int8 classes and a bool scratch
+_BYTES_PER_TILE = 4 * 4 + 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +120,7 @@ class BlockMasks:
             if waiting is not None:
                 self._admit(cache_key, *waiting)
                 return waiting[0]
+        self._check_size(key, sizes)
         mask_mod, _ = lower(spec).make_mods(sizes, values)
         if self.mode == "dense":
             block_mask = create_block_mask(mask_mod or noop_mask, key.batch, key.heads,
@@ -138,6 +145,18 @@ class BlockMasks:
             if len(self._probation) > PROBATION_SIZE:
                 self._probation.popitem(last=False)
         return block_mask
+
+    def _check_size(self, key: MaskKey, sizes: dict) -> None:
+        nq = -(-sizes["Q_LEN"] // self.block_size[0])
+        nk = -(-sizes["KV_LEN"] // self.block_size[1])
+        size = key.batch * key.heads * nq * nk * _BYTES_PER_TILE
+        if size > MAX_BLOCK_MASK_BYTES:
+            raise BindingError(
+                f"a block mask for Q_LEN = {sizes['Q_LEN']} and KV_LEN = {sizes['KV_LEN']} in "
+                f"blocks of {self.block_size[0]}x{self.block_size[1]} has {nq} x {nk} tiles "
+                f"per row of {key.batch} x {key.heads} (batch x heads): {size / 1024**3:.0f} "
+                f"GiB of tables, more than the {MAX_BLOCK_MASK_BYTES // 1024**3} GiB flexspec "
+                "builds; use a larger block_size, or shorter sequences")
 
     def _admit(self, cache_key: tuple, block_mask: BlockMask, values: dict) -> None:
         """Move a mask asked for twice into the cache, within the count and byte budgets."""

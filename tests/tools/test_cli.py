@@ -291,6 +291,14 @@ def test_explain_with_file(capsys, write):
     assert "abs(q - kv) <= 8" in out and "30.0" in out
 
 
+def test_explain_of_lengths_beyond_any_block_mask_is_refused_up_front(capsys):
+    """Red-team finding: `explain "causal & doc" --q-len 100000000` tried to allocate 610 GB of
+    tile tables (a raw allocator error). The tables' size is checked before building."""
+    code, out, err = run(capsys, "explain", "causal & doc", "--q-len", "100000000")
+    assert code == 1 and out == "" and "Traceback" not in err
+    assert "781250 x 781250 tiles" in err and "use a larger block_size" in err
+
+
 def test_explain_errors(capsys, write, tmp_path):
     code, out, err = run(capsys, "explain", "causal & windw(3)")
     assert code == 1 and out == ""
