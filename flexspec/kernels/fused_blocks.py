@@ -29,8 +29,6 @@ import types
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from torch._inductor.exc import InductorError
-
 from flexspec import ir
 from flexspec.kernels.block_tables import FULL, PARTIAL, from_tables, index_tables, sorted_rows
 from flexspec.kernels.blocks import tile_rows
@@ -98,10 +96,20 @@ def _program(mask: ir.Expr, block: tuple, batch: int, heads: int, device: str, c
     def run(tensors: dict, sizes: dict) -> tuple:
         try:
             return compiled(tensors, sizes)
-        except (torch._dynamo.exc.TorchDynamoException, InductorError) as error:
+        except Exception as error:  # noqa: BLE001 - narrowed below
+            if not _compile_error(error):
+                raise
             raise Untraceable(str(error).split("\n")[0]) from error
 
     return run
+
+
+def _compile_error(error: Exception) -> bool:
+    """Whether ``error`` comes from tracing or compiling (dynamo, inductor), not from running."""
+    # imported here: torch._inductor is heavy, and only a failed compile needs it
+    from torch._dynamo.exc import TorchDynamoException
+    from torch._inductor.exc import InductorError
+    return isinstance(error, (TorchDynamoException, InductorError))
 
 
 _programs = itertools.count(1)

@@ -131,3 +131,23 @@ def test_single_token_decoding_on_the_cpu_needs_no_compilation():
         full = attn.reference(q, k, v)
     torch.testing.assert_close(out, full[:, :, -1:], rtol=1e-5, atol=1e-5)
     assert graphs() == before
+
+
+def test_a_mask_its_program_cannot_trace_falls_back_to_the_eager_builder(monkeypatch):
+    monkeypatch.setattr(masks, "FUSED_DEVICES", frozenset({"cpu"}))
+    tried = []
+
+    def untraceable(*args, **kwargs):
+        tried.append(1)
+        raise fused_blocks.Untraceable("planted")
+
+    monkeypatch.setattr(fused_blocks, "fused_block_mask", untraceable)
+    attn = flexspec.compile("causal & doc")
+    q, k, v = Shape(1, 2, 2, 200, 200, 16).qkv(0)
+    with torch.no_grad():
+        for n in (2, 3, 4):
+            ids = torch.arange(200) * n // 200
+            torch.testing.assert_close(attn(q, k, v, doc_ids=ids),
+                                       attn.reference(q, k, v, doc_ids=ids),
+                                       rtol=1e-4, atol=1e-4)
+    assert len(tried) == 1  # remembered: not traced again
