@@ -46,9 +46,12 @@ class SpecAttention(nn.Module):
             found = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else "no heads"
             raise BindingError(f"this module was built for {self.num_heads} heads, but q has "
                                f"{found}; q must be (B, H, S, D)")
-        learnables = {key: self.tables[name] for key, name in self._keys.items()}
-        return self.attention._call(q, k, v, scale, bindings, learnables, q_offset, kv_lengths,
-                                    return_lse)
+        return self.attention._call(q, k, v, scale, bindings, self.learnables(), q_offset,
+                                    kv_lengths, return_lse)
+
+    def learnables(self) -> dict:
+        """This module's tables by tensor key, as :class:`Attention` calls take them."""
+        return {key: self.tables[name] for key, name in self._keys.items()}
 
     def extra_repr(self) -> str:
         return f"{str(self.attention.spec)!r}, num_heads={self.num_heads}"

@@ -17,6 +17,7 @@ from torch import nn
 
 from flexspec.errors import BindingError, SpecError
 from flexspec.lang.api import parse, with_mask
+from flexspec.runtime.attention import Attention
 from flexspec.runtime.module import SpecAttention
 
 
@@ -46,12 +47,14 @@ class MultiheadAttention(nn.Module):
         self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        # padding is part of the spec; calls without a key_padding_mask pass all keys as valid
-        padded = with_mask(parse(spec, library=library), "key_padding", library=library)
-        self.attention = SpecAttention(padded, num_heads=num_heads, library=library,
-                                       device=device, dtype=dtype or torch.float32,
-                                       **compile_options)
-        self._all_valid: dict = {}
+        # two compiled specs sharing one set of tables: with key padding, and without (a call
+        # without a key_padding_mask then reads no padding tensor, which keeps it on the
+        # fastest kernels, FLASH included)
+        base = parse(spec, library=library)
+        self.attention = SpecAttention(with_mask(base, "key_padding", library=library),
+                                       num_heads=num_heads, library=library, device=device,
+                                       dtype=dtype or torch.float32, **compile_options)
+        self._unpadded = Attention(base, **compile_options)
 
     def forward(self, query, key=None, value=None, *, key_padding_mask=None,
                 need_weights: bool = False, q_offset=None, **bindings):
@@ -75,20 +78,17 @@ class MultiheadAttention(nn.Module):
         k = self.k_proj(key).view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(value).view(batch, kv_len, self.num_kv_heads, self.head_dim) \
             .transpose(1, 2)
-        out = self.attention(q, k, v, q_offset=q_offset,
-                             valid=self._valid(key_padding_mask, batch, kv_len, query.device),
-                             **bindings)
+        if key_padding_mask is None:
+            out = self._unpadded._call(q, k, v, None, bindings, self.attention.learnables(),
+                                       q_offset)
+        else:
+            out = self.attention(q, k, v, q_offset=q_offset,
+                                 valid=self._valid(key_padding_mask, batch, kv_len), **bindings)
         out = self.out_proj(out.transpose(1, 2).reshape(batch, q_len, self.embed_dim))
         return (out if self.batch_first else out.transpose(0, 1)), None
 
-    def _valid(self, key_padding_mask, batch: int, kv_len: int, device) -> torch.Tensor:
-        if key_padding_mask is None:
-            # one tensor per length and device: its block mask is built once and cached
-            found = self._all_valid.get((kv_len, str(device)))
-            if found is None:
-                found = self._all_valid[(kv_len, str(device))] = torch.ones(
-                    1, kv_len, dtype=torch.bool, device=device)
-            return found
+    @staticmethod
+    def _valid(key_padding_mask, batch: int, kv_len: int) -> torch.Tensor:
         if not isinstance(key_padding_mask, torch.Tensor) \
                 or tuple(key_padding_mask.shape) != (batch, kv_len):
             shape = list(key_padding_mask.shape) if isinstance(key_padding_mask, torch.Tensor) \
