@@ -300,8 +300,9 @@ def test_memory_budget():
     with pytest.raises(SpecError) as caught:
         dense_mask(spec(CAUSAL), 4, 16, 32768, 32768)
     assert str(caught.value) == (
-        "the dense reference would need 512.0 GiB for B=4, H=16, Q_LEN=32768, KV_LEN=32768 "
-        "(limit 2.0 GiB); use smaller shapes")
+        "the dense reference would need 512.0 GiB per score array for B=4, H=16, Q_LEN=32768, "
+        "KV_LEN=32768 (limit 2.0 GiB per array; the computation holds about 4 such arrays at "
+        "once); use smaller shapes")
     with pytest.raises(SpecError, match="limit 0.0 GiB"):
         reference_attention(spec(), *qkv(1, 1, 64, 64, 4), max_bytes=1000)
     assert dense_mask(spec(CAUSAL), 1, 1, 10, 10, max_bytes=800).shape == (1, 1, 10, 10)
