@@ -21,11 +21,12 @@ every attention layer through flexspec. What a layer asks for becomes part of it
   ``position_ids`` that restart (``0 1 2 0 1``) mark documents, as transformers finds them:
   ``& doc`` with those ids (a model given ``doc_ids`` by name uses them instead);
 * attention sinks (gpt-oss's ``s_aux``: one more logit per head, on no value), merged through
-  the log-sum-exp, for inference;
+  the log-sum-exp (training needs a backend whose log-sum-exp has a gradient: the reference
+  path's has; otherwise a clear error);
 * bindings passed to the model by name (``model(ids, doc_ids=...)``) reach every layer.
 
 What flexspec cannot do raises :class:`flexspec.SpecError` with the reason: attention dropout in
-training, training through attention sinks, attention weights (``output_attentions``).
+training, attention weights (``output_attentions``).
 
 transformers is an optional dependency: ``pip install 'flexspec[transformers]'``.
 """
@@ -84,6 +85,8 @@ def placement(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
             raise SpecError("flexspec takes the 2-D attention_mask (1 for a token, 0 for "
                             f"padding), got one of shape {list(attention_mask.shape)}")
         mask = attention_mask.bool()
+        if bool(mask.all()):  # no padding (a host read, as transformers makes one too)
+            return Placement(q_offset, kv_offset, None, True)
         missing = kv_length + kv_offset - mask.shape[-1]
         if missing > 0:  # a static cache longer than the tokens seen: its tail is empty
             mask = torch.nn.functional.pad(mask, (0, missing))
@@ -140,12 +143,7 @@ class _Layers:
                   sliding_window=None, softcap=None, s_aux=None, **kwargs):
         if dropout:
             raise SpecError("flexspec has no attention dropout: set the config's "
-                            "attention_dropout to 0.0 (or train with model.eval() attention)")
-        if s_aux is not None and torch.is_grad_enabled() and any(
-                t.requires_grad for t in (query, key, value, s_aux)):
-            raise SpecError("attention sinks (s_aux) run through flexspec's log-sum-exp, which "
-                            "carries no gradient: sinks work for inference (torch.no_grad()), "
-                            "not training")
+                            "attention_dropout to 0.0 (or run the model in eval mode)")
         if kwargs.get("output_attentions"):
             raise SpecError("flexspec does not return attention weights (output_attentions): "
                             "use attn_implementation='eager' for them")
@@ -178,6 +176,12 @@ class _Layers:
             # the row's output by exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)
             out, lse = attn(query, key, value, scale=scaling, q_offset=q_offset,
                             return_lse=True, **bindings)
+            if lse.grad_fn is None and torch.is_grad_enabled() and any(
+                    t.requires_grad for t in (query, key, value)):
+                raise SpecError("attention sinks (s_aux) run through the log-sum-exp, which "
+                                "this backend returns without a gradient: use sinks for "
+                                "inference (torch.no_grad()), or train where the backend "
+                                "differentiates it (the reference path does)")
             sink = s_aux.reshape(1, -1, 1).to(lse.dtype)
             out = out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)
         return out.transpose(1, 2).contiguous(), None
