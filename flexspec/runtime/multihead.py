@@ -74,6 +74,10 @@ class MultiheadAttention(nn.Module):
         if not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
+        if key.shape[0] != batch or value.shape[:2] != key.shape[:2]:
+            raise BindingError(f"query, key and value must share the batch size, and key and "
+                               f"value the length: got query {list(query.shape)}, key "
+                               f"{list(key.shape)}, value {list(value.shape)} (as (N, L, E))")
         q = self.q_proj(query).view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(key).view(batch, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(value).view(batch, kv_len, self.num_kv_heads, self.head_dim) \

@@ -77,5 +77,7 @@ def test_bad_arguments_are_clear_errors():
         module(torch.randn(1, 3, 32), need_weights=True)
     with pytest.raises(flexspec.BindingError, match=r"query must be \(N, L, E\) with E = 32"):
         module(torch.randn(1, 3, 16))
+    with pytest.raises(flexspec.BindingError, match="must share the batch size"):
+        module(torch.randn(2, 3, 32), torch.randn(1, 5, 32))
     with pytest.raises(flexspec.BindingError, match="key_padding_mask must be a bool tensor"):
         module(torch.randn(1, 3, 32), key_padding_mask=torch.zeros(1, 3))
