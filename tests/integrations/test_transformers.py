@@ -134,6 +134,9 @@ def test_what_flexspec_cannot_do_is_a_clear_error(name):
         model(ids)
     with pytest.raises(flexspec.SpecError, match="identifier"):
         integration.register("not a name")
+    _, model = pair(MODELS["llama"], name)
+    with pytest.raises(flexspec.SpecError, match="does not return attention weights"):
+        model(ids, output_attentions=True)
 
 
 def test_a_spec_with_scores_and_padding_keeps_each_row_as_if_alone():
