@@ -11,7 +11,8 @@ dropped or swapped). Each input goes through
 * ``compile``, then at a small random shape with example bindings: ``dense_mask``,
   ``reference`` (float64), ``block_mask`` (checked sound against the dense mask: no visible pair
   in a skipped tile), ``render_text``;
-* one input in ten: the command line (``check``/``fmt`` on a file, ``render`` on a spec).
+* one input in ten: the command line (``check``/``fmt`` on a file, ``render`` and ``explain``
+  on a spec).
 
 An input fails when something other than :class:`flexspec.SpecError` (or the CLI's exit code) is
 raised, when the round trip changes the spec, or when a block mask hides a visible pair. An input
@@ -189,12 +190,15 @@ def _command_line(kind: str, text: str) -> None:
                 handle.write(text)
             calls = (["check", path], ["fmt", path])
         else:
-            calls = (["render", text, "--q-len", "12", "--kv-len", "9"],)
+            calls = (["render", text, "--q", "12", "--kv", "9"],
+                     ["explain", text, "--q-len", "40", "--kv-len", "33"])
         for argv in calls:
             try:
                 cli.main(argv)
-            except SystemExit:  # argparse's usage errors
-                pass
+            except SystemExit as exit_:  # argparse: a spec text that looks like an option
+                if not text.lstrip().startswith("-"):
+                    raise AssertionError(f"the command line exited with {exit_.code}: "
+                                         f"{argv}") from None
 
 
 def fuzz(n: int, seed: int = 0, budget: float = 1.0, cli_every: int = 10,
