@@ -167,14 +167,20 @@ def _check_forward_and_backward(attn, q_len, kv_len, dim, heads=8, kv_heads=2,
     q = torch.randn(2, heads, q_len, dim, device=device, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(2, kv_heads, kv_len, dim, device=device, dtype=dtype,
                         requires_grad=True) for _ in range(2))
-    bindings = _bindings(attn, 2, heads, q_len, kv_len, device)
+    _assert_matches_reference_with_gradients(attn, q, k, v,
+                                             _bindings(attn, 2, heads, q_len, kv_len, device))
+
+
+def _assert_matches_reference_with_gradients(attn, q, k, v, bindings):
+    """The output of ``attn`` and the gradients of q, k, v (for one random output gradient)
+    against the float64 reference."""
     out = attn(q, k, v, **bindings)
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = attn.reference(q64, k64, v64, **bindings)
     want = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
-    assert _relative_error(out, ref) < TOLERANCE[dtype]
+    assert _relative_error(out, ref) < TOLERANCE[q.dtype]
     for name, g, w in zip("qkv", got, want):
         assert _relative_error(g, w) < 3e-2, name
 
@@ -269,15 +275,7 @@ def test_every_pattern_runs_on_flash_forward_and_backward(text):
         with pytest.raises(flexspec.BackendError, match=FLASH_CANNOT[text]):
             attn(q, k, v, **bindings)
         return
-    out = attn(q, k, v, **bindings)
-    grad = torch.randn_like(out)
-    got = torch.autograd.grad(out, (q, k, v), grad)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = attn.reference(q64, k64, v64, **bindings)
-    want = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
-    assert _relative_error(out, ref) < TOLERANCE[torch.bfloat16]
-    for name, g, w in zip("qkv", got, want):
-        assert _relative_error(g, w) < 3e-2, name
+    _assert_matches_reference_with_gradients(attn, q, k, v, bindings)
 
 
 def test_fresh_document_ids_build_masks_on_the_device_without_recompiling():

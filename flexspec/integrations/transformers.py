@@ -131,11 +131,15 @@ class _Layers:
             text += f" + softcap({float(softcap)!r})"
         return text
 
-    def attention_for(self, text: str):
+    def attention_for(self, sliding_window, softcap, padded: bool, packed: bool):
+        """The compiled spec of a kind of layer call, made on its first call (every later call
+        of every layer finds it without parsing anything)."""
+        kind = (sliding_window, softcap, padded, packed)
         with self._lock:
-            attn = self._compiled.get(text)
+            attn = self._compiled.get(kind)
             if attn is None:
-                attn = self._compiled[text] = flexspec.compile(
+                text = self.spec_text(*kind)
+                attn = self._compiled[kind] = flexspec.compile(
                     flexspec.parse(text, library=self.library), **self.options)
         return attn
 
@@ -159,8 +163,8 @@ class _Layers:
                 and not kwargs.get("use_cache") and "doc_ids" not in kwargs \
                 and isinstance(where.q_offset, int) and where.q_offset == 0:
             packed = packed_documents(kwargs["position_ids"], query.shape[0])
-        attn = self.attention_for(self.spec_text(sliding_window, softcap,
-                                                 where.valid is not None, packed is not None))
+        attn = self.attention_for(sliding_window, softcap, where.valid is not None,
+                                  packed is not None)
         bindings = {name: kwargs[name] for name in attn.bindings if name in kwargs}
         if packed is not None:
             bindings["doc_ids"] = packed

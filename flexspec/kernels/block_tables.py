@@ -18,6 +18,14 @@ RUN_PATH_FRACTION = 1 / 32
 SORT_PATH_ENTRIES = 1 << 16
 
 
+def tile_grid(sizes: dict, block: tuple) -> tuple:
+    """``(NQ, NK)``: the q-block rows and kv-block columns of a mask at ``sizes`` in blocks of
+    ``block`` (the last row and column may run past the end). Written without negation, so a
+    traced length (``torch.compile``'s symbolic ints) gives the same expression."""
+    return ((sizes["Q_LEN"] + block[0] - 1) // block[0],
+            (sizes["KV_LEN"] + block[1] - 1) // block[1])
+
+
 def ordered(dense: torch.Tensor):
     """``(count, indices)`` per row of a bool matrix: ``count`` True entries, whose columns come
     first in ``indices``, in increasing order. The entries after them are other valid column

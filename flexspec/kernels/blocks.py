@@ -28,7 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexspec import ir
 from flexspec.ir import tensor_key
 from flexspec.ir.intervals import INF, Analyzer
-from flexspec.kernels.block_tables import EMPTY, FULL, PARTIAL, to_block_mask
+from flexspec.kernels.block_tables import EMPTY, FULL, PARTIAL, tile_grid, to_block_mask
 from flexspec.kernels.reference import evaluate
 
 # Tiles classified per step: bounds intermediates are float64 tensors of this many elements.
@@ -208,8 +208,7 @@ def classify(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, device, *,
     (soundness carries over: a tile's index ranges lie inside its super-tile's). At S = 1M
     (8192 x 8192 tiles) a causal mask then classifies 256 super-tiles' worth of tiles, not 67M.
     """
-    nq = -(-sizes["Q_LEN"] // block[0])
-    nk = -(-sizes["KV_LEN"] // block[1])
+    nq, nk = tile_grid(sizes, block)
     if nq * nk <= HIERARCHY_TILES:
         return _classify_grid(mask, sizes, block, tensors, device, batch=batch, heads=heads)
     factor = -(-max(nq, nk) // COARSE_SIDE)
@@ -238,8 +237,7 @@ def _classes(must: torch.Tensor, may: torch.Tensor) -> torch.Tensor:
 def _classify_grid(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, device, *,
                    batch: int, heads: int) -> torch.Tensor:
     """:func:`classify` over the whole tile grid at once (in chunks of rows)."""
-    nq = -(-sizes["Q_LEN"] // block[0])
-    nk = -(-sizes["KV_LEN"] // block[1])
+    nq, nk = tile_grid(sizes, block)
     out = torch.empty(batch, heads, nq, nk, dtype=torch.int8, device=device)
     rows = max(1, TILES_PER_CHUNK // max(1, batch * heads * nk))
     for start in range(0, nq, rows):

@@ -30,7 +30,8 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexspec import ir
-from flexspec.kernels.block_tables import FULL, PARTIAL, from_tables, index_tables, sorted_rows
+from flexspec.kernels.block_tables import (FULL, PARTIAL, from_tables, index_tables,
+                                           sorted_rows, tile_grid)
 from flexspec.kernels.blocks import tile_rows
 
 # Grids of more tiles (batch x heads x NQ x NK) are built by the eager builder: the fused
@@ -43,8 +44,7 @@ COMPILER = "inductor"
 
 def fits(sizes: dict, block: tuple, *, batch: int, heads: int) -> bool:
     """Whether a grid is small enough for the fused program (:data:`MAX_FUSED_TILES`)."""
-    nq = -(-sizes["Q_LEN"] // block[0])
-    nk = -(-sizes["KV_LEN"] // block[1])
+    nq, nk = tile_grid(sizes, block)
     return batch * heads * nq * nk <= MAX_FUSED_TILES
 
 
@@ -74,8 +74,7 @@ def _program(mask: ir.Expr, block: tuple, batch: int, heads: int, device: str, c
     device = torch.device(device)
 
     def build(tensors: dict, sizes: dict) -> tuple:
-        nq = (sizes["Q_LEN"] + block[0] - 1) // block[0]
-        nk = (sizes["KV_LEN"] + block[1] - 1) // block[1]
+        nq, nk = tile_grid(sizes, block)
         classes = tile_rows(mask, sizes, block, tensors, device, batch=batch, heads=heads,
                             start=0, stop=nq, nk=nk)
         # like create_block_mask, a tile that runs past the end of the sequence is never FULL

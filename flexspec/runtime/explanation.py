@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from flexspec import ir
-from flexspec.kernels.block_tables import tile_classes
+from flexspec.kernels.block_tables import tile_classes, tile_grid
 from flexspec.kernels.blocks import count_visible
 from flexspec.runtime.backends import Choice
 
@@ -84,8 +84,7 @@ def explain_plan(plan, values: dict, block_mask, text: str, q, k, v) -> Explanat
                             batch=mask.batch, heads=mask.heads,
                             classes=tile_classes(block_mask))
     tiles = int(block_mask.kv_num_blocks.sum()) + int(block_mask.full_kv_num_blocks.sum())
-    nq = -(-sizes["Q_LEN"] // block_size[0])
-    nk = -(-sizes["KV_LEN"] // block_size[1])
+    nq, nk = tile_grid(sizes, block_size)
     pairs = visible * (sizes["B"] // mask.batch) * (sizes["H"] // mask.heads)
     return Explanation(
         spec=text, mask=ir.to_text(spec.mask), score=ir.to_text(spec.score),

@@ -14,7 +14,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, noop
 from flexspec import ir
 from flexspec.errors import BindingError
 from flexspec.ir import tensor_key
-from flexspec.kernels.block_tables import tables
+from flexspec.kernels.block_tables import tables, tile_grid
 from flexspec.kernels import fused_blocks
 from flexspec.kernels.blocks import build_block_mask
 from flexspec.kernels.lower import lower
@@ -147,8 +147,7 @@ class BlockMasks:
         return block_mask
 
     def _check_size(self, key: MaskKey, sizes: dict) -> None:
-        nq = -(-sizes["Q_LEN"] // self.block_size[0])
-        nk = -(-sizes["KV_LEN"] // self.block_size[1])
+        nq, nk = tile_grid(sizes, self.block_size)
         size = key.batch * key.heads * nq * nk * _BYTES_PER_TILE
         if size > MAX_BLOCK_MASK_BYTES:
             raise BindingError(

@@ -79,10 +79,16 @@ def test_a_preallocated_cache_runs_with_fixed_shapes():
     attn = flexspec.compile("causal_bottom_right & window(100)")
     window, capacity = 128, 512
     q, k, v = Shape(2, 4, 2, window, capacity, 16).qkv(3)
-    lengths = torch.tensor([200, 260])
     before = graphs()
+    decode_a_static_cache(attn, q, k, v, torch.tensor([200, 260]))
+    assert graphs() - before <= 1
+
+
+def decode_a_static_cache(attn, q, k, v, lengths: torch.Tensor, steps: int = 100) -> None:
+    """``steps`` calls over fixed buffers whose valid lengths grow in place; every 33rd call,
+    each row equals the reference of that row's valid keys alone."""
     with torch.no_grad():
-        for step in range(100):
+        for step in range(steps):
             out = attn(q, k, v, kv_lengths=lengths)
             if step % 33 == 0:
                 for row, n in enumerate(lengths.tolist()):
@@ -90,7 +96,6 @@ def test_a_preallocated_cache_runs_with_fixed_shapes():
                                            v[row:row + 1, :, :n])
                     torch.testing.assert_close(out[row:row + 1], alone, rtol=1e-4, atol=1e-4)
             lengths += 1  # in place, as a decode loop over a static cache does
-    assert graphs() - before <= 1
 
 
 def test_a_static_cache_with_fused_block_masks_never_recompiles(monkeypatch):
@@ -104,17 +109,8 @@ def test_a_static_cache_with_fused_block_masks_never_recompiles(monkeypatch):
                         lambda *a, **kw: built.append(1) or original(*a, **kw))
     attn = flexspec.compile("causal_bottom_right & window(100) + alibi")
     q, k, v = Shape(2, 4, 2, 128, 512, 16).qkv(5)
-    lengths = torch.tensor([200, 333])
     before = graphs()
-    with torch.no_grad():
-        for step in range(100):
-            out = attn(q, k, v, kv_lengths=lengths)
-            if step % 33 == 0:
-                for row, n in enumerate(lengths.tolist()):
-                    alone = attn.reference(q[row:row + 1], k[row:row + 1, :, :n],
-                                           v[row:row + 1, :, :n])
-                    torch.testing.assert_close(out[row:row + 1], alone, rtol=1e-4, atol=1e-4)
-            lengths += 1
+    decode_a_static_cache(attn, q, k, v, torch.tensor([200, 333]))
     assert len(built) == 100  # a mask per step, each from the program
     assert graphs() - before <= 2
 

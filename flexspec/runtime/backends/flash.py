@@ -155,9 +155,8 @@ class FlashBackend(FlexBackend):
 def constant_lookup(spec: ir.AttentionIR) -> str | None:
     """The first tensor lookup of ``spec`` with a constant index in some dimension (as text:
     ``doc_ids[0, q]``), or ``None``."""
-    for node in (n for root in (spec.mask, spec.score) for n in ir.walk(root)):
-        if isinstance(node, ir.Lookup) \
-                and not all(ir.free_vars(index) for index in node.index):
+    for node in _lookups(spec):
+        if not all(ir.free_vars(index) for index in node.index):
             return ir.to_text(node)
     return None
 
@@ -166,11 +165,16 @@ def constant_lookup(spec: ir.AttentionIR) -> str | None:
 def nested_lookup(spec: ir.AttentionIR) -> str | None:
     """The first tensor lookup of ``spec`` whose index reads another tensor (as text:
     ``doc_ids[b, q + q_offset[b]]``), or ``None``."""
-    for node in (n for root in (spec.mask, spec.score) for n in ir.walk(root)):
-        if isinstance(node, ir.Lookup) and any(
-                isinstance(inner, ir.Lookup) for index in node.index for inner in ir.walk(index)):
+    for node in _lookups(spec):
+        if any(isinstance(inner, ir.Lookup) for index in node.index for inner in ir.walk(index)):
             return ir.to_text(node)
     return None
+
+
+def _lookups(spec: ir.AttentionIR):
+    """Every tensor lookup of the mask and the score."""
+    for root in (spec.mask, spec.score):
+        yield from (node for node in ir.walk(root) if isinstance(node, ir.Lookup))
 
 
 def first_line(err: Exception) -> str:
