@@ -11,6 +11,11 @@ visible (query, key) pairs (``Attention.explain``); the backward counts 2.5 forw
     python benchmarks/gpu.py                          # the whole suite (both shapes)
     python benchmarks/gpu.py --shapes 4x16x8192x128   # one shape
     python benchmarks/gpu.py --overhead               # per-call overhead table only
+    python benchmarks/gpu.py --layout bshd            # q, k, v as views of (B, S, H, D) tensors
+
+Where FlashAttention-4 is installed, its own interface is a hand-written column too
+(``FA4 native``: ``flash_attn_func``, or ``flash_attn_varlen_func`` with cumulative lengths
+computed once outside the timed region) for the specs it implements.
 
 Block masks, compilation and the reference check are outside the timed region. The last lines
 printed are the table (markdown), also written to ``--out``.
@@ -125,6 +130,36 @@ def relative_error(out, reference) -> float:
     return ((out - reference).norm() / reference.norm().clamp_min(1e-12)).item()
 
 
+NATIVE = {"full": {}, "causal": {"causal": True},
+          "sliding_window(1024)": {"window_size": (1024, 0)},
+          "causal + softcap(30)": {"causal": True, "softcap": 30.0},
+          "causal & doc": {"causal": True}}
+
+
+def native_hand(text, bindings, batch, length):
+    """FA4's own interface called by hand for ``text`` (``None`` where it has no such kernel):
+    q, k, v transposed to (B, S, H, D), flattened for documents (a copy unless they are views of
+    such tensors)."""
+    if text not in NATIVE:
+        return None
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    arguments = NATIVE[text]
+    if "doc_ids" not in bindings:
+        return lambda q, k, v: flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)),
+                                               **arguments)[0].transpose(1, 2)
+    ids = bindings["doc_ids"].reshape(-1).cpu()
+    starts = [i for i in range(ids.numel()) if i % length == 0 or ids[i] != ids[i - 1]]
+    cumulative = torch.tensor(starts + [ids.numel()], dtype=torch.int32, device="cuda")
+    longest = int((cumulative[1:] - cumulative[:-1]).max())
+
+    def varlen(q, k, v):
+        flat = [t.transpose(1, 2).reshape(batch * length, *t.shape[1::2]) for t in (q, k, v)]
+        out = flash_attn_varlen_func(*flat, cu_seqlens_q=cumulative, cu_seqlens_k=cumulative,
+                                     max_seqlen_q=longest, max_seqlen_k=longest, **arguments)[0]
+        return out.reshape(batch, length, *out.shape[1:]).transpose(1, 2)
+    return varlen
+
+
 def options(text, mask_mod, score_mod, sdpa, bindings, batch, heads, length, device, flash):
     """Hand-written options as ``name -> function(q, k, v)``."""
     block_mask = None if mask_mod is None else create_block_mask(
@@ -139,6 +174,9 @@ def options(text, mask_mod, score_mod, sdpa, bindings, batch, heads, length, dev
         found["flex FLASH"] = lambda q, k, v: flash_entry(
             q, k, v, score_mod=score_mod, block_mask=block_mask,
             kernel_options={"BACKEND": "FLASH"})
+        native = native_hand(text, bindings, batch, length)
+        if native is not None:
+            found["FA4 native"] = native
     if sdpa is not None:
         causal = sdpa == "causal"
         if device.type == "cuda":
@@ -166,6 +204,8 @@ def suite(args, device) -> list[dict]:
             generator = torch.Generator(device=device).manual_seed(0)
             q, k, v = (torch.randn(batch, heads, length, dim, device=device, dtype=args.dtype,
                                    generator=generator) for _ in range(3))
+            if args.layout == "bshd":  # the same values, as views of (B, S, H, D) tensors
+                q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
             attn = flexspec.compile(text)
             explanation = attn.explain(q, k, v, **bindings)
             sample = torch.Generator().manual_seed(2)
@@ -207,7 +247,7 @@ def _first(bindings: dict) -> dict:
     return {name: value[:1] if name == "doc_ids" else value for name, value in bindings.items()}
 
 
-HAND = ["flex triton", "flex FLASH", "sdpa cuDNN", "sdpa FA2", "sdpa"]
+HAND = ["flex triton", "flex FLASH", "FA4 native", "sdpa cuDNN", "sdpa FA2", "sdpa"]
 
 
 def _line(row: dict) -> str:
@@ -341,6 +381,8 @@ def main(argv=None) -> int:
     parser.add_argument("--specs", default=";".join(SPECS), help="semicolon-separated specs")
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
+                        help="memory layout of q, k, v (always passed as (B, H, S, D))")
     parser.add_argument("--overhead", action="store_true", help="only the per-call overhead")
     parser.add_argument("--out", help="also write the tables (markdown) to this file")
     args = parser.parse_args(argv)
@@ -350,7 +392,7 @@ def main(argv=None) -> int:
     args.dtype = getattr(torch, args.dtype)
     torch._dynamo.config.recompile_limit = 32
     device = torch.device(args.device)
-    header = [f"torch {torch.__version__}",
+    header = [f"torch {torch.__version__}", f"layout {args.layout}",
               f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"]
     if flash_installed():
         header.append(f"flash-attn-4 {importlib.metadata.version('flash-attn-4')}")

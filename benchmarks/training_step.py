@@ -9,13 +9,21 @@ loader hands out), so no block mask can be reused. For each shape it prints, in 
 * ``kernel alone``: forward+backward with a block mask built once (FLASH where installed);
 * ``step``: forward+backward including the mask, flexspec (``auto``) and hand-written
   (compiled ``create_block_mask`` + compiled ``flex_attention``, FLASH where installed);
+* ``step native hand``, where FlashAttention-4 is installed: FA4's own variable-length kernel
+  called by hand, with cumulative lengths computed from each step's ids (a few torch ops and
+  one host read), which is what flexspec's ``fa4`` backend does for contiguous documents;
 * the ratio of flexspec's step to the kernel alone (the target is at most 1.03) and to the
   hand-written step.
+
+q, k and v are views of (B, S, H, D) tensors (``--layout bshd``, the layout projections give
+and what FA4's variable-length interface reads without a copy) or contiguous (B, H, S, D)
+tensors (``--layout bhsd``).
 
 Outputs of flexspec and the hand-written step are compared each run (relative error printed).
 
     python benchmarks/training_step.py                         # 4x16x8192x128, 1x16x32768x128, 1x16x131072x128
     python benchmarks/training_step.py 2x4x1024x64 --device cpu # a small check (no FLASH, no backward on CPU)
+    python benchmarks/training_step.py --layout bhsd           # contiguous (B, H, S, D) inputs
 """
 
 from __future__ import annotations
@@ -62,11 +70,23 @@ def median_ms(fn, device, steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def measure(batch, heads, length, dim, device, dtype, steps, warmup) -> dict:
+def cumulative_lengths(ids):
+    """Hand-written: where each document starts, rows laid end to end, and the longest one."""
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    first = torch.nonzero(starts.reshape(-1)).reshape(-1)
+    cumulative = torch.cat((first, first.new_tensor([ids.numel()]))).to(torch.int32)
+    return cumulative, int((cumulative[1:] - cumulative[:-1]).max())
+
+
+def measure(batch, heads, length, dim, device, dtype, steps, warmup, layout) -> dict:
     pool = doc_ids_pool(batch, length, device)
     grads = device.type == "cuda"  # FlexAttention has no backward on the CPU
-    q, k, v = (torch.randn(batch, heads, length, dim, device=device, dtype=dtype,
-                           requires_grad=grads) for _ in range(3))
+    shape = (batch, length, heads, dim) if layout == "bshd" else (batch, heads, length, dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    q, k, v = (t.requires_grad_(grads) for t in (q, k, v))
     attn = flexspec.compile("causal & doc")
     holder = pool[0].clone()  # the hand-written mask reads the ids through this tensor
 
@@ -104,6 +124,17 @@ def measure(batch, heads, length, dim, device, dtype, steps, warmup) -> dict:
     row["step hand"] = median_ms(
         lambda i: run(compiled_flex(q, k, v, block_mask=hand_mask(i), kernel_options=options)),
         device, steps, warmup)
+    if options is not None:
+        from flash_attn.cute import flash_attn_varlen_func
+
+        def native_hand(i):
+            cumulative, longest = cumulative_lengths(fresh(i))
+            flat = [t.transpose(1, 2).reshape(batch * length, heads, dim) for t in (q, k, v)]
+            out = flash_attn_varlen_func(*flat, cu_seqlens_q=cumulative,
+                                         cu_seqlens_k=cumulative, max_seqlen_q=longest,
+                                         max_seqlen_k=longest, causal=True)[0]
+            return run(out.reshape(batch, length, heads, dim).transpose(1, 2))
+        row["step native hand"] = median_ms(native_hand, device, steps, warmup)
     row["flexspec / kernel"] = row["step flexspec"] / row["kernel alone"]
     row["flexspec / hand"] = row["step flexspec"] / row["step hand"]
     with torch.no_grad():
@@ -121,13 +152,15 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--layout", choices=("bshd", "bhsd"), default="bshd")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
     for text in args.shapes:
         batch, heads, length, dim = (int(n) for n in text.split("x"))
-        rows.append(measure(batch, heads, length, dim, device, dtype, args.steps, args.warmup))
+        rows.append(measure(batch, heads, length, dim, device, dtype, args.steps, args.warmup,
+                            args.layout))
         print(rows[-1], flush=True)
     keys = list(rows[0])
     print("\n| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))

@@ -157,7 +157,7 @@ BACKEND_SPECS = ["causal", "full", "sliding_window(100) + alibi", "causal & doc"
 
 
 def _needs(backend):
-    if backend == "flash" and not flash_installed():
+    if backend in ("flash", "fa4") and not flash_installed():
         pytest.skip("needs FlashAttention-4 (flash_attn.cute)")
 
 
@@ -321,12 +321,56 @@ def test_auto_chooses_by_size_on_the_gpu():
     attn = flexspec.compile("causal & window(1024)")
     big = [torch.empty(4, 16, 8192, 128, device="cuda", dtype=torch.bfloat16)] * 3
     small = [torch.empty(1, 4, 1024, 128, device="cuda", dtype=torch.bfloat16)] * 3
-    expected = "flash" if flash_installed() else "flex"
-    assert attn.explain(*big).choice.backend == expected
+    assert attn.explain(*big).choice.backend == ("fa4" if flash_installed() else "flex")
     assert attn.explain(*small).choice.backend == "flex"
     causal = flexspec.compile("causal")
     assert causal.explain(*small).choice.backend == "sdpa"
-    assert causal.explain(*big).choice.backend == ("flash" if flash_installed() else "sdpa")
+    assert causal.explain(*big).choice.backend == ("fa4" if flash_installed() else "sdpa")
+    alibi = flexspec.compile("causal & window(1024) + alibi")
+    assert alibi.explain(*big).choice.backend == ("flash" if flash_installed() else "flex")
+
+
+FA4_SPECS = ["causal", "full", "sliding_window(100)", "window(64)", "causal & doc", "doc",
+             "causal & window(50) & doc", "causal + softcap(20)",
+             "sliding_window(300) + scale(0.5)"]
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("text", FA4_SPECS)
+def test_fa4_matches_reference_forward_and_backward(text, dim):
+    """FA4's own kernels (backend 'fa4'): GQA (8 query heads over 2), a length that is not a
+    multiple of 128, q, k, v as transposed views of (B, S, H, D) tensors as projections give
+    them, sorted document ids with documents of every length."""
+    _needs("fa4")
+    attn = flexspec.compile(text, backend="fa4")
+    length, device = 1000, "cuda"
+    q = torch.randn(2, length, 8, dim, device=device, dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(2, length, 2, dim, device=device, dtype=torch.bfloat16).transpose(1, 2)
+            for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    _assert_matches_reference_with_gradients(attn, q, k, v,
+                                             _bindings(attn, 2, 8, length, length, device))
+
+
+def test_fa4_runs_ids_that_are_not_contiguous_runs_elsewhere(monkeypatch):
+    """Document 0 comes back after document 1: valid flexspec documents that FA4's variable
+    lengths cannot express; the call runs on the backend auto would take without FA4."""
+    _needs("fa4")
+    import flash_attn.cute
+    calls = []
+    varlen = flash_attn.cute.flash_attn_varlen_func
+    monkeypatch.setattr(flash_attn.cute, "flash_attn_varlen_func",
+                        lambda *a, **kw: calls.append(1) or varlen(*a, **kw))
+    attn = flexspec.compile("causal & doc", backend="fa4")
+    ids = (torch.arange(1000, device="cuda") // 100) % 3
+    q, k, v = (torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    _assert_matches_reference_with_gradients(attn, q, k, v, {"doc_ids": ids})
+    assert not calls
+    # and a layout of contiguous runs, broadcast over the batch, runs on FA4 itself
+    ids = torch.arange(1000, device="cuda") // 300
+    _assert_matches_reference_with_gradients(attn, q, k, v, {"doc_ids": ids})
+    assert calls
 
 
 def test_flash_refuses_a_learnable_table_that_requires_gradients():

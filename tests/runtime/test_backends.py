@@ -62,12 +62,32 @@ def test_sdpa_form_reads_division_and_left_constants():
 # ---- auto on a GPU -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text", ["full", "causal", "causal & window(1024)", "causal + alibi",
+@pytest.mark.parametrize("text", ["full", "causal", "causal & window(1024)", "causal & doc",
+                                  "window(64) & doc + scale(0.5)"])
+def test_auto_takes_fa4s_own_kernels_for_the_structure_they_implement(text):
+    choice = choose("auto", H200, ir(text))
+    assert choice.backend == "fa4"
+    assert dict(choice.rejected).keys() == {"flash", "sdpa", "flex", "reference"}
+
+
+@pytest.mark.parametrize("text", ["causal + alibi", "causal & prefix_lm(64)",
                                   "causal + softcap(30)"])
-def test_auto_takes_flash_on_hopper_with_fa4(text):
+def test_auto_takes_flash_on_hopper_for_the_rest(text):
     choice = choose("auto", H200, ir(text))
     assert choice.backend == "flash"
-    assert dict(choice.rejected).keys() == {"sdpa", "flex", "reference"}
+    assert dict(choice.rejected).keys() == {"fa4", "sdpa", "flex", "reference"}
+    if "softcap" in text:  # FA4 runs it, but FLASH measured faster
+        assert "0.90x" in dict(choice.rejected)["fa4"]
+        assert choose("fa4", H200, ir(text)).backend == "fa4"
+
+
+def test_fa4s_own_kernels_need_equal_lengths_and_no_lse():
+    with pytest.raises(BackendError, match="bottom right.*Q_LEN == KV_LEN, got 100 and 8192"):
+        choose("fa4", dataclasses.replace(H200, q_len=100), ir("causal"))
+    assert choose("auto", dataclasses.replace(H200, q_len=4096, kv_len=8192),
+                  ir("causal & window(64)")).backend == "flash"
+    with pytest.raises(BackendError, match="return_lse"):
+        choose("fa4", dataclasses.replace(H200, lse=True), ir("causal"))
 
 
 def test_auto_on_a_gpu_without_fa4_takes_cudnn_for_causal_and_flex_otherwise():
@@ -77,6 +97,7 @@ def test_auto_on_a_gpu_without_fa4_takes_cudnn_for_causal_and_flex_otherwise():
     choice = choose("auto", no_fa4, ir("causal & window(1024)"))
     assert choice.backend == "flex"
     assert "flash_attn.cute" in dict(choice.rejected)["flash"]
+    assert "flash_attn.cute" in dict(choice.rejected)["fa4"]
 
 
 def test_small_problems_skip_flash():
@@ -86,8 +107,10 @@ def test_small_problems_skip_flash():
     choice = choose("auto", small, ir("causal & window(128)"))
     assert choice.backend == "flex"
     assert "fixed cost per call" in dict(choice.rejected)["flash"]
-    # asked for explicitly, FLASH still runs
+    assert "fixed cost per call" in dict(choice.rejected)["fa4"]
+    # asked for explicitly, FLASH and FA4 still run
     assert choose("flash", small, ir("causal & window(128)")).backend == "flash"
+    assert choose("fa4", small, ir("causal & window(128)")).backend == "fa4"
 
 
 @pytest.mark.parametrize("change, reason", [
@@ -113,9 +136,12 @@ def test_learnable_gradients_on_a_gpu_take_flex():
     assert choose("auto", request, ir("causal + rel_bias")).backend == "flex"
 
 
-def test_gradients_on_a_gpu_keep_flash():
-    # FLASH's backward beat cuDNN and Triton on the H200 (6.7 vs 7.05 vs 10.0 ms, causal)
-    assert choose("auto", dataclasses.replace(H200, grads=True), ir("causal")).backend == "flash"
+def test_gradients_on_a_gpu_keep_fa4():
+    # FLASH's backward beat cuDNN and Triton on the H200 (6.7 vs 7.05 vs 10.0 ms, causal), and
+    # FA4's own kernels beat FLASH (6.47 ms)
+    training = dataclasses.replace(H200, grads=True)
+    assert choose("auto", training, ir("causal")).backend == "fa4"
+    assert choose("auto", training, ir("causal & chunked(64)")).backend == "flash"
 
 
 def test_flash_backward_is_not_used_for_scores_that_read_tensors_under_gqa():
@@ -142,7 +168,11 @@ def test_flash_refuses_lookups_at_a_constant_index():
     request = dataclasses.replace(H200, constant_lookup=flash.constant_lookup(spec))
     reason = why_not("flash", request, spec)
     assert "constant index ('doc_ids[0, q]'" in reason and "full B and H" in reason
-    assert choose("auto", request, spec).backend == "flex"
+    # FA4's own kernels read documents as sequence lengths, broadcast or not
+    assert choose("auto", request, spec).backend == "fa4"
+    other = dataclasses.replace(spec, mask=dataclasses.replace(spec.mask, op="<="))
+    assert choose("auto", dataclasses.replace(request, constant_lookup=flash.constant_lookup(
+        other)), other).backend == "flex"
     scaled = dataclasses.replace(H200, scale=0.5)
     assert "'scale[0]'" in why_not("flash", scaled, ir("causal"))
     assert why_not("flash", H200, ir("causal")) is None
@@ -211,7 +241,7 @@ def test_auto_always_chooses_a_backend_that_can_run(device, grads, table_grads, 
     choice = choose("auto", request, ir(text))
     assert why_not(choice.backend, request, ir(text)) is None
     assert {name for name, _ in choice.rejected} | {choice.backend} == \
-        {"flash", "sdpa", "flex", "reference"}
+        {"fa4", "flash", "sdpa", "flex", "reference"}
 
 
 def test_flops_count_the_backward_as_two_and_a_half_forwards():
@@ -228,10 +258,11 @@ def test_triton_backward_needs_blocks_of_128_on_cuda():
         choose("flex", training, ir("causal & window(8)"))
     # auto says why nothing runs, FLASH included; SDPA ignores block sizes
     with pytest.raises(BackendError, match="flash: FLASH needs block sizes .* flex: "):
-        choose("auto", training, ir("causal & window(8)"))
-    assert choose("auto", training, ir("causal")).backend == "sdpa"
+        choose("auto", training, ir("causal & chunked(8)"))
+    # FA4's own kernels need no block mask
+    assert choose("auto", training, ir("causal & window(8)")).backend == "fa4"
     assert choose("auto", dataclasses.replace(training, block_size=(256, 128)),
-                  ir("causal & window(8)")).backend == "flash"
+                  ir("causal & chunked(8)")).backend == "flash"
 
 
 @given(q_block=st.integers(1, 24).map(lambda n: 16 * n),
@@ -259,7 +290,7 @@ def test_auto_order_per_device():
     def order(request):
         return [name for name, _ in auto_order(request)]
 
-    assert order(H200) == ["flash", "sdpa", "flex"]
+    assert order(H200) == ["fa4", "flash", "sdpa", "flex"]
     for device in ("cpu", "mps"):
         request = dataclasses.replace(CPU, device_type=device)
         assert order(request) == ["sdpa", "flex", "reference"]
@@ -269,7 +300,8 @@ def test_auto_order_per_device():
 
 
 def test_the_registry_names_the_backends():
-    assert BACKENDS == ("auto", *REGISTRY) == ("auto", "flash", "sdpa", "flex", "reference")
+    assert BACKENDS == ("auto", *REGISTRY) == ("auto", "fa4", "flash", "sdpa", "flex",
+                                                   "reference")
     assert all(backend.name == name for name, backend in REGISTRY.items())
 
 
@@ -443,7 +475,7 @@ def test_auto_falls_back_to_flex_when_flash_cannot_compile(monkeypatch):
 
 def test_a_remembered_flash_failure_is_a_reason():
     request = dataclasses.replace(H200, flash_failed="CuteDSL template failed: 'maximum'")
-    choice = choose("auto", request, ir("causal & window(8)"))
+    choice = choose("auto", request, ir("causal & chunked(8)"))
     assert choice.backend == "flex"
     assert dict(choice.rejected)["flash"] == ("FLASH failed to compile this spec: CuteDSL "
                                               "template failed: 'maximum'")

@@ -3,6 +3,7 @@
 A backend is one object (one file here) with ``why_not``, ``rank``, ``prepare`` and ``run``
 (:class:`~flexspec.runtime.backends.base.Backend`); :data:`REGISTRY` holds them by name:
 
+* ``fa4`` (:mod:`.native`): FlashAttention-4's own kernels, for causal, windows and documents;
 * ``flash`` (:mod:`.flash`): FlexAttention with FlashAttention-4 kernels;
 * ``sdpa`` (:mod:`.sdpa`): ``scaled_dot_product_attention`` for plain full or causal specs;
 * ``flex`` (:mod:`.flex`): compiled FlexAttention with its default kernel;
@@ -26,9 +27,11 @@ from flexspec.runtime.backends.base import (REGISTRY, Backend, BackendError, Bac
 from flexspec.runtime.backends.flash import (FLASH_MIN_FLOPS, FLASH_OPTIONS, FlashBackend,
                                              flash_installed)
 from flexspec.runtime.backends.flex import SHORT_CPU_LENGTH, FlexBackend
+from flexspec.runtime.backends.native import NativeBackend, NativeForm, native_form
 from flexspec.runtime.backends.reference import ReferenceBackend
 from flexspec.runtime.backends.sdpa import SdpaBackend, SdpaForm, not_sdpa, sdpa_form
 
+register(NativeBackend())
 register(FlashBackend())
 register(SdpaBackend())
 register(FlexBackend())
@@ -76,7 +79,7 @@ def choose(backend: str, request: Request, spec: ir.AttentionIR) -> Choice:
         candidate = REGISTRY[name]
         reason = candidate.why_not(request, spec)
         if reason is None:
-            reason = candidate.auto_veto(request)
+            reason = candidate.auto_veto(request, spec)
         if reason is None:
             taken = {name} | {n for n, _ in rejected}
             rejected += [(n, other.why_not(request, spec) or "ranked lower for this call")
@@ -88,6 +91,6 @@ def choose(backend: str, request: Request, spec: ir.AttentionIR) -> Choice:
 
 
 __all__ = ["BACKENDS", "FLASH_MIN_FLOPS", "FLASH_OPTIONS", "REGISTRY", "SHORT_CPU_LENGTH",
-           "Backend", "BackendError", "BackendName", "Choice", "Rank", "Request", "SdpaForm",
-           "auto_order", "check_backend_name", "choose", "flash_installed", "not_sdpa",
-           "register", "sdpa_form", "why_not"]
+           "Backend", "BackendError", "BackendName", "Choice", "NativeBackend", "NativeForm",
+           "Rank", "Request", "SdpaForm", "auto_order", "check_backend_name", "choose",
+           "flash_installed", "native_form", "not_sdpa", "register", "sdpa_form", "why_not"]

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the plan imports the backends, not the other way round
     from flexspec.runtime.masks import BlockMasks
     from flexspec.runtime.plan import Plan
 
-BackendName = Literal["auto", "flash", "sdpa", "flex", "reference"]
+BackendName = Literal["auto", "fa4", "flash", "sdpa", "flex", "reference"]
 
 
 class BackendError(SpecError):
@@ -102,9 +102,9 @@ class Backend:
         """Where ``auto`` tries this backend on ``request``'s device; ``None``: not at all."""
         return None
 
-    def auto_veto(self, request: Request) -> str | None:
-        """Why ``auto`` passes over this backend although it can run the call (it would be
-        slower), or ``None``."""
+    def auto_veto(self, request: Request, spec: ir.AttentionIR) -> str | None:
+        """Why ``auto`` passes over this backend although it can run ``spec`` for ``request``
+        (it would be slower), or ``None``."""
         return None
 
     def facts(self, device: torch.device, lowered) -> dict:

@@ -104,7 +104,7 @@ class FlashBackend(FlexBackend):
         return Rank(0, "FlashAttention-4 was the fastest kernel measured on Hopper for every "
                        "spec at this size, forward and backward")
 
-    def auto_veto(self, request):
+    def auto_veto(self, request, spec):
         if request.dense_flops < FLASH_MIN_FLOPS:
             return (f"the problem is small ({request.dense_flops / 1e9:.3g} GFLOP dense < "
                     f"{FLASH_MIN_FLOPS / 1e9:.3g}): FLASH's fixed cost per call (about "

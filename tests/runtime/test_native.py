@@ -1,0 +1,171 @@
+"""The ``fa4`` backend's reading of a spec (flexspec.runtime.backends.native) on the CPU.
+
+FA4's own kernels are not available here, so what they would compute is emulated from FA4's
+documented arguments (a window ``(left, right)`` around the diagonal, variable-length sequences
+from cumulative lengths, ``softcap * tanh(scale * qk / softcap)``) in float64, and compared with
+flexspec's dense reference: a wrong form or wrong segments give another answer. The kernels
+themselves are tested in tests/test_gpu.py.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import flexspec
+from flexspec.runtime.backends.native import document_segments, native_form
+
+ATOMS = ["causal", "window({n})", "sliding_window({n})", "left({n})", "right({n})",
+         "left_open({n})", "behind({n})", "causal", "abs_window({n})", "doc", "full",
+         "ahead({n})"]
+# hand-written masks, as an .attn file would define them
+LIBRARY = flexspec.loads("""
+mask left(n: int) = q - kv <= n
+mask right(n: int) = kv - q <= n
+mask left_open(n: int) = q - kv < n
+mask behind(n: int) = kv >= q - n
+mask abs_window(n: int) = abs(kv - q) <= n
+mask ahead(n: int) = q + n >= kv
+mask strictly_causal = q - kv >= 1
+mask tall = q - kv <= KV_LEN
+score halve = score / 2.0
+""")
+SCORES = ["", " + scale(0.5)", " + softcap(2.0)", " + scale(3.0) + softcap(0.7)"]
+
+
+def emulated_fa4(form, q, k, v, segments, scale):
+    """What FA4's own kernels compute for ``form``: float64, dense, from its arguments."""
+    batch, heads, length, _ = q.shape
+    logits = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) * scale * form.factor
+    if form.softcap is not None:
+        logits = form.softcap * torch.tanh(logits / form.softcap)
+    rows = torch.arange(length).view(-1, 1)
+    cols = torch.arange(length).view(1, -1)
+    visible = torch.ones(length, length, dtype=torch.bool)
+    if form.left is not None:
+        visible &= cols >= rows - form.left
+    if form.right is not None:
+        visible &= cols <= rows + form.right
+    visible = visible.expand(batch, length, length).clone()
+    if segments is not None:
+        cumulative, _ = segments
+        document = torch.zeros(batch * length, dtype=torch.long)
+        document[cumulative[1:-1].long()] = 1
+        document = document.cumsum(0).view(batch, length)
+        visible &= document[:, :, None] == document[:, None, :]
+    logits = logits.masked_fill(~visible[:, None], -math.inf)
+    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    return weights @ v.double()
+
+
+def documents(draw, batch, length):
+    """Per-row document ids: runs of random lengths and ids, sometimes an id that comes back."""
+    rows = []
+    for _ in range(batch):
+        ids, current = [], draw(st.integers(-3, 3))
+        while len(ids) < length:
+            ids += [current] * draw(st.integers(1, max(1, length // 2)))
+            current += draw(st.sampled_from([1, 2, 7, -1]))
+        rows.append(ids[:length])
+    return torch.tensor(rows)
+
+
+@st.composite
+def native_cases(draw):
+    atoms = draw(st.lists(st.sampled_from(ATOMS), min_size=1, max_size=3))
+    text = " & ".join(a.format(n=draw(st.integers(0, 9))) for a in atoms)
+    text += draw(st.sampled_from(SCORES))
+    batch, heads, length = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(
+        st.integers(1, 24))
+    return text, batch, heads, length, documents(draw, batch, length)
+
+
+@given(native_cases(), st.integers(0, 2**16))
+@settings(max_examples=150, deadline=None)
+def test_the_native_form_computes_what_the_reference_does(case, seed):
+    text, batch, heads, length, ids = case
+    attn = flexspec.compile(text, library=LIBRARY)
+    form = native_form(attn.ir)
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, heads, length, 8, generator=generator, dtype=torch.float64)
+               for _ in range(3))
+    bindings = {"doc_ids": ids} if "doc" in text else {}
+    if form is None:  # only a window that hides the diagonal (q - kv < 0) is outside the form
+        assert "left_open(0)" in text, text
+        return
+    assert (form.documents is not None) == ("doc" in text)
+    segments = document_segments(ids) if form.documents is not None else None
+    if form.documents is not None and segments is None:
+        return  # runs elsewhere (see test_ids_that_come_back_are_not_segments)
+    expected = attn.reference(q, k, v, **bindings)
+    got = emulated_fa4(form, q, k, v, segments, 1 / math.sqrt(8))
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9, msg=text)
+
+
+@pytest.mark.parametrize("text", ["causal + alibi", "causal & prefix_lm(4)", "chunked(8)",
+                                  "strictly_causal", "block_causal(2)", "causal_bottom_right",
+                                  "softcap(2.0) + scale(2.0)", "causal + scale(-1.0)",
+                                  "doc & key_padding", "tall", "causal | window(2)"])
+def test_specs_outside_the_native_form(text):
+    assert native_form(flexspec.parse(text, library=LIBRARY).ir) is None
+
+
+def test_constant_factors_on_either_side_and_divisions_are_read():
+    assert native_form(flexspec.parse("causal + halve + scale(3.0)",
+                                      library=LIBRARY).ir).factor == 1.5
+
+
+def test_the_form_of_the_common_specs():
+    form = native_form(flexspec.parse("sliding_window(1024) + softcap(30)").ir)
+    assert (form.left, form.right, form.softcap, form.causal) == (1024, 0, 30.0, False)
+    assert form.window == (1024, 0)
+    causal = native_form(flexspec.parse("causal & doc").ir)
+    assert causal.causal and causal.window == (None, None) and causal.documents.name == "doc_ids"
+    assert native_form(flexspec.parse("full").ir).window == (None, None)
+
+
+@given(st.data())
+@settings(max_examples=200, deadline=None)
+def test_segments_are_the_runs_of_ids(data):
+    batch, length = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 40))
+    ids = documents(data.draw, batch, length)
+    segments = document_segments(ids)
+    rows = ids.tolist()
+    runs = [[row[i] for i in range(len(row)) if i == 0 or row[i] != row[i - 1]] for row in rows]
+    if any(len(set(r)) != len(r) for r in runs):
+        assert segments is None
+        return
+    cumulative, longest = segments
+    assert cumulative.dtype == torch.int32
+    expected, lengths = [0], []
+    for row_number, row in enumerate(rows):
+        start = 0
+        for i in range(1, length + 1):
+            if i == length or row[i] != row[i - 1]:
+                expected.append(row_number * length + i)
+                lengths.append(i - start)
+                start = i
+    assert cumulative.tolist() == expected
+    assert longest == max(lengths)
+
+
+def test_ids_that_come_back_are_not_segments():
+    assert document_segments(torch.tensor([[0, 0, 1, 1, 0]])) is None
+    # another row may reuse the ids: only a repeat within a row counts
+    assert document_segments(torch.tensor([[0, 1], [0, 1]])) is not None
+
+
+def test_documents_must_be_read_in_the_same_row_at_q_and_kv():
+    from flexspec import ir
+    ids = ir.Tensor("doc_ids", (ir.Var("B"), ir.Var("KV_LEN")), "int")
+
+    def same(left, right):
+        return ir.AttentionIR(ir.Binary("==", ir.Lookup(ids, left), ir.Lookup(ids, right)))
+
+    b, q, kv, zero = ir.Var("b"), ir.Var("q"), ir.Var("kv"), ir.Const(0)
+    assert native_form(same((b, q), (b, kv))).documents == ids
+    assert native_form(same((zero, kv), (zero, q))).documents == ids
+    assert native_form(same((b, q), (zero, kv))) is None
+    assert native_form(same((b, q), (b, q))) is None
+    assert native_form(same((ir.Var("h"), q), (ir.Var("h"), kv))) is None
