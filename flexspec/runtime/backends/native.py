@@ -209,8 +209,9 @@ def document_segments(ids: torch.Tensor) -> tuple | None:
     (``[B, S]``, rows laid end to end) and the longest one, or ``None`` when some row's ids are
     not contiguous runs of distinct documents (an id that comes back after another).
 
-    O(S) work on the device but a sort per row, and one host read (the number of documents
-    decides the size of the result).
+    O(S) work on the device and one host read (the number of documents decides the size of the
+    result); ids that decrease somewhere (which may or may not come back) take a sort per row
+    and a second read.
 
     >>> lengths, longest = document_segments(torch.tensor([[0, 0, 1, 1, 1], [5, 5, 5, 5, 7]]))
     >>> lengths.tolist(), longest
@@ -221,20 +222,24 @@ def document_segments(ids: torch.Tensor) -> tuple | None:
     batch, length = ids.shape
     starts = torch.ones(batch, length, dtype=torch.bool, device=ids.device)
     starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    ordered = ids.sort(dim=1).values
-    distinct = 1 + (ordered[:, 1:] != ordered[:, :-1]).sum(1)
-    runs = starts.sum(1)
+    decreasing = (ids[:, 1:] < ids[:, :-1]).any()
     # each run's length, counted at its last position: its distance to the run's start
     position = torch.arange(length, device=ids.device).expand(batch, length)
     run_start = torch.where(starts, position, 0).cummax(dim=1).values
     longest = (position - run_start).max() + 1
-    summary = torch.stack((runs.sum(), (runs == distinct).all().long(), longest))
-    count, contiguous, longest = summary.tolist()  # the one host read
-    if not contiguous:
+    count, decreasing, longest = torch.stack((starts.sum(), decreasing.long(), longest)).tolist()
+    if decreasing and not _runs_are_distinct(ids, starts):
         return None
     first = torch.nonzero_static(starts.reshape(-1), size=count).reshape(-1)
     total = torch.full((1,), batch * length, dtype=first.dtype, device=ids.device)
     return torch.cat((first, total)).to(torch.int32), longest
+
+
+def _runs_are_distinct(ids: torch.Tensor, starts: torch.Tensor) -> bool:
+    """Whether every row has as many runs as distinct ids (no id comes back)."""
+    ordered = ids.sort(dim=1).values
+    distinct = 1 + (ordered[:, 1:] != ordered[:, :-1]).sum(1)
+    return bool((starts.sum(1) == distinct).all())
 
 
 @dataclass(eq=False)
