@@ -268,6 +268,10 @@ def test_every_pattern_runs_on_flash_forward_and_backward(text):
     from flexspec.tools.values import demo_bindings
     attn = flexspec.compile(text, backend="flash")
     bindings, _ = demo_bindings(attn, 1000, 1000, batch=1, heads=8)
+    if "valid" in bindings:
+        # the demo value leaves one valid key, where every query gradient is exactly zero in the
+        # reference and a relative error means nothing: pad each row at another length instead
+        bindings["valid"] = torch.arange(1000) < torch.tensor([[700], [1000]])
     bindings = _full_size(attn, {name: value.cuda() for name, value in bindings.items()}, 2, 8)
     q, k, v = (torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
