@@ -33,30 +33,14 @@ from flexspec import ir
 from flexspec.errors import SpecError
 from flexspec.ir.ops import FUNCTIONS, OPERATORS
 from flexspec.kernels.tensors import tensor_key
+from flexspec.limits import MAX_DENSE_ARRAY_BYTES, check_dense
 
-# The largest dense [B, H, Q_LEN, KV_LEN] float64 array the reference agrees to build. The
-# attention itself holds a few such arrays at once; this bounds their size, not their count
-# (measured: 8.55 GiB peak RSS at the limit with alibi, S = 16384, about PEAK_ARRAYS arrays).
-MAX_BYTES = 2 * 1024**3
-PEAK_ARRAYS = 4
+# The largest dense [B, H, Q_LEN, KV_LEN] float64 array the reference builds (its share of
+# flexspec.limits.MEMORY_BUDGET), under the name the reference's callers know.
+MAX_BYTES = MAX_DENSE_ARRAY_BYTES
 
 _FLOAT = torch.float64
 _INT = torch.int64
-
-
-def check_budget(batch: int, heads: int, q_len: int, kv_len: int, max_bytes: int | None = None):
-    """Raise :class:`SpecError` if one dense float64 score array would exceed the budget."""
-    limit = MAX_BYTES if max_bytes is None else max_bytes
-    need = batch * heads * q_len * kv_len * 8
-    if need > limit:
-        raise SpecError(
-            f"the dense reference would need {_gib(need)} per score array for B={batch}, "
-            f"H={heads}, Q_LEN={q_len}, KV_LEN={kv_len} (limit {_gib(limit)} per array; the "
-            f"computation holds about {PEAK_ARRAYS} such arrays at once); use smaller shapes")
-
-
-def _gib(n: int) -> str:
-    return f"{n / 1024**3:.1f} GiB"
 
 
 def index_grid(batch: int, heads: int, q_len: int, kv_len: int, device="cpu",
@@ -219,7 +203,7 @@ def dense_mask(spec: ir.AttentionIR, batch: int, heads: int, q_len: int, kv_len:
                max_bytes: int | None = None, q_offset=None, kv_lengths=None) -> torch.Tensor:
     """The mask as a bool tensor ``[batch, heads, q_len, kv_len]``: True where ``q`` sees ``kv``
     (row ``i`` standing at position ``q_offset + i``; keys from ``kv_lengths[b]`` on hidden)."""
-    check_budget(batch, heads, q_len, kv_len, max_bytes)
+    check_dense(batch, heads, q_len, kv_len, max_bytes)
     q_offset = placement(spec, q_offset, kv_lengths, q_len, kv_len)
     grid = index_grid(batch, heads, q_len, kv_len, device, q_offset)
     mask = _mask_on(spec, grid, tensors, kv_lengths)
@@ -230,7 +214,7 @@ def dense_scores(spec: ir.AttentionIR, logits: torch.Tensor, tensors: dict | Non
                  max_bytes: int | None = None, q_offset=None) -> torch.Tensor:
     """The score pipeline applied to float64 ``logits [B, H, Q_LEN, KV_LEN]`` (no masking)."""
     batch, heads, q_len, kv_len = logits.shape
-    check_budget(batch, heads, q_len, kv_len, max_bytes)
+    check_dense(batch, heads, q_len, kv_len, max_bytes)
     q_offset = placement(spec, q_offset, None, q_len, kv_len)
     grid = index_grid(batch, heads, q_len, kv_len, logits.device, q_offset)
     return _scores_on(spec, grid, logits, tensors).expand(batch, heads, q_len, kv_len)
@@ -297,7 +281,7 @@ def reference_attention(spec: ir.AttentionIR, q: torch.Tensor, k: torch.Tensor, 
                                                  query_offsets(q_offset, batch, q.device))
         q = q[:, :, rows]
     n_rows = q.shape[2]
-    check_budget(batch, heads, n_rows, kv_len, max_bytes)
+    check_dense(batch, heads, n_rows, kv_len, max_bytes)
     group = heads // kv_heads
     q64 = q.to(_FLOAT)
     k64 = k.to(_FLOAT).repeat_interleave(group, dim=1)

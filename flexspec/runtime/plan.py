@@ -8,7 +8,6 @@ lookups in range where it can, chooses the backend and lets it prepare what its 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -19,8 +18,8 @@ from flexspec.errors import BindingError
 from flexspec.ir import tensor_key
 from flexspec.ir.specialize import declared_shape
 from flexspec.kernels.lower import lower
-from flexspec.kernels.reference import MAX_BYTES
 from flexspec.kernels.tensors import add_leading_dims
+from flexspec.limits import dense_fits
 from flexspec.runtime.backends import REGISTRY, Backend, Choice, Request, choose
 from flexspec.runtime.inputs import (Tensors, check_lookups, check_qkv, check_scale, contiguous,
                                      identity, meta, shapes_key, unproven_lookups)
@@ -130,7 +129,7 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, blo
         v_head_dim=v.shape[-1], grads=grads, table_grads=table_grads,
         # a given scale reaches FlexAttention's kernels as a tensor the score reads (flex.py)
         score_tensors=bool(score_keys) or scale is not None, block_size=block_size,
-        reference_fits=math.prod(q.shape[:3]) * k.shape[2] * 8 <= MAX_BYTES,
+        reference_fits=dense_fits(*q.shape[:3], k.shape[2]),
         lse=bool(return_lse), scale=scale, **facts)
     if q.dtype == torch.float64 and asked == "reference":
         choice = Choice("reference", "backend='reference' was asked for")
