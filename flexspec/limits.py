@@ -79,7 +79,7 @@ def check_int_range(text: str, lo: float, hi: float, dtype: str, where: str, *,
         return
     bits = dtype[3:]
     raise error(f"'{text}' reaches {_number(lo)}..{_number(hi)} {where}, beyond the {bits}-bit "
-                f"ints the kernel computes it with ({_number(INT_RANGES[dtype][0])}.."
+                f"ints it is computed in ({_number(INT_RANGES[dtype][0])}.."
                 f"{_number(INT_RANGES[dtype][1])}), where it would wrap around silently; use "
                 "smaller factors, or float arithmetic (multiply by a float such as 1.0 first)")
 

@@ -32,6 +32,7 @@ import torch
 from flexspec import ir
 from flexspec.errors import SpecError
 from flexspec.ir.ops import FUNCTIONS, OPERATORS
+from flexspec.ir.overflow import check_int_ranges, position_ranges
 from flexspec.kernels.tensors import tensor_key
 from flexspec.limits import MAX_DENSE_ARRAY_BYTES, check_dense
 
@@ -70,6 +71,21 @@ def placement(spec: ir.AttentionIR, q_offset, kv_lengths, q_len: int, kv_len: in
     if kv_lengths is not None:
         return torch.as_tensor(kv_lengths).to(_INT).reshape(-1) - q_len
     return kv_len - q_len
+
+
+def check_ranges(spec: ir.AttentionIR, batch: int, heads: int, q_len: int, kv_len: int,
+                 q_offset=None) -> None:
+    """The spec's integer arithmetic must stay inside int64 at these sizes, with row 0 at
+    ``q_offset`` (an int, an int tensor, or None): torch would wrap around silently."""
+    low = high = 0
+    if isinstance(q_offset, torch.Tensor) and q_offset.numel():
+        low, high = int(q_offset.min()), int(q_offset.max())
+    elif isinstance(q_offset, int):
+        low = high = q_offset
+    sizes = {"B": batch, "H": heads, "Q_LEN": q_len, "KV_LEN": kv_len}
+    check_int_ranges(spec, position_ranges(sizes, low, high + q_len - 1), "int64",
+                     f"for B={batch}, H={heads}, Q_LEN={q_len}, KV_LEN={kv_len}"
+                     + (f" and query positions from {low}" if low or high else ""))
 
 
 def query_offsets(q_offset, batch: int, device="cpu") -> torch.Tensor:
@@ -206,6 +222,7 @@ def dense_mask(spec: ir.AttentionIR, batch: int, heads: int, q_len: int, kv_len:
     check_dense(batch, heads, q_len, kv_len, max_bytes)
     q_offset = placement(spec, q_offset, kv_lengths, q_len, kv_len)
     grid = index_grid(batch, heads, q_len, kv_len, device, q_offset)
+    check_ranges(spec, batch, heads, q_len, kv_len, q_offset)
     mask = _mask_on(spec, grid, tensors, kv_lengths)
     return mask.expand(batch, heads, q_len, kv_len).contiguous()
 
@@ -217,6 +234,7 @@ def dense_scores(spec: ir.AttentionIR, logits: torch.Tensor, tensors: dict | Non
     check_dense(batch, heads, q_len, kv_len, max_bytes)
     q_offset = placement(spec, q_offset, None, q_len, kv_len)
     grid = index_grid(batch, heads, q_len, kv_len, logits.device, q_offset)
+    check_ranges(spec, batch, heads, q_len, kv_len, q_offset)
     return _scores_on(spec, grid, logits, tensors).expand(batch, heads, q_len, kv_len)
 
 
@@ -273,6 +291,7 @@ def reference_attention(spec: ir.AttentionIR, q: torch.Tensor, k: torch.Tensor, 
         raise SpecError(f"{heads} query heads cannot share {kv_heads} key/value heads")
     q_offset = placement(spec, q_offset, kv_lengths, q_len, kv_len)
     grid = index_grid(batch, heads, q_len, kv_len, q.device, q_offset)
+    check_ranges(spec, batch, heads, q_len, kv_len, q_offset)
     if rows is not None:
         rows = torch.as_tensor(rows, dtype=_INT, device=q.device).reshape(-1)
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= q_len):

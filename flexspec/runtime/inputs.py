@@ -55,6 +55,11 @@ def check_qkv(q, k, v, *, allow_float64: bool = False) -> Sizes:
         raise BindingError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise BindingError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type == "meta":
+        # block masks, lookup checks and tables read values, which meta tensors do not hold
+        raise BindingError("q, k and v are on the meta device, which holds shapes but no values; "
+                           "flexspec reads values (block masks, checks of indices, tables), so "
+                           "run it on a real device (the output's shape is [B, Hq, Q_LEN, Dv])")
     batch, heads, q_len, dim = q.shape
     if k.shape[0] != batch or v.shape[0] != batch:
         raise BindingError(f"batch sizes differ: q {batch}, k {k.shape[0]}, v {v.shape[0]}")

@@ -16,6 +16,7 @@ import torch
 from flexspec import ir
 from flexspec.errors import BindingError
 from flexspec.ir import tensor_key
+from flexspec.ir.overflow import check_int_ranges, position_ranges
 from flexspec.ir.specialize import declared_shape
 from flexspec.kernels.lower import lower
 from flexspec.kernels.tensors import add_leading_dims
@@ -87,6 +88,17 @@ class Plan:
         return tuple(identity(values[tensor_key(t)]) for t, _, _ in self.unproven)
 
 
+def check_ranges(spec: ir.AttentionIR, sizes: dict, dtype: str) -> None:
+    """The spec's integer arithmetic must fit the kernel's int ``dtype`` at these sizes, or it
+    would wrap around silently. Query positions are taken to lie in ``0 .. max(Q_LEN, KV_LEN)
+    - 1``, where the default placements and a decoding step's ``q_offset`` put them (a plan
+    serves every offset; the reference checks the positions of each call exactly)."""
+    last = max(sizes["Q_LEN"], sizes["KV_LEN"]) - 1
+    where = f"for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}"
+    check_int_ranges(spec, position_ranges(sizes, 0, last), dtype,
+                     where + (" on a GPU" if dtype == "int32" else ""))
+
+
 def call_key(q, k, v, scale, bindings: dict, learnables: dict | None,
              return_lse: bool = False) -> tuple:
     """The input signature a plan is cached under (a TypeError for unhashable arguments)."""
@@ -98,8 +110,9 @@ def call_key(q, k, v, scale, bindings: dict, learnables: dict | None,
 
 def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, block_size: tuple,
               q, k, v, scale, bindings: dict, learnables: dict | None,
-              return_lse: bool = False) -> Plan:
-    """Check a call's inputs and decide everything that depends only on their signature."""
+              return_lse: bool = False, written: ir.AttentionIR | None = None) -> Plan:
+    """Check a call's inputs and decide everything that depends only on their signature.
+    ``written`` is the spec before its query positions were placed (see check_ranges)."""
     sizes = check_qkv(q, k, v, allow_float64=asked == "reference").as_dict()
     check_scale(scale)
     if not isinstance(return_lse, bool):
@@ -135,6 +148,7 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, blo
         choice = Choice("reference", "backend='reference' was asked for")
     else:
         choice = choose(asked, request, spec)
+    check_ranges(written or spec, sizes, REGISTRY[choice.backend].index_dtype(device.type))
     unproven = unproven_lookups(spec, tuple(sorted(sizes.items())), shapes_key(values))
     plan = Plan(text=text, asked=asked, sizes=sizes, device=device, spec=spec, request=request,
                 choice=choice, backend=REGISTRY[choice.backend],

@@ -53,3 +53,13 @@ def test_chunked_range_equals_the_whole_range(monkeypatch, limit):
     ids = torch.randint(-50, 50, (13,), generator=torch.Generator().manual_seed(1))
     values = {flexspec.ir.tensor_key(t): ids for t in spec.tensors() if t.name == "ids"}
     assert _index_range(index, [1, 1, 13, 1], values, "cpu") == (int(ids.min()), int(ids.max()))
+
+
+@pytest.mark.parametrize("text, backend", [("causal & window(3)", "auto"), ("causal", "auto"),
+                                           ("causal + alibi", "reference")])
+def test_meta_tensors_are_a_binding_error(text, backend):
+    """Red-team item 9: all tensors on meta gave torch's nonzero/Tensor.item() errors."""
+    q = torch.randn(1, 2, 200, 8, device="meta")
+    with pytest.raises(flexspec.BindingError, match="meta device, which holds shapes but no "
+                                                    "values"):
+        flexspec.compile(text, backend=backend)(q, q, q)
