@@ -85,3 +85,12 @@ def test_no_numpy_warning_on_the_first_screen():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "NumPy" not in result.stderr
+
+
+def test_the_license_is_an_spdx_string_not_a_table():
+    """Red-team item 13: setuptools warns (and from 2027-02-18 fails) on the ``project.license``
+    table; an SPDX expression (PEP 639) installs without the warning."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert isinstance(project["license"], str) and project["license"] == "Apache-2.0"
+    assert not any("License ::" in c for c in project.get("classifiers", []))

@@ -23,6 +23,7 @@ import math
 
 from flexspec.ir import (FALSE, FUNCTIONS, OPERATORS, TRUE, And, Binary, Call, Const, Expr, Or,
                          Unary, children, transform, type_of)
+from flexspec.limits import fits_int
 
 
 def _const(value, like_type: str) -> Expr | None:
@@ -34,7 +35,7 @@ def _const(value, like_type: str) -> Expr | None:
             if not math.isfinite(value):
                 return None
             value = int(value)
-        if not -2**63 <= value < 2**63:
+        if not fits_int(value):
             return None  # beyond the device's int64: not folded (and never a 4300-digit int)
         return Const(int(value))
     value = float(value)

@@ -33,17 +33,16 @@ from flexspec import ir
 from flexspec.kernels.block_tables import (FULL, PARTIAL, from_tables, index_tables,
                                            sorted_rows, tile_grid)
 from flexspec.kernels.blocks import tile_rows
+from flexspec.limits import MAX_FUSED_TILES
 
-# Grids of more tiles (batch x heads x NQ x NK) are built by the eager builder: the fused
-# program holds float64 bounds for every tile of every node at once.
-MAX_FUSED_TILES = 1 << 24
 # The torch.compile backend of the programs ("eager" traces the same graph, dynamic lengths
 # included, without generating code: what the CPU tests use to check many masks quickly).
 COMPILER = "inductor"
 
 
 def fits(sizes: dict, block: tuple, *, batch: int, heads: int) -> bool:
-    """Whether a grid is small enough for the fused program (:data:`MAX_FUSED_TILES`)."""
+    """Whether a grid is small enough for the fused program
+    (:data:`flexspec.limits.MAX_FUSED_TILES`); larger ones go to the eager builder."""
     nq, nk = tile_grid(sizes, block)
     return batch * heads * nq * nk <= MAX_FUSED_TILES
 

@@ -32,31 +32,16 @@ import torch
 from flexspec import ir
 from flexspec.errors import SpecError
 from flexspec.ir.ops import FUNCTIONS, OPERATORS
+from flexspec.ir.overflow import check_int_ranges, position_ranges
 from flexspec.kernels.tensors import tensor_key
+from flexspec.limits import MAX_DENSE_ARRAY_BYTES, check_dense
 
-# The largest dense [B, H, Q_LEN, KV_LEN] float64 array the reference agrees to build. The
-# attention itself holds a few such arrays at once; this bounds their size, not their count
-# (measured: 8.55 GiB peak RSS at the limit with alibi, S = 16384, about PEAK_ARRAYS arrays).
-MAX_BYTES = 2 * 1024**3
-PEAK_ARRAYS = 4
+# The largest dense [B, H, Q_LEN, KV_LEN] float64 array the reference builds (its share of
+# flexspec.limits.MEMORY_BUDGET), under the name the reference's callers know.
+MAX_BYTES = MAX_DENSE_ARRAY_BYTES
 
 _FLOAT = torch.float64
 _INT = torch.int64
-
-
-def check_budget(batch: int, heads: int, q_len: int, kv_len: int, max_bytes: int | None = None):
-    """Raise :class:`SpecError` if one dense float64 score array would exceed the budget."""
-    limit = MAX_BYTES if max_bytes is None else max_bytes
-    need = batch * heads * q_len * kv_len * 8
-    if need > limit:
-        raise SpecError(
-            f"the dense reference would need {_gib(need)} per score array for B={batch}, "
-            f"H={heads}, Q_LEN={q_len}, KV_LEN={kv_len} (limit {_gib(limit)} per array; the "
-            f"computation holds about {PEAK_ARRAYS} such arrays at once); use smaller shapes")
-
-
-def _gib(n: int) -> str:
-    return f"{n / 1024**3:.1f} GiB"
 
 
 def index_grid(batch: int, heads: int, q_len: int, kv_len: int, device="cpu",
@@ -86,6 +71,21 @@ def placement(spec: ir.AttentionIR, q_offset, kv_lengths, q_len: int, kv_len: in
     if kv_lengths is not None:
         return torch.as_tensor(kv_lengths).to(_INT).reshape(-1) - q_len
     return kv_len - q_len
+
+
+def check_ranges(spec: ir.AttentionIR, batch: int, heads: int, q_len: int, kv_len: int,
+                 q_offset=None) -> None:
+    """The spec's integer arithmetic must stay inside int64 at these sizes, with row 0 at
+    ``q_offset`` (an int, an int tensor, or None): torch would wrap around silently."""
+    low = high = 0
+    if isinstance(q_offset, torch.Tensor) and q_offset.numel():
+        low, high = int(q_offset.min()), int(q_offset.max())
+    elif isinstance(q_offset, int):
+        low = high = q_offset
+    sizes = {"B": batch, "H": heads, "Q_LEN": q_len, "KV_LEN": kv_len}
+    check_int_ranges(spec, position_ranges(sizes, low, high + q_len - 1), "int64",
+                     f"for B={batch}, H={heads}, Q_LEN={q_len}, KV_LEN={kv_len}"
+                     + (f" and query positions from {low}" if low or high else ""))
 
 
 def query_offsets(q_offset, batch: int, device="cpu") -> torch.Tensor:
@@ -219,9 +219,10 @@ def dense_mask(spec: ir.AttentionIR, batch: int, heads: int, q_len: int, kv_len:
                max_bytes: int | None = None, q_offset=None, kv_lengths=None) -> torch.Tensor:
     """The mask as a bool tensor ``[batch, heads, q_len, kv_len]``: True where ``q`` sees ``kv``
     (row ``i`` standing at position ``q_offset + i``; keys from ``kv_lengths[b]`` on hidden)."""
-    check_budget(batch, heads, q_len, kv_len, max_bytes)
+    check_dense(batch, heads, q_len, kv_len, max_bytes)
     q_offset = placement(spec, q_offset, kv_lengths, q_len, kv_len)
     grid = index_grid(batch, heads, q_len, kv_len, device, q_offset)
+    check_ranges(spec, batch, heads, q_len, kv_len, q_offset)
     mask = _mask_on(spec, grid, tensors, kv_lengths)
     return mask.expand(batch, heads, q_len, kv_len).contiguous()
 
@@ -230,9 +231,10 @@ def dense_scores(spec: ir.AttentionIR, logits: torch.Tensor, tensors: dict | Non
                  max_bytes: int | None = None, q_offset=None) -> torch.Tensor:
     """The score pipeline applied to float64 ``logits [B, H, Q_LEN, KV_LEN]`` (no masking)."""
     batch, heads, q_len, kv_len = logits.shape
-    check_budget(batch, heads, q_len, kv_len, max_bytes)
+    check_dense(batch, heads, q_len, kv_len, max_bytes)
     q_offset = placement(spec, q_offset, None, q_len, kv_len)
     grid = index_grid(batch, heads, q_len, kv_len, logits.device, q_offset)
+    check_ranges(spec, batch, heads, q_len, kv_len, q_offset)
     return _scores_on(spec, grid, logits, tensors).expand(batch, heads, q_len, kv_len)
 
 
@@ -289,6 +291,7 @@ def reference_attention(spec: ir.AttentionIR, q: torch.Tensor, k: torch.Tensor, 
         raise SpecError(f"{heads} query heads cannot share {kv_heads} key/value heads")
     q_offset = placement(spec, q_offset, kv_lengths, q_len, kv_len)
     grid = index_grid(batch, heads, q_len, kv_len, q.device, q_offset)
+    check_ranges(spec, batch, heads, q_len, kv_len, q_offset)
     if rows is not None:
         rows = torch.as_tensor(rows, dtype=_INT, device=q.device).reshape(-1)
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= q_len):
@@ -297,7 +300,7 @@ def reference_attention(spec: ir.AttentionIR, q: torch.Tensor, k: torch.Tensor, 
                                                  query_offsets(q_offset, batch, q.device))
         q = q[:, :, rows]
     n_rows = q.shape[2]
-    check_budget(batch, heads, n_rows, kv_len, max_bytes)
+    check_dense(batch, heads, n_rows, kv_len, max_bytes)
     group = heads // kv_heads
     q64 = q.to(_FLOAT)
     k64 = k.to(_FLOAT).repeat_interleave(group, dim=1)

@@ -18,14 +18,13 @@ This is where torch starts; it must not import the lowering or the reference.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from flexspec import ir
 from flexspec.errors import SpecError
 from flexspec.ir import tensor_key
 from flexspec.ir.specialize import declared_shape, eval_size_expr
+from flexspec.limits import check_table
 
 # The usual scale for learnable attention biases (T5, Swin); "normal" means N(0, 0.02^2).
 NORMAL_INIT_STD = 0.02
@@ -52,26 +51,11 @@ def builtin_tensor(t: ir.Tensor, sizes: dict, device="cpu",
         n = args[0]
         if n < 1:
             raise SpecError(f"'{ir.to_text(t)}' needs a positive number of heads, got {n}")
-        check_allocation(t, (n,))
+        check_table(t.name, (n,))
         # Computed in float64 so every dtype gets the correctly rounded value.
         h = torch.arange(n, dtype=torch.float64, device=device)
         return torch.pow(2.0, -8.0 * (h + 1) / n).to(dtype)
     raise SpecError(f"unknown built-in tensor '{ir.to_text(t)}'")
-
-
-# The most entries flexspec allocates for one built-in or learnable tensor (1 GiB of float32):
-# a parameter such as rel_bias(max_distance=2**40) would otherwise ask the allocator for 8 TB.
-MAX_TABLE_ENTRIES = 1 << 28
-
-
-def check_allocation(t: ir.Tensor, shape: tuple) -> None:
-    """A :class:`SpecError` when a tensor flexspec would allocate for ``t`` at ``shape`` holds
-    more than :data:`MAX_TABLE_ENTRIES` entries."""
-    entries = math.prod(shape)
-    if entries > MAX_TABLE_ENTRIES:
-        raise SpecError(f"tensor '{t.name}' would hold {entries:,} entries (shape "
-                        f"{list(shape)}); flexspec allocates at most {MAX_TABLE_ENTRIES:,} for "
-                        "one table: use smaller parameters, or pass your own tensor by name")
 
 
 def init_learnable(t: ir.Tensor, sizes: dict, device="cpu",
@@ -79,7 +63,7 @@ def init_learnable(t: ir.Tensor, sizes: dict, device="cpu",
     """A fresh initial value for a learnable tensor (a plain tensor; the caller makes it a
     parameter). ``init`` is ``"zeros"`` or ``"normal"`` (std :data:`NORMAL_INIT_STD`)."""
     shape = declared_shape(t, sizes)
-    check_allocation(t, shape)
+    check_table(t.name, shape)
     if t.init in ("zeros", ""):
         return torch.zeros(shape, dtype=dtype, device=device)
     if t.init == "normal":

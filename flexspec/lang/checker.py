@@ -18,12 +18,17 @@ from flexspec import ir
 from flexspec.ir import ops
 from flexspec.lang import ast
 from flexspec.lang.definitions import CALL_ARGUMENTS, Definition, ParamSpec, Scope
-from flexspec.lang.limits import MAX_INLINED_NODES, MAX_IR_DEPTH, Oversized, check_runnable
+from flexspec.lang.runnable import check_runnable
 from flexspec.lang.expressions import (INDEX_NAMES, LOGIC, SIZE_NAMES, ExpressionChecker,
                                        describe, type_name)
 from flexspec.errors import SpecCheckError, did_you_mean
 from flexspec.lang.ast import format_node
 from flexspec.ir.simplify import simplify
+from flexspec.limits import MAX_INLINED_NODES, MAX_IR_DEPTH
+
+class Oversized(SpecCheckError):
+    """A spec or definition that expands beyond :data:`~flexspec.limits.MAX_INLINED_NODES`."""
+
 
 RESERVED = INDEX_NAMES | SIZE_NAMES | {"score"} | set(ir.FUNCTIONS) | {"alibi_slopes", "learnable"}
 

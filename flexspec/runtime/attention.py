@@ -302,4 +302,5 @@ class Attention:
         return make_plan(text=str(self.spec), asked=self.backend,
                          tensors=self._inputs_for(bindings), masks=self._masks,
                          block_size=self.block_size, q=q, k=k, v=v, scale=scale,
-                         bindings=bindings, learnables=learnables, return_lse=return_lse)
+                         bindings=bindings, learnables=learnables, return_lse=return_lse,
+                         written=self.ir)

@@ -10,18 +10,15 @@ from typing import NamedTuple
 
 import torch
 
-from flexspec import ir
+from flexspec import ir, limits
 from flexspec.errors import BindingError, did_you_mean
 from flexspec.ir import tensor_key
 from flexspec.ir.intervals import lookup_ranges
 from flexspec.ir.specialize import broadcast_dims, declared_shape, specialize_ir
 from flexspec.kernels.reference import evaluate, index_grid
 from flexspec.kernels.tensors import add_leading_dims, init_learnable, prepare
-from flexspec.runtime.notices import warn_once
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Index expressions that intervals cannot bound are evaluated exactly up to this many points.
-EXACT_INDEX_CHECK_LIMIT = 1 << 24
 
 
 class Sizes(NamedTuple):
@@ -58,6 +55,11 @@ def check_qkv(q, k, v, *, allow_float64: bool = False) -> Sizes:
         raise BindingError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise BindingError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type == "meta":
+        # block masks, lookup checks and tables read values, which meta tensors do not hold
+        raise BindingError("q, k and v are on the meta device, which holds shapes but no values; "
+                           "flexspec reads values (block masks, checks of indices, tables), so "
+                           "run it on a real device (the output's shape is [B, Hq, Q_LEN, Dv])")
     batch, heads, q_len, dim = q.shape
     if k.shape[0] != batch or v.shape[0] != batch:
         raise BindingError(f"batch sizes differ: q {batch}, k {k.shape[0]}, v {v.shape[0]}")
@@ -217,32 +219,46 @@ def unproven_lookups(spec: ir.AttentionIR, sizes: tuple, shapes: tuple) -> tuple
 
 def check_lookups(spec: ir.AttentionIR, sizes: dict, values: dict,
                   unproven: tuple | None = None) -> None:
-    """Every index of every lookup must stay inside its tensor, or the kernel reads garbage.
+    """Every index of every lookup must stay inside its tensor, or the kernel reads garbage (an
+    inductor error on the CPU).
 
     Interval analysis proves most lookups safe once per spec and shape; an index it cannot
-    bound is evaluated exactly where that is cheap, else a one-time warning says it is unchecked.
+    bound is evaluated exactly, in chunks, on every point it reads; an index with more points
+    than :data:`flexspec.limits.MAX_INDEX_CHECK_POINTS` is refused, with the fix (clamp it).
     """
     if unproven is None:
         unproven = unproven_lookups(spec, tuple(sorted(sizes.items())), shapes_key(values))
+    extent = {"b": sizes["B"], "h": sizes["H"], "q": sizes["Q_LEN"], "kv": sizes["KV_LEN"]}
+    where = f"for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}"
     for tensor, dim, index in unproven:
         size = values[tensor_key(tensor)].shape[dim]
-        extent = {"b": sizes["B"], "h": sizes["H"], "q": sizes["Q_LEN"], "kv": sizes["KV_LEN"]}
         used = ir.free_vars(index)
-        points = math.prod(n for name, n in extent.items() if name in used)
-        if points > EXACT_INDEX_CHECK_LIMIT:
-            warn_once(f"unchecked-{tensor.name}-{dim}",
-                      f"flexspec: cannot prove that '{tensor.name}' stays in range in dimension "
-                      f"{dim} (index {index}); an out-of-range read gives undefined results")
+        dims = [n if name in used else 1 for name, n in extent.items()]
+        if not math.prod(dims):
             continue
-        grid = index_grid(*(extent[n] if n in used else 1 for n in ("b", "h", "q", "kv")),
-                          device=values[tensor_key(tensor)].device)
-        found = evaluate(index, grid, values)
-        low, high = int(found.min()), int(found.max())
+        limits.check_index_points(math.prod(dims), tensor.name, dim, str(index), size, where,
+                                  error=BindingError)
+        low, high = _index_range(index, dims, values, values[tensor_key(tensor)].device)
         if low < 0 or high >= size:
             raise BindingError(
                 f"'{tensor.name}' is indexed by {index} in dimension {dim}, which reaches "
-                f"{low}..{high} for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}, but that "
-                f"dimension has {size} entries")
+                f"{low}..{high} {where}, but that dimension has {size} entries")
+
+
+def _index_range(index: ir.Expr, dims: list, values: dict, device) -> tuple:
+    """``(min, max)`` of ``index`` over the grid of ``dims`` (b, h, q, kv), evaluated in slices
+    of the longest axis holding at most :data:`flexspec.limits.EXACT_INDEX_CHECK_LIMIT` points
+    each, so memory stays bounded at any length."""
+    grid = index_grid(*dims, device=device)
+    axis = max(range(4), key=lambda i: dims[i])
+    name = ("b", "h", "q", "kv")[axis]
+    step = max(1, limits.EXACT_INDEX_CHECK_LIMIT // (math.prod(dims) // dims[axis]))
+    low, high = math.inf, -math.inf
+    for start in range(0, dims[axis], step):
+        part = {**grid, name: grid[name].narrow(axis, start, min(step, dims[axis] - start))}
+        found = evaluate(index, part, values)
+        low, high = min(low, int(found.min())), max(high, int(found.max()))
+    return low, high
 
 
 def contiguous(value: torch.Tensor) -> torch.Tensor:

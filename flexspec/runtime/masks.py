@@ -18,6 +18,7 @@ from flexspec.kernels.block_tables import tables, tile_grid
 from flexspec.kernels import fused_blocks
 from flexspec.kernels.blocks import build_block_mask
 from flexspec.kernels.lower import lower
+from flexspec.limits import check_block_mask
 from flexspec.runtime.inputs import identity
 
 # Devices where masks that read tensors are built by one compiled program each (fused_blocks):
@@ -34,11 +35,6 @@ BLOCK_MASK_CACHE_SIZE = 32
 BLOCK_MASK_CACHE_BYTES = 256 * 1024**2
 # New masks wait in a probation area this small until they are asked for a second time.
 PROBATION_SIZE = 2
-# The most bytes one block mask's tables and tile classes may take (about 1M x 1M positions in
-# blocks of 128 for one batch and head row): beyond, building it is refused up front.
-MAX_BLOCK_MASK_BYTES = 8 * 1024**3
-# bytes per tile: four int32 index tables (two per side), the int8 classes and a bool scratch
-_BYTES_PER_TILE = 4 * 4 + 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,14 +144,9 @@ class BlockMasks:
 
     def _check_size(self, key: MaskKey, sizes: dict) -> None:
         nq, nk = tile_grid(sizes, self.block_size)
-        size = key.batch * key.heads * nq * nk * _BYTES_PER_TILE
-        if size > MAX_BLOCK_MASK_BYTES:
-            raise BindingError(
-                f"a block mask for Q_LEN = {sizes['Q_LEN']} and KV_LEN = {sizes['KV_LEN']} in "
-                f"blocks of {self.block_size[0]}x{self.block_size[1]} has {nq} x {nk} tiles "
-                f"per row of {key.batch} x {key.heads} (batch x heads): {size / 1024**3:.0f} "
-                f"GiB of tables, more than the {MAX_BLOCK_MASK_BYTES // 1024**3} GiB flexspec "
-                "builds; use a larger block_size, or shorter sequences")
+        check_block_mask(key.batch, key.heads, nq, nk,
+                         f"Q_LEN = {sizes['Q_LEN']} and KV_LEN = {sizes['KV_LEN']} in blocks of "
+                         f"{self.block_size[0]}x{self.block_size[1]}", error=BindingError)
 
     def _admit(self, cache_key: tuple, block_mask: BlockMask, values: dict) -> None:
         """Move a mask asked for twice into the cache, within the count and byte budgets."""

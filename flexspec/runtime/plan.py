@@ -8,7 +8,6 @@ lookups in range where it can, chooses the backend and lets it prepare what its 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -17,10 +16,11 @@ import torch
 from flexspec import ir
 from flexspec.errors import BindingError
 from flexspec.ir import tensor_key
+from flexspec.ir.overflow import check_int_ranges, position_ranges
 from flexspec.ir.specialize import declared_shape
 from flexspec.kernels.lower import lower
-from flexspec.kernels.reference import MAX_BYTES
 from flexspec.kernels.tensors import add_leading_dims
+from flexspec.limits import dense_fits
 from flexspec.runtime.backends import REGISTRY, Backend, Choice, Request, choose
 from flexspec.runtime.inputs import (Tensors, check_lookups, check_qkv, check_scale, contiguous,
                                      identity, meta, shapes_key, unproven_lookups)
@@ -88,6 +88,17 @@ class Plan:
         return tuple(identity(values[tensor_key(t)]) for t, _, _ in self.unproven)
 
 
+def check_ranges(spec: ir.AttentionIR, sizes: dict, dtype: str) -> None:
+    """The spec's integer arithmetic must fit the kernel's int ``dtype`` at these sizes, or it
+    would wrap around silently. Query positions are taken to lie in ``0 .. max(Q_LEN, KV_LEN)
+    - 1``, where the default placements and a decoding step's ``q_offset`` put them (a plan
+    serves every offset; the reference checks the positions of each call exactly)."""
+    last = max(sizes["Q_LEN"], sizes["KV_LEN"]) - 1
+    where = f"for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}"
+    check_int_ranges(spec, position_ranges(sizes, 0, last), dtype,
+                     where + (" on a GPU" if dtype == "int32" else ""))
+
+
 def call_key(q, k, v, scale, bindings: dict, learnables: dict | None,
              return_lse: bool = False) -> tuple:
     """The input signature a plan is cached under (a TypeError for unhashable arguments)."""
@@ -99,8 +110,9 @@ def call_key(q, k, v, scale, bindings: dict, learnables: dict | None,
 
 def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, block_size: tuple,
               q, k, v, scale, bindings: dict, learnables: dict | None,
-              return_lse: bool = False) -> Plan:
-    """Check a call's inputs and decide everything that depends only on their signature."""
+              return_lse: bool = False, written: ir.AttentionIR | None = None) -> Plan:
+    """Check a call's inputs and decide everything that depends only on their signature.
+    ``written`` is the spec before its query positions were placed (see check_ranges)."""
     sizes = check_qkv(q, k, v, allow_float64=asked == "reference").as_dict()
     check_scale(scale)
     if not isinstance(return_lse, bool):
@@ -130,12 +142,13 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, blo
         v_head_dim=v.shape[-1], grads=grads, table_grads=table_grads,
         # a given scale reaches FlexAttention's kernels as a tensor the score reads (flex.py)
         score_tensors=bool(score_keys) or scale is not None, block_size=block_size,
-        reference_fits=math.prod(q.shape[:3]) * k.shape[2] * 8 <= MAX_BYTES,
+        reference_fits=dense_fits(*q.shape[:3], k.shape[2]),
         lse=bool(return_lse), scale=scale, **facts)
     if q.dtype == torch.float64 and asked == "reference":
         choice = Choice("reference", "backend='reference' was asked for")
     else:
         choice = choose(asked, request, spec)
+    check_ranges(written or spec, sizes, REGISTRY[choice.backend].index_dtype(device.type))
     unproven = unproven_lookups(spec, tuple(sorted(sizes.items())), shapes_key(values))
     plan = Plan(text=text, asked=asked, sizes=sizes, device=device, spec=spec, request=request,
                 choice=choice, backend=REGISTRY[choice.backend],

@@ -24,6 +24,7 @@ import torch
 from flexspec import ir
 from flexspec.errors import BindingError
 from flexspec.ir.intervals import Analyzer, ScalarOps
+from flexspec.limits import check_position
 
 Q_OFFSET = "q_offset"
 KV_LENGTHS = "kv_lengths"
@@ -101,9 +102,7 @@ def _per_row(name: str, value, batch: int, device) -> torch.Tensor:
         raise BindingError(f"{name} must be an int or an int tensor of shape [{batch}], got "
                            f"{type(value).__name__}")
     if isinstance(value, int):
-        if not -2**62 <= value < 2**62:
-            raise BindingError(f"{name} = {value} is out of range; positions must stay well "
-                               "inside int64")
+        check_position(value, name, error=BindingError)
         return _int_tensor(value, batch, str(device))
     if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
         raise BindingError(f"{name} must hold ints, got dtype {value.dtype}")

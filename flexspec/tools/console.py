@@ -6,10 +6,9 @@ from __future__ import annotations
 import sys
 
 from flexspec.errors import SpecError
+from flexspec.limits import MAX_FILE_CHARS, check_file_length
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
-# .attn files are a few kilobytes; a limit keeps `flexspec check /dev/zero` from reading forever
-MAX_FILE_CHARS = 16 * 1024 * 1024
 
 
 def emit(text: str = "") -> None:
@@ -24,13 +23,12 @@ def read_file(path: str) -> str:
     """A file's text; an unreadable or oversized file is a :class:`SpecError` naming it."""
     try:
         with open(path, encoding="utf-8", newline="") as f:
+            # .attn files are a few kilobytes; the limit keeps `check /dev/zero` from reading on
             text = f.read(MAX_FILE_CHARS + 1)
     except (OSError, UnicodeDecodeError) as err:
         reason = getattr(err, "strerror", None) or str(err)
         raise SpecError(f"cannot read {path}: {reason}") from None
-    if len(text) > MAX_FILE_CHARS:
-        raise SpecError(f"cannot read {path}: it is longer than {MAX_FILE_CHARS} characters, "
-                        "which no .attn file needs")
+    check_file_length(len(text), path)
     return text
 
 

@@ -29,8 +29,9 @@ import torch
 
 from flexspec import ir
 from flexspec.errors import SpecError
-from flexspec.kernels.reference import check_budget, evaluate, index_grid
+from flexspec.kernels.reference import evaluate, index_grid
 from flexspec.kernels.tensors import prepare
+from flexspec.limits import check_dense
 from flexspec.tools.values import DEFAULT_HEADS, attention_of, demo_bindings
 
 # Widest mask picture, in characters (= kv columns), before blocks are downsampled.
@@ -146,7 +147,7 @@ def picture(attn_or_spec, q_len: int, kv_len: int, *, batch: int = 0, head: int 
     _check_index("head", head, heads)
     batches = max(batch + 1, _infer_size(attn, bindings, "B") or 1)
     sizes = {"B": batches, "H": heads, "Q_LEN": q_len, "KV_LEN": kv_len}
-    check_budget(1, 1, q_len, kv_len)
+    check_dense(1, 1, q_len, kv_len)
 
     # The runtime checks the bindings (names, dtypes, shapes, indices in range) on the way.
     dense = attn.dense_mask(q_len, kv_len, batch=sizes["B"], heads=heads, **bindings)

@@ -11,8 +11,9 @@ import torch
 from flexspec import ir
 from flexspec.errors import SpecError, did_you_mean
 from flexspec.ir.specialize import broadcast_dims, declared_shape
-from flexspec.kernels.tensors import NORMAL_INIT_STD, check_allocation, torch_dtype
-from flexspec.lang.limits import FLOAT32_MAX
+from flexspec.kernels.tensors import NORMAL_INIT_STD, torch_dtype
+from flexspec.limits import (check_bind_count, check_float_constant, check_int_constant,
+                             check_table)
 
 # H when the spec reads heads (alibi's slopes depend on it) and nothing else fixes it.
 DEFAULT_HEADS = 8
@@ -51,7 +52,7 @@ def demo_bindings(attn_or_spec, q_len: int, kv_len: int, *, batch: int = 0,
             continue
         may_broadcast = broadcast_dims(tensor)
         shape = [1 if one else n for one, n in zip(may_broadcast, declared_shape(tensor, sizes))]
-        check_allocation(tensor, tuple(shape))
+        check_table(tensor.name, tuple(shape))
         dtype = torch_dtype(tensor)
         if tensor.origin == "learnable":
             table = [i for i, one in enumerate(may_broadcast) if not one]
@@ -109,8 +110,6 @@ def demo_bindings(attn_or_spec, q_len: int, kv_len: int, *, batch: int = 0,
 
 
 _TRUE, _FALSE = ("true", "1"), ("false", "0")
-# --bind values are typed in by hand: a few million is already far more than a picture shows.
-MAX_BIND_VALUES = 1 << 24
 
 
 def _bind_scalar(text: str, dtype: str, name: str):
@@ -122,12 +121,10 @@ def _bind_scalar(text: str, dtype: str, name: str):
             raise ValueError
         if dtype == "int":
             value = int(word)
-            if not -2**63 <= value < 2**63:
-                raise SpecError(f"--bind {name}: {word} does not fit in an int64 tensor")
+            check_int_constant(value, f"--bind {name}: ")
             return value
         value = float(word)
-        if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
-            raise SpecError(f"--bind {name}: {word} is not a finite float32 value")
+        check_float_constant(value, f"--bind {name}: ", finite=True)
         return value
     except ValueError:
         kind = {"bool": "booleans (true, false)", "int": "ints", "float": "numbers"}[dtype]
@@ -151,9 +148,7 @@ def _bind_values(text: str, dtype: str, name: str) -> list:
         if not value.strip():
             raise SpecError(f"--bind {name}: an empty value in '{text}'")
         total += repeat
-        if total > MAX_BIND_VALUES:
-            raise SpecError(f"--bind {name}: more than {MAX_BIND_VALUES} values; the command "
-                            "line draws and explains small examples")
+        check_bind_count(total, name)
         values += [_bind_scalar(value, dtype, name)] * repeat
     return values
 

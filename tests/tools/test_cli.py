@@ -463,7 +463,7 @@ def test_endless_files_are_refused_not_read_forever(capsys, command):
 
 @pytest.mark.parametrize("bind, message", [
     ("doc_ids=0*99999999999", "more than 16777216 values"),
-    ("doc_ids=" + "9" * 30, "does not fit in an int64 tensor"),
+    ("doc_ids=" + "9" * 30, "does not fit in a 64-bit int"),
 ])
 def test_bind_values_beyond_what_a_tensor_holds(capsys, bind, message):
     code, _, err = run(capsys, "render", "causal & document", "--q", "4", "--bind", bind)

@@ -107,6 +107,11 @@ class Backend:
         (it would be slower), or ``None``."""
         return None
 
+    def index_dtype(self, device_type: str) -> str:
+        """The int dtype this backend's kernels compute positions and integer arithmetic in,
+        on ``device_type`` (see :mod:`flexspec.limits`)."""
+        return "int64"
+
     def facts(self, device: torch.device, lowered) -> dict:
         """:class:`Request` fields only this backend knows how to find out."""
         return {}

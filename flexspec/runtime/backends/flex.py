@@ -95,6 +95,12 @@ class FlexBackend(Backend):
             request.grads and request.device_type in ("cpu", "mps")) else 2
         return Rank(place, "FlexAttention runs every spec; its block mask skips the empty tiles")
 
+    def index_dtype(self, device_type):
+        # FlexAttention's GPU kernels (and FLASH's) pass b, h, q_idx and kv_idx as int32, and
+        # integer arithmetic on them stays int32: on an H200, q * 16777216 >= kv * 16777216
+        # wrapped from q = 128 on (output off by 0.75); its CPU kernels compute in int64
+        return "int32" if device_type == "cuda" else "int64"
+
     def kernel_options(self, request: Request) -> FlexKernelOptions | None:
         """The kernel options of a compiled FlexAttention call for ``request``."""
         options = {}

@@ -14,7 +14,7 @@ class ReferenceBackend(Backend):
     def why_not(self, request, spec):
         if not request.reference_fits:
             return ("the dense reference would exceed its memory budget "
-                    "(flexspec.kernels.reference.MAX_BYTES) at these sizes")
+                    "(flexspec.limits.MAX_DENSE_ARRAY_BYTES) at these sizes")
         return None
 
     def rank(self, request: Request) -> Rank | None:

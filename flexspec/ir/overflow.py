@@ -1,0 +1,121 @@
+"""Integer overflow: the integer arithmetic of a spec that, at given lengths, leaves the int
+dtype a kernel computes it in. A kernel wraps around silently (``q * 2**62`` in int64 gave the
+reference and FlexAttention different answers), so every int node is bounded by interval
+analysis over the ranges of ``b h q kv`` and the sizes, and one whose bounds leave the dtype is an
+error before anything runs.
+
+Only what a kernel's result depends on is checked: a ``where`` branch is bounded under its
+condition (``where(q < 10, q * 2**60, 0)`` computes ``q * 2**60`` only for ``q < 10``; elsewhere
+its wrapped value is discarded), and a branch its condition never takes is not checked at all.
+Bounds that interval analysis cannot find (a tensor's values, a divisor that may be 0) are not
+errors: only a sound, finite bound outside the dtype is.
+
+>>> from flexspec.ir import Binary, Const, Var
+>>> spec = AttentionIR(mask=Binary(">=", Binary("*", Var("q"), Const(2**62)), Var("kv")))
+>>> check_int_ranges(spec, {"q": (0, 7), "kv": (0, 7)}, "int64", "here")
+Traceback (most recent call last):
+...
+flexspec.errors.SpecError: 'q * 4611686018427387904' reaches 0..3.23e+19 here, beyond ...
+"""
+
+from __future__ import annotations
+
+import math
+
+from flexspec import ir
+from flexspec.ir.intervals import INF, Analyzer, ScalarOps
+from flexspec.ir.nodes import AttentionIR
+from flexspec.limits import check_int_range, fits_int
+
+_FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}
+_NEGATE = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
+
+
+class _Bounds(Analyzer):
+    """Interval analysis on Python numbers, each node bounded once (a spec may be large)."""
+
+    def __init__(self, ranges: dict):
+        super().__init__(ScalarOps, ranges)
+        self.memo: dict = {}
+
+    def number(self, node: ir.Expr):
+        key = id(node)  # the nodes live as long as the spec: their ids are stable here
+        if key not in self.memo:
+            self.memo[key] = super().number(node)
+        return self.memo[key]
+
+
+def position_ranges(sizes: dict, q_low: int = 0, q_high: int | None = None) -> dict:
+    """The ranges of the IR's variables for ``sizes`` (``B H Q_LEN KV_LEN``), with query
+    positions ``q_low .. q_high`` (``0 .. Q_LEN - 1`` when ``q_high`` is None)."""
+    q_high = sizes["Q_LEN"] - 1 + q_low if q_high is None else q_high
+    ranges = {"b": (0, sizes["B"] - 1), "h": (0, sizes["H"] - 1), "q": (q_low, q_high),
+              "kv": (0, sizes["KV_LEN"] - 1)}
+    ranges.update((name, (sizes[name], sizes[name])) for name in ir.SIZE_VARS)
+    return ranges
+
+
+def check_int_ranges(spec: AttentionIR, ranges: dict, dtype: str, where: str) -> None:
+    """A :class:`~flexspec.errors.SpecError` naming the first int expression of ``spec`` whose
+    values over ``ranges`` (name -> (lo, hi)) leave ``dtype`` ("int64" or "int32"); ``where``
+    says for which lengths, in the message."""
+    for root in (spec.mask, spec.score):
+        _check(root, ranges, dtype, where)
+
+
+def _check(node: ir.Expr, ranges: dict, dtype: str, where: str, bounds=None) -> None:
+    bounds = bounds or _Bounds(ranges)
+    if isinstance(node, ir.Call) and node.fn == "where":
+        cond, taken, other = node.args
+        _check(cond, ranges, dtype, where, bounds)
+        must, may = bounds.boolean(cond)
+        for branch, holds, runs in ((taken, True, may), (other, False, not must)):
+            narrowed = _narrowed(cond, holds, ranges, bounds) if runs else None
+            if narrowed is not None:
+                _check(branch, narrowed, dtype, where,
+                       bounds if narrowed is ranges else None)
+        return
+    for child in ir.children(node):
+        _check(child, ranges, dtype, where, bounds)
+    if node.type == "int" and not isinstance(node, ir.Const):
+        lo, hi = bounds.number(node)
+        # an unknown bound (a tensor's values, a divisor that may be 0) is not an error
+        if (math.isfinite(lo) and not fits_int(lo, dtype)) or \
+                (math.isfinite(hi) and not fits_int(hi, dtype)):
+            check_int_range(ir.to_text(node), lo, hi, dtype, where)
+
+
+def _narrowed(cond: ir.Expr, holds: bool, ranges: dict, bounds: _Bounds) -> dict | None:
+    """``ranges`` with the variables ``cond`` compares limited to where ``cond`` is ``holds``:
+    ``ranges`` itself when nothing narrows, None when no point is left."""
+    if isinstance(cond, ir.Unary) and cond.op == "not":
+        return _narrowed(cond.operand, not holds, ranges, bounds)
+    if isinstance(cond, (ir.And, ir.Or)) and holds == isinstance(cond, ir.And):
+        for part in cond.args:  # every conjunct holds (every disjunct fails)
+            ranges = _narrowed(part, holds, ranges, bounds if part is cond.args[0] else
+                               _Bounds(ranges))
+            if ranges is None:
+                return None
+        return ranges
+    if not (isinstance(cond, ir.Binary) and cond.op in _FLIP and cond.left.type == "int"):
+        return ranges
+    op = cond.op if holds else _NEGATE[cond.op]
+    for var, other, rel in ((cond.left, cond.right, op), (cond.right, cond.left, _FLIP[op])):
+        if isinstance(var, ir.Var) and var.name in ranges:
+            lo, hi = ranges[var.name]
+            olo, ohi = bounds.number(other)
+            if rel == "<":
+                hi = min(hi, ohi - 1)
+            elif rel == "<=":
+                hi = min(hi, ohi)
+            elif rel == ">":
+                lo = max(lo, olo + 1)
+            elif rel == ">=":
+                lo = max(lo, olo)
+            elif rel == "==":
+                lo, hi = max(lo, olo), min(hi, ohi)
+            if lo > hi:
+                return None
+            if (lo, hi) != ranges[var.name] and lo > -INF and hi < INF:
+                ranges = {**ranges, var.name: (lo, hi)}
+    return ranges

@@ -1,0 +1,117 @@
+"""ir.overflow: integer arithmetic that leaves the kernel's int dtype at a call's lengths is an
+error before anything runs (red-team item 7: ``q * 2**62`` wrapped in the reference, and the
+kernel differed from it by 0.86), while ``where`` branches that are not taken, every registry
+pattern and the examples stay accepted at 1M positions, in int32 (FlexAttention's GPU kernels)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+import flexspec
+from flexspec import ir
+from flexspec.ir.overflow import check_int_ranges, position_ranges
+from flexspec.resources import data_path
+from flexspec.runtime.backends import REGISTRY
+from flexspec.runtime.plan import check_ranges
+from flexspec.testing import spec_texts
+
+LIBRARY = flexspec.loads(
+    "mask big = q * 4611686018427387904 >= kv\n"
+    "mask guarded = where(q < 2, q * 4611686018427387904, q) >= kv\n"
+    "mask loose = where(q < 3, q * 4611686018427387904, q) >= kv\n"
+    "mask fixed = where(Q_LEN > 10, q, q * 4611686018427387904) >= kv\n"
+    "mask gpu = q * 16777216 >= kv * 16777216\n"
+    "mask both = where(q >= 4 & q < 6, (q - 4) * 4611686018427387904, 0) == kv\n"
+    "spec s = causal & big\nspec g = causal & guarded\nspec l = causal & loose\n"
+    "spec f = causal & fixed\nspec gpu_only = causal & gpu\nspec and_guard = full & both\n")
+MILLION = {"B": 8, "H": 64, "Q_LEN": 1 << 20, "KV_LEN": 1 << 20}
+
+
+def _check(name: str, sizes: dict, dtype: str = "int64"):
+    check_int_ranges(LIBRARY[name].ir, position_ranges(sizes), dtype, "here")
+
+
+def test_q_times_2_62_is_an_error_naming_the_expression_before_anything_runs():
+    attn = flexspec.compile(LIBRARY["s"])
+    with pytest.raises(flexspec.SpecError, match=r"'q \* 4611686018427387904' reaches "
+                                                 r"0\.\.2\.91e\+20 for B=1, H=1, Q_LEN=64.*64-bit"):
+        attn.dense_mask(64, 64)
+    q = torch.randn(1, 1, 64, 8)
+    for backend in ("auto", "reference"):
+        with pytest.raises(flexspec.SpecError, match=r"'q \* 4611686018427387904' reaches"):
+            flexspec.compile(LIBRARY["s"], backend=backend)(q, q, q)
+    with pytest.raises(flexspec.SpecError, match="reaches"):
+        attn.reference(q, q, q)
+    # one row at position 0 fits: 0 * 2**62
+    assert attn.dense_mask(1, 64).any()
+
+
+def test_a_branch_is_bounded_under_its_condition_and_skipped_where_never_taken():
+    sizes = {"B": 1, "H": 1, "Q_LEN": 64, "KV_LEN": 64}
+    _check("g", sizes)      # q * 2**62 for q < 2 only: at most 2**62
+    _check("f", sizes)      # Q_LEN > 10: the overflowing branch is never taken
+    _check("and_guard", sizes)  # 4 <= q < 6: (q - 4) * 2**62 is at most 2**62
+    with pytest.raises(flexspec.SpecError, match="reaches 0..9.22e"):
+        _check("l", sizes)  # q = 2 gives 2**63
+    with pytest.raises(flexspec.SpecError, match="reaches"):
+        _check("f", {**sizes, "Q_LEN": 8})  # now the branch is taken
+    assert flexspec.compile(LIBRARY["g"]).dense_mask(64, 64).any()
+
+
+def test_query_offsets_move_the_positions_the_reference_checks():
+    attn = flexspec.compile(LIBRARY["s"])
+    attn.dense_mask(1, 64, q_offset=1)  # 1 * 2**62 fits
+    with pytest.raises(flexspec.SpecError, match="query positions from 2"):
+        attn.dense_mask(1, 64, q_offset=torch.tensor([2]))
+
+
+def test_gpu_kernels_compute_in_int32():
+    assert REGISTRY["flex"].index_dtype("cuda") == REGISTRY["flash"].index_dtype("cuda") == "int32"
+    assert REGISTRY["flex"].index_dtype("cpu") == REGISTRY["reference"].index_dtype("cuda") \
+        == "int64"
+    sizes = {"B": 1, "H": 1, "Q_LEN": 256, "KV_LEN": 256}
+    spec = LIBRARY["gpu_only"].ir
+    check_ranges(spec, sizes, "int64")
+    with pytest.raises(flexspec.SpecError, match=r"'q \* 16777216' reaches 0\.\.4278190080 for "
+                                                 r"Q_LEN=256, KV_LEN=256 on a GPU, beyond the "
+                                                 r"32-bit"):
+        check_ranges(spec, sizes, "int32")
+
+
+def test_unknown_bounds_are_not_errors():
+    # a tensor's values are unknown: doc_ids[b, q] * 2 could be anything, and is not refused
+    lib = flexspec.loads("mask m(ids: int[B, KV_LEN]) = ids[b, q] * 2 == ids[b, kv] * 2\n"
+                         "spec s = m\n")
+    check_int_ranges(lib["s"].ir, position_ranges(MILLION), "int32", "here")
+
+
+REALISTIC = ["causal", "sliding_window(4096)", "window(131072)", "chunked(8192)",
+             "block_causal(2048)", "dilated(4096, 8)", "strided(512)", "prefix_lm(65536)",
+             "causal & sink(4)", "causal + alibi", "t5_bias", "t5_bias(32, 1048576)",
+             "causal + rel_bias(max_distance=4096)", "natten(1024, 1024, 63, 63)",
+             "causal & doc + softcap(30.0)", "global_tokens + head_bias", "causal + scale(0.5)",
+             "key_padding", "causal_bottom_right"]
+
+
+@pytest.mark.parametrize("text", REALISTIC)
+def test_registry_patterns_at_a_million_positions_fit_int32(text):
+    check_int_ranges(flexspec.parse(text).ir, position_ranges(MILLION, 0, (1 << 21) - 1),
+                     "int32", "here")
+
+
+def test_every_registry_example_and_the_examples_file_fit_int32():
+    specs = [flexspec.parse(p.example) for p in flexspec.patterns()]
+    specs += list(flexspec.load(data_path("examples", "model.attn")).specs.values())
+    assert len(specs) > 25
+    for spec in specs:
+        check_int_ranges(spec.ir, position_ranges(MILLION), "int32", str(spec))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec_texts(kinds=("static", "binding", "learnable")))
+def test_drawn_registry_specs_fit_int32_at_a_million_positions(text):
+    spec = flexspec.parse(text).ir
+    assert isinstance(spec, ir.AttentionIR)
+    check_int_ranges(spec, position_ranges(MILLION), "int32", text)
