@@ -410,10 +410,13 @@ def test_inputs_requiring_gradients_under_no_grad_run_the_kernel():
 def test_auto_falls_back_to_flex_when_flash_cannot_compile(monkeypatch):
     """Simulated on the CPU: the plan is told to take FLASH, and its compile fails the way
     CuTeDSL's did on the H200 for a clamped lookup."""
-    from flexspec.runtime import compiled, plan as planning
+    from flexspec.runtime import compiled, notices, plan as planning
     from flexspec.runtime.backends import Choice, flash
 
     monkeypatch.setattr(flash, "FAILED", {})
+    # the warning is given once per process: a second run in one process (mutmut runs the
+    # tests twice) must see it again
+    monkeypatch.setattr(notices, "_warned", set())
     monkeypatch.setattr(planning, "choose", lambda backend, request, spec: Choice("flash", "test"))
     real = compiled.run_compiled
 
