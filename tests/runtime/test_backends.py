@@ -70,6 +70,15 @@ def test_auto_takes_flash_on_hopper_with_fa4(text):
     assert dict(choice.rejected).keys() == {"sdpa", "flex", "reference"}
 
 
+def test_auto_says_why_it_did_not_take_each_other_backend():
+    # behind the chosen one: each backend's own refusal, or "ranked lower" for one that could run
+    choice = choose("auto", H200, ir("causal & window(8)"))
+    rejected = dict(choice.rejected)
+    assert rejected["flex"] == "ranked lower for this call"
+    assert rejected["sdpa"] == why_not("sdpa", H200, ir("causal & window(8)")) is not None
+    assert rejected["reference"] == "ranked lower for this call"  # never ranked on CUDA
+
+
 def test_auto_on_a_gpu_without_fa4_takes_cudnn_for_causal_and_flex_otherwise():
     no_fa4 = dataclasses.replace(H200, flash_installed=False)
     assert choose("auto", no_fa4, ir("causal")).backend == "sdpa"
@@ -190,11 +199,13 @@ def test_explicit_backends_and_their_errors():
     with pytest.raises(BackendError, match="SDPA runs only full attention .* mask "
                                            "`q >= kv & abs"):
         choose("sdpa", CPU, ir("causal & window(8)"))
-    with pytest.raises(BackendError, match="Q_LEN == KV_LEN, got 4096 and 5000"):
+    with pytest.raises(BackendError, match="Q_LEN == KV_LEN, got 4096 and 5000.*"
+                                           "backend='auto' chooses one that can$"):
         choose("sdpa", dataclasses.replace(CPU, kv_len=5000), ir("causal"))
-    with pytest.raises(BackendError, match="unknown backend 'flsh'. Did you mean 'flash'"):
+    with pytest.raises(BackendError, match="unknown backend 'flsh'. Did you mean 'flash'.* "
+                                           "Backends: auto, flash, sdpa, flex, reference$"):
         why_not("flsh", CPU, ir("causal"))
-    with pytest.raises(BackendError, match="'auto' is not one backend .* use choose"):
+    with pytest.raises(BackendError, match=r"^'auto' is not one backend .* use choose\(\)$"):
         why_not("auto", CPU, ir("causal"))
 
 
