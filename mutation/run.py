@@ -7,6 +7,7 @@ docs/testing.md explains when to run it and reports the scores. Usage, from the 
     python mutation/run.py ir/simplify --jobs 2   # two workers (the default is 1)
     python mutation/run.py ir/simplify --report   # the score and every survivor's diff, no run
     python mutation/run.py ir/simplify --again NAME...   # rerun some mutants (after a new test)
+    python mutation/run.py ir/simplify --resume   # go on with an interrupted run
     python mutation/run.py --list                 # the modules and the tests each one runs
 
 Each module gets its own work folder ``mutants/<module>/`` (gitignored): a pyproject.toml with
@@ -73,7 +74,9 @@ def _config(module: str, tests: list[str]) -> str:
         # no slow/gpu tests; the checkout's cache and hypothesis database stay out of it
         'pytest_add_cli_args = ["-m", "not slow and not gpu", "-p", "no:cacheprovider"]',
         "use_git_change_detection = false",
-        "timeout_multiplier = 10.0",
+        # a mutant that makes its tests run 4x longer (a loop that no longer ends) is killed
+        # as a timeout; mutmut's default (15x) spends minutes of CPU on each such mutant
+        "timeout_multiplier = 4.0",
         "",
         "[tool.pytest.ini_options]" + pytest_section,
     ])
@@ -148,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", action="store_true", help="print the last results only")
     parser.add_argument("--again", nargs="+", metavar="NAME",
                         help="rerun these mutants (names from --report; * globs allowed)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the results so far and run the mutants that have none")
     parser.add_argument("--list", action="store_true", help="list the modules and their tests")
     args = parser.parse_args(argv)
     if args.list:
@@ -157,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.module is None:
         parser.error("name a module (--list shows them)")
     if not args.report:
-        work = _prepare(args.module, fresh=not args.again)
+        work = _prepare(args.module, fresh=not (args.again or args.resume))
         code = _mutmut(work, "run", "--max-children", str(args.jobs), *(args.again or []))
         if code:
             return code
