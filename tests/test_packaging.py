@@ -24,7 +24,7 @@ def installed(tmp_path_factory):
     source = work / "source"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
         ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis", ".fa4",
-        ".whl", ".pytest_cache"))
+        ".whl", ".pytest_cache", "mutants"))
     built = _run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "-q", "-w",
                   str(work / "dist")], cwd=work)
     assert built.returncode == 0, built.stderr

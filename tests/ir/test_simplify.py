@@ -114,6 +114,14 @@ def test_constants_keep_their_type():
     assert simplify(ir.Call("floor", (ir.Const(2.5),))) == ir.Const(2)
 
 
+def test_nan_results_are_not_folded():
+    # a Const(nan) is not equal to itself: the IR would never reach its fixed point
+    inf = ir.Binary("*", ir.Const(1e308), ir.Const(10.0))
+    assert simplify(inf) == ir.Const(math.inf)
+    nan = ir.Binary("-", inf, inf)
+    assert simplify(nan) == ir.Binary("-", ir.Const(math.inf), ir.Const(math.inf))
+
+
 # ---------------------------------------------------------------------------------------------
 # Value preservation: an independent evaluator
 

@@ -90,6 +90,15 @@ def test_fa4s_own_kernels_need_equal_lengths_and_no_lse():
         choose("fa4", dataclasses.replace(H200, lse=True), ir("causal"))
 
 
+def test_auto_says_why_it_did_not_take_each_other_backend():
+    # behind the chosen one: each backend's own refusal, or "ranked lower" for one that could run
+    choice = choose("auto", H200, ir("causal & window(8)"))
+    rejected = dict(choice.rejected)
+    assert rejected["flex"] == "ranked lower for this call"
+    assert rejected["sdpa"] == why_not("sdpa", H200, ir("causal & window(8)")) is not None
+    assert rejected["reference"] == "ranked lower for this call"  # never ranked on CUDA
+
+
 def test_auto_on_a_gpu_without_fa4_takes_cudnn_for_causal_and_flex_otherwise():
     no_fa4 = dataclasses.replace(H200, flash_installed=False)
     assert choose("auto", no_fa4, ir("causal")).backend == "sdpa"
@@ -220,11 +229,13 @@ def test_explicit_backends_and_their_errors():
     with pytest.raises(BackendError, match="SDPA runs only full attention .* mask "
                                            "`q >= kv & abs"):
         choose("sdpa", CPU, ir("causal & window(8)"))
-    with pytest.raises(BackendError, match="Q_LEN == KV_LEN, got 4096 and 5000"):
+    with pytest.raises(BackendError, match="Q_LEN == KV_LEN, got 4096 and 5000.*"
+                                           "backend='auto' chooses one that can$"):
         choose("sdpa", dataclasses.replace(CPU, kv_len=5000), ir("causal"))
-    with pytest.raises(BackendError, match="unknown backend 'flsh'. Did you mean 'flash'"):
+    with pytest.raises(BackendError, match="unknown backend 'flsh'. Did you mean 'flash'.* "
+                                           "Backends: auto, flash, sdpa, flex, reference$"):
         why_not("flsh", CPU, ir("causal"))
-    with pytest.raises(BackendError, match="'auto' is not one backend .* use choose"):
+    with pytest.raises(BackendError, match=r"^'auto' is not one backend .* use choose\(\)$"):
         why_not("auto", CPU, ir("causal"))
 
 
@@ -442,10 +453,13 @@ def test_inputs_requiring_gradients_under_no_grad_run_the_kernel():
 def test_auto_falls_back_to_flex_when_flash_cannot_compile(monkeypatch):
     """Simulated on the CPU: the plan is told to take FLASH, and its compile fails the way
     CuTeDSL's did on the H200 for a clamped lookup."""
-    from flexspec.runtime import compiled, plan as planning
+    from flexspec.runtime import compiled, notices, plan as planning
     from flexspec.runtime.backends import Choice, flash
 
     monkeypatch.setattr(flash, "FAILED", {})
+    # the warning is given once per process: a second run in one process (mutmut runs the
+    # tests twice) must see it again
+    monkeypatch.setattr(notices, "_warned", set())
     monkeypatch.setattr(planning, "choose", lambda backend, request, spec: Choice("flash", "test"))
     real = compiled.run_compiled
 
