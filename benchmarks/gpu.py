@@ -12,6 +12,7 @@ visible (query, key) pairs (``Attention.explain``); the backward counts 2.5 forw
     python benchmarks/gpu.py --shapes 4x16x8192x128   # one shape
     python benchmarks/gpu.py --overhead               # per-call overhead table only
     python benchmarks/gpu.py --layout bshd            # q, k, v as views of (B, S, H, D) tensors
+    python benchmarks/gpu.py --training-step          # fresh doc_ids every step (training_step.py)
 
 Where FlashAttention-4 is installed, its own interface is a hand-written column too
 (``FA4 native``: ``flash_attn_func``, or ``flash_attn_varlen_func`` with cumulative lengths
@@ -385,7 +386,15 @@ def main(argv=None) -> int:
                         help="memory layout of q, k, v (always passed as (B, H, S, D))")
     parser.add_argument("--overhead", action="store_true", help="only the per-call overhead")
     parser.add_argument("--out", help="also write the tables (markdown) to this file")
+    parser.add_argument("--training-step", action="store_true",
+                        help="the training-step table instead: benchmarks/training_step.py on "
+                             "--shapes (packed documents, fresh ids every step)")
     args = parser.parse_args(argv)
+    if args.training_step:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import training_step
+        return training_step.main([*args.shapes.split(","), "--device", args.device,
+                                   "--layout", args.layout])
     args.shapes = args.shapes.split(",")
     args.specs = [s.strip() for s in args.specs.split(";") if s.strip()]
     args.modes = args.modes.split(",")

@@ -56,3 +56,17 @@ def test_decode_benchmark_hand_masks_match_flexspec():
                                                       kv)
         assert torch.equal(got.expand(batch, length).reshape(batch, 1, 1, length), want), text
         assert decode.visible_keys(text, length, ids) == want.sum(-1).float().mean().item(), text
+
+
+@pytest.mark.slow
+def test_the_training_step_mode_runs_on_the_cpu(capsys):
+    """`gpu.py --training-step` hands over to benchmarks/training_step.py; on the CPU (no FA4,
+    no backward) flexspec's step must agree with the hand-written one."""
+    suite = _load_suite()
+    assert suite.main(["--training-step", "--device", "cpu", "--shapes", "1x2x256x16"]) == 0
+    table = capsys.readouterr().out.strip().splitlines()
+    header, row = table[-3], table[-1]
+    cells = dict(zip((c.strip() for c in header.split("|")), (c.strip() for c in row.split("|"))))
+    assert cells["shape"] == "1x2x256x16"
+    assert float(cells["rel. error"]) < 1e-5
+    torch._dynamo.reset()

@@ -233,7 +233,7 @@ def test_explicit_backends_and_their_errors():
                                            "backend='auto' chooses one that can$"):
         choose("sdpa", dataclasses.replace(CPU, kv_len=5000), ir("causal"))
     with pytest.raises(BackendError, match="unknown backend 'flsh'. Did you mean 'flash'.* "
-                                           "Backends: auto, flash, sdpa, flex, reference$"):
+                                           "Backends: auto, fa4, flash, sdpa, flex, reference$"):
         why_not("flsh", CPU, ir("causal"))
     with pytest.raises(BackendError, match=r"^'auto' is not one backend .* use choose\(\)$"):
         why_not("auto", CPU, ir("causal"))
