@@ -271,6 +271,24 @@ def test_size_only_conditions_lower_like_the_reference(mask, cute):
                        dense_mask(spec(mask), 1, 1, 24, 37))
 
 
+
+@pytest.mark.parametrize("fn, arg", [
+    ("log", op("-", Q_LEN, C(100))), ("log", op("-", Q_LEN, C(24))), ("log2", op("-", C(0), H)),
+    ("log1p", op("-", C(-1), Q_LEN)), ("log1p", C(-1)), ("sqrt", op("-", H, KV_LEN)),
+    ("exp", op("*", Q_LEN, C(100))), ("exp2", op("*", KV_LEN, C(100))),
+    ("sigmoid", op("*", Q_LEN, C(-100))), ("sin", op("*", C(float("inf")), Q_LEN)),
+    ("cos", op("*", C(float("-inf")), Q_LEN)), ("exp", op("*", C(float("-inf")), H)),
+])
+@pytest.mark.parametrize("cute", [False, True], ids=["torch", "cute"])
+def test_float_functions_of_sizes_outside_their_domain_are_nan_or_infinite(fn, arg, cute):
+    # Python's math raises for log(-76), sqrt(-35), exp(2400), sin(inf), where torch (the
+    # reference, and the kernels for tensors) gives NaN or an infinity (found by the generators
+    # of flexspec.testing.definitions)
+    for mask in (op("<", q, call(fn, arg)), op(">=", q, call(fn, arg)),
+                 ir.Or((op("!=", call(fn, arg), C(0.5)), op("<", kv, C(3))))):
+        assert torch.equal(lowered_mask(spec(mask), 1, 2, 24, 37, cute=cute),
+                           dense_mask(spec(mask), 1, 2, 24, 37)), ir.to_text(mask)
+
 def test_a_score_of_sizes_only_matches_the_reference():
     # sigmoid(Q_LEN / 10) at Q_LEN = 24 is 0.917; a flipped sign gives 0.083
     score = op("+", SCORE, call("where", ir.Or((op(">", Q_LEN, C(4)), op(">", KV_LEN, C(100)))),
@@ -391,7 +409,9 @@ EVERYTHING = spec(
         window(40),
         op("==", op("%", kv, C(16)), C(0)),
         op(">", call("floor", op("/", q, C(3.0))), call("max", kv, op("//", KV_LEN, C(2)))),
-        op("<", call("where", op(">", Q_LEN, C(10)), C(1), call("sign", kv)), C(0)))))),
+        op("<", call("where", op(">", Q_LEN, C(10)), C(1), call("sign", kv)), C(0)),
+        # functions of sizes are conditional Python expressions (torch's NaN and infinities)
+        op("<", kv, op("*", call("sqrt", KV_LEN), call("log", op("-", Q_LEN, C(5))))))))),
     op("+", softcap(30.0, ALIBI), op("*", C(0.01), call("clamp", op("-", q, kv), C(-5),
                                                         call("min", C(7), H)))))
 
