@@ -233,6 +233,18 @@ def test_views_of_one_tensor_at_different_offsets_are_different_bindings(eager_k
                                            attn.reference(q, k, v, doc_ids=row),
                                            rtol=1e-4, atol=1e-4)
 
+
+def test_a_dense_mask_that_reads_the_batch_and_head_counts():
+    # B and H are sizes, not indices: the dense mask used to evaluate them at its extent of 1
+    # (found by the generators of flexspec.testing.definitions)
+    library = load_text("mask by_b = B / 2 < Q_LEN | kv == 0\nmask by_h = H > 2 | kv == 0\n")
+    for name, visible in (("by_b", 1), ("by_h", 3)):  # B / 2 < 1 is false, 4 > 2 is true
+        attn = flexspec.compile(name, library=library)
+        mask_mod, _ = attn.mods(q_len=1, kv_len=3, batch=2, heads=4)
+        dense = attn.dense_mask(1, 3, batch=2, heads=4)
+        assert torch.equal(dense.expand(2, 4, 1, 3), create_mask(mask_mod, 2, 4, 1, 3))
+        assert dense.sum() == visible * dense.numel() // 3
+
 def test_block_mask_cache_without_bindings():
     attn = flexspec.compile("causal & window(20)")
     first = attn.block_mask(300, 300)
