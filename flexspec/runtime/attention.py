@@ -144,7 +144,7 @@ class Attention:
         per_row = any(t is not None and t.numel() > 1 for t in (offset, lengths))
         # the reference reads the sizes B and H off the extents it is given: a mask that reads
         # them (`B / 2 < Q_LEN`) gets the whole extent, or it would see B = 1
-        sizes_read = ir.free_vars(spec.mask)
+        sizes_read = _read_outside_tensors(spec.mask)
         rows = sizes["B"] if per_row or "B" in sizes_read else key.batch
         heads = sizes["H"] if "H" in sizes_read else key.heads
         return dense_mask(spec, rows, heads, q_len, kv_len, values, device,
@@ -307,3 +307,16 @@ class Attention:
                          tensors=self._inputs_for(bindings), masks=self._masks,
                          block_size=self.block_size, q=q, k=k, v=v, scale=scale,
                          bindings=bindings, learnables=learnables, return_lse=return_lse)
+
+
+def _read_outside_tensors(expr: ir.Expr) -> set:
+    """The variables ``expr`` reads itself, not through a tensor's declared shape (a
+    ``doc_ids[b, q]`` of shape ``[B, KV_LEN]`` does not read the size ``B``)."""
+    found, stack = set(), [expr]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ir.Var):
+            found.add(node.name)
+        elif not isinstance(node, ir.Tensor):
+            stack.extend(ir.children(node))
+    return found
