@@ -2,9 +2,12 @@
 
 ``slow`` tests (torch.compile runs of 20+ s on a small CPU) are skipped unless selected with
 ``-m slow`` or ``--run-slow``; ``gpu`` tests are skipped where no CUDA device is present.
+The ``eager_kernels`` fixture runs FlexAttention without torch.compile, for tests of the runtime
+around the kernel.
 """
 
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -31,3 +34,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+@pytest.fixture
+def eager_kernels(monkeypatch):
+    """The ``flex`` backend calls ``flex_attention`` eagerly instead of compiling it (about 20 s
+    per spec on a small CPU): for tests of what the runtime passes the kernel (plans, caches,
+    block masks, score_mods and their bindings). Eager ``flex_attention`` evaluates the block
+    mask's ``mask_mod`` at every position and never reads its tables, which tests/kernels/
+    test_blocks.py checks instead."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from flexspec.runtime import compiled
+
+    def eager_entry(lowered):
+        def run(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, lse):
+            with warnings.catch_warnings():  # that it is not compiled is the point here
+                warnings.filterwarnings("ignore", ".*flex_attention called without torch")
+                return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                      scale=scale, enable_gqa=enable_gqa,
+                                      kernel_options=kernel_options, **(lse or {}))
+        return run
+
+    monkeypatch.setattr(compiled, "compiled_entry", eager_entry)

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_mask, flex_attention, noop_mask
 
@@ -26,8 +26,9 @@ from flexspec.lang.checker import Checker
 from flexspec.kernels.reference import dense_mask, dense_scores
 from flexspec.ir.simplify import simplify
 from flexspec.kernels.tensors import prepare
-from flexspec.testing import (KINDS, Case, Shape, bindings, cases, lookups_fit, shapes,
-                              slow_examples, spec_texts, specs, tensor_values)
+from flexspec.testing import (KINDS, Case, Shape, binding_calls, bindings, cases,
+                              definition_specs, lookups_fit, shapes, slow_examples, spec_texts,
+                              specs, tensor_values)
 
 # Eager flex_attention warns that it is not compiled: here that is the point.
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
@@ -230,6 +231,19 @@ def test_every_pattern_lowers_like_the_reference(name, data):
     check_block_mask(case)
 
 
+
+@FAST
+@given(st.data())
+def test_definition_specs_lower_like_the_reference(data):
+    """Specs written in the definition language (flexspec.testing.definitions): negative
+    divisors, nested subtraction, where reusing its condition, infinities and NaN, lookups."""
+    spec = data.draw(definition_specs())
+    shape = data.draw(shapes(150, spec=spec))
+    case = Case(spec, shape, data.draw(bindings(spec, shape)))
+    check_mask(case)
+    check_score(case, data.draw(st.integers(0, 2**31 - 1)))
+    check_block_mask(case)
+
 def check_eager_flex_attention(case, seed):
     attn, shape = case.attention(), case.shape
     q, k, v = shape.qkv(seed)
@@ -339,3 +353,51 @@ def test_t5_bucket_boundaries_floor_like_the_reference():
     spec = flexspec.parse("t5_bias(num_buckets=18, table=table_1)")
     table = torch.randn(1, 18, generator=torch.Generator().manual_seed(0))
     check_score(Case(spec, Shape(1, 1, 1, 9, 9, 8), {"table_1": table}), 0)
+
+
+# --- the whole runtime == reference, whatever backend auto picks -----------------------------
+
+
+@st.composite
+def runtime_cases(draw, max_len: int = 260):
+    """A spec (from the registry or written in the definition language), a shape that fits it,
+    and bindings for two successive calls (see flexspec.testing.binding_calls)."""
+    if draw(st.booleans()):
+        spec = draw(specs(**ALL_KINDS))
+    else:
+        spec = draw(definition_specs())
+    shape = draw(shapes(max_len, spec=spec))
+    if draw(st.booleans()):  # both lengths past one CPU block: FlexAttention's kernel runs
+        shape = shape._replace(Q_LEN=max(shape.Q_LEN, 129), KV_LEN=max(shape.KV_LEN, 130))
+    assume(lookups_fit(spec, shape))
+    calls = draw(binding_calls(spec, shape, calls=2))
+    return spec, shape, calls
+
+
+def check_runtime(spec, shape: Shape, calls: list, seed: int):
+    """One compiled object called with each call's bindings gives each call's reference."""
+    attn = flexspec.compile(spec)
+    q, k, v = shape.qkv(seed)
+    for values in calls:
+        with torch.no_grad():
+            out = attn(q, k, v, **values)
+        expected = attn.reference(q, k, v, **values)
+        backend = attn.explain(q, k, v, **values).choice.backend
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{spec} {shape} on {backend}: {m}")
+
+
+# The flex backend without torch.compile (eager_kernels): the runtime around the kernel (plans,
+# caches, block masks, bindings changing between calls) at about a second per example.
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(runtime_cases(), st.integers(0, 2**31 - 1))
+def test_the_runtime_matches_the_reference_call_after_call(eager_kernels, case, seed):
+    check_runtime(*case, seed)
+
+
+@pytest.mark.slow
+@settings(max_examples=slow_examples(10), deadline=None, suppress_health_check=list(HealthCheck))
+@given(runtime_cases(), st.integers(0, 2**31 - 1))
+def test_the_compiled_runtime_matches_the_reference_call_after_call(case, seed):
+    check_runtime(*case, seed)

@@ -255,6 +255,22 @@ def _float_fn(name, python, scalar_form: Form | None = None, interval="increasin
                     float_math=True, **more)
 
 
+
+# On Python numbers (expressions of sizes only) the lowering writes these functions so that they
+# give what torch gives, NaN or an infinity, where Python's math raises (log(-1), sqrt(-1),
+# exp(1000), sin(inf)): a conditional expression, which dynamo folds like any constant.
+_EXP_LIMIT = 709.782712893384  # the largest x whose math.exp(x) does not overflow
+
+
+def _ieee(template: str, arg_prec: int = PY_ADD) -> Form:
+    return Form(template, PY_COND, arg_prec)
+
+
+def _ieee_log(name: str, pole: int) -> Form:
+    """``name`` (log, log2, log1p): -inf at ``pole``, NaN below it (and for NaN)."""
+    return _ieee(f"math.{name}({{0}}) if {{0}} > {pole} else -math.inf if {{0}} == {pole} "
+                 "else math.nan")
+
 _FUNCTION_LIST = [
     Function("abs", 1, "num", "num", abs, "torch.abs", "abs", Form("torch.abs({0})"),
              Form("abs({0})")),
@@ -267,16 +283,21 @@ _FUNCTION_LIST = [
     _rounding("floor", math.floor),
     _rounding("ceil", math.ceil),
     _float_fn("tanh", math.tanh),
-    _float_fn("exp", math.exp),
-    _float_fn("exp2", lambda x: 2.0 ** x, Form("2.0 ** {0}", PY_POW, PY_UNARY)),
-    _float_fn("log", math.log, nan_below=0.0),
-    _float_fn("log2", math.log2, nan_below=0.0),
-    _float_fn("log1p", math.log1p, nan_below=-1.0),
-    _float_fn("sqrt", math.sqrt, nan_below=0.0),
-    _float_fn("sigmoid", _sigmoid, Form("1.0 / (1.0 + math.exp(-{0}))", PY_MUL, PY_UNARY)),
+    _float_fn("exp", math.exp, _ieee(f"math.inf if {{0}} > {_EXP_LIMIT!r} else math.exp({{0}})")),
+    _float_fn("exp2", lambda x: 2.0 ** x, _ieee("math.inf if {0} >= 1024 else 2.0 ** {0}", PY_UNARY)),
+    _float_fn("log", math.log, _ieee_log("log", 0), nan_below=0.0),
+    _float_fn("log2", math.log2, _ieee_log("log2", 0), nan_below=0.0),
+    _float_fn("log1p", math.log1p, _ieee_log("log1p", -1), nan_below=-1.0),
+    _float_fn("sqrt", math.sqrt, _ieee("math.sqrt({0}) if {0} >= 0 else math.nan"),
+              nan_below=0.0),
+    _float_fn("sigmoid", _sigmoid,
+              _ieee("0.0 if {0} < -700 else 1.0 / (1.0 + math.exp(-{0}))",
+                    PY_UNARY)),
     _float_fn("erf", math.erf),
-    _float_fn("sin", math.sin, interval="periodic", peak=math.pi / 2, nan_at_inf=True),
-    _float_fn("cos", math.cos, interval="periodic", peak=0.0, nan_at_inf=True),
+    _float_fn("sin", math.sin, _ieee("math.sin({0}) if math.isfinite({0}) else math.nan"),
+              interval="periodic", peak=math.pi / 2, nan_at_inf=True),
+    _float_fn("cos", math.cos, _ieee("math.cos({0}) if math.isfinite({0}) else math.nan"),
+              interval="periodic", peak=0.0, nan_at_inf=True),
 ]
 
 FUNCTIONS: dict[str, Function] = {fn.name: fn for fn in _FUNCTION_LIST}

@@ -142,8 +142,12 @@ class Attention:
         values, spec = self._tensors(sizes, bindings, device, mask_only=True)
         key = self._masks.key(spec, sizes, device)
         per_row = any(t is not None and t.numel() > 1 for t in (offset, lengths))
-        rows = sizes["B"] if per_row else key.batch
-        return dense_mask(spec, rows, key.heads, q_len, kv_len, values, device,
+        # the reference reads the sizes B and H off the extents it is given: a mask that reads
+        # them (`B / 2 < Q_LEN`) gets the whole extent, or it would see B = 1
+        sizes_read = _read_outside_tensors(spec.mask)
+        rows = sizes["B"] if per_row or "B" in sizes_read else key.batch
+        heads = sizes["H"] if "H" in sizes_read else key.heads
+        return dense_mask(spec, rows, heads, q_len, kv_len, values, device,
                           q_offset=offset, kv_lengths=lengths)
 
     def mods(self, *, q_len: int | None = None, kv_len: int | None = None,
@@ -304,3 +308,16 @@ class Attention:
                          block_size=self.block_size, q=q, k=k, v=v, scale=scale,
                          bindings=bindings, learnables=learnables, return_lse=return_lse,
                          written=self.ir)
+
+
+def _read_outside_tensors(expr: ir.Expr) -> set:
+    """The variables ``expr`` reads itself, not through a tensor's declared shape (a
+    ``doc_ids[b, q]`` of shape ``[B, KV_LEN]`` does not read the size ``B``)."""
+    found, stack = set(), [expr]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ir.Var):
+            found.add(node.name)
+        elif not isinstance(node, ir.Tensor):
+            stack.extend(ir.children(node))
+    return found

@@ -20,7 +20,13 @@ covered as soon as their YAML file exists:
   ``[B, KV_LEN]``), and optionally values for learnable tables too (passed by name);
 * :func:`tensor_values`: values for every tensor an IR reads, keyed by
   :func:`flexspec.kernels.tensors.tensor_key`, for the reference evaluator;
-* :func:`cases`: a spec, a shape that fits it and bindings, together.
+* :func:`cases`: a spec, a shape that fits it and bindings, together;
+* :func:`definition_specs` / :func:`definition_texts` (with :func:`mask_bodies`,
+  :func:`score_bodies`): specs written in the definition language itself, not from the registry:
+  negative divisors and moduli, nested subtraction and division, ``where`` reusing its
+  condition's operands, infinities and NaN, lookups through index expressions;
+* :func:`binding_calls`: bindings for successive calls of one compiled object, mask and score
+  bindings changing between calls, often views of one tensor at different offsets.
 
 >>> from hypothesis import given, settings
 >>> import flexspec
@@ -46,7 +52,9 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 
 from flexspec.testing.shapes import Shape, lookups_fit, shapes
 from flexspec.testing.specs import DEFAULT_KINDS, KINDS, pattern_kind, spec_texts, specs
-from flexspec.testing.values import Case, bindings, cases, tensor_values
+from flexspec.testing.definitions import (definition_specs, definition_texts, mask_bodies,
+                                          score_bodies)
+from flexspec.testing.values import Case, binding_calls, bindings, cases, tensor_values
 
 
 def slow_examples(count: int) -> int:
@@ -56,5 +64,6 @@ def slow_examples(count: int) -> int:
     return max(1, round(count * fraction))
 
 
-__all__ = ["DEFAULT_KINDS", "KINDS", "Case", "Shape", "bindings", "cases", "lookups_fit",
-           "pattern_kind", "shapes", "slow_examples", "spec_texts", "specs", "tensor_values"]
+__all__ = ["DEFAULT_KINDS", "KINDS", "Case", "Shape", "binding_calls", "bindings", "cases",
+           "definition_specs", "definition_texts", "lookups_fit", "mask_bodies", "pattern_kind",
+           "score_bodies", "shapes", "slow_examples", "spec_texts", "specs", "tensor_values"]

@@ -32,12 +32,22 @@ def _tensor_value(draw, tensor: ir.Tensor, sizes: dict, broadcast: bool):
     if tensor.dtype == "int":
         groups = draw(st.integers(1, 5))
         values = torch.randint(0, groups, shape, generator=gen)
-        if values.dim() and draw(st.integers(0, 4)):  # mostly sorted, like document ids
+        form = draw(st.integers(0, 5))
+        if values.dim() and form >= 2:  # mostly sorted, like document ids
             values = values.sort(dim=-1).values
-        return values
+        elif values.numel() and form == 1:  # one entry set, often the last: per-block min/max
+            values = torch.zeros(shape, dtype=torch.int64)
+            last = draw(st.booleans())
+            at = values.numel() - 1 if last else draw(st.integers(0, values.numel() - 1))
+            values.view(-1)[at] = draw(st.sampled_from((1, 3, -2)))
+        return values  # form 0: scattered values, no runs
     if tensor.dtype == "bool":
         density = draw(st.sampled_from((0.0, 0.05, 0.3, 0.7, 1.0)))
-        return torch.rand(shape, generator=gen) < density
+        values = torch.rand(shape, generator=gen) < density
+        if values.numel() and draw(st.integers(0, 5)) == 0:  # a single True entry
+            values = torch.zeros(shape, dtype=torch.bool)
+            values.view(-1)[draw(st.integers(0, values.numel() - 1))] = True
+        return values
     scale = draw(st.sampled_from((0.1, 1.0, 4.0)))
     return torch.randn(shape, generator=gen) * scale
 
@@ -62,6 +72,39 @@ def bindings(draw, spec, shape: Shape, *, broadcast: bool = True, learnables: bo
                 values[tensor.name] = _tensor_value(
                     draw, tensor, sizes, broadcast and tensor.origin == "binding")
     return values
+
+
+def _like(value, gen):
+    """New random values of ``value``'s shape and dtype."""
+    import torch
+
+    if value.dtype == torch.bool:
+        return torch.rand(value.shape, generator=gen) < 0.5
+    if value.dtype.is_floating_point:
+        return torch.randn(value.shape, generator=gen, dtype=value.dtype) * 2
+    return torch.randint(0, 4, value.shape, generator=gen).sort(dim=-1).values
+
+
+@st.composite
+def binding_calls(draw, spec, shape: Shape, *, calls: int = 2, broadcast: bool = True) -> list:
+    """Bindings for ``calls`` successive calls of one compiled object: a list of dicts like
+    :func:`bindings`' with the same shapes. Each tensor of each call is, half the time, a view of
+    one shared tensor at its own storage offset (``stack[i]``: same storage, shape, strides and
+    version, only the offset differs), so that caches keyed by a tensor's identity are put to the
+    test; mask and score bindings change from call to call alike."""
+    import torch
+
+    first = draw(bindings(spec, shape, broadcast=broadcast))
+    rows = [first]
+    for _ in range(calls - 1):
+        gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+        rows.append({name: _like(value, gen) for name, value in first.items()})
+    for name in first:
+        if draw(st.booleans()):
+            stack = torch.stack([row[name] for row in rows])
+            for i, row in enumerate(rows):
+                row[name] = stack[i]
+    return rows
 
 
 @st.composite

@@ -312,6 +312,32 @@ def test_nan_does_not_vanish_in_min():
     assert boolean(expr, kv=(0, 9)) == (False, True)
 
 
+
+def test_zero_times_infinity_is_nan():
+    # log(0) * 0.0 is -inf * 0.0, NaN, which is not <= 1.0: the tile holding kv = 0 is not
+    # FULL, though every other product is 0.0 (found by mutation testing)
+    expr = op("<=", op("*", call("log", kv), C(0.0)), C(1.0))
+    assert boolean(expr, kv=(0, 15)) == (False, True)
+    assert boolean(expr, kv=(1, 15)) == (True, True)
+    flipped = op("<=", op("*", C(0.0), call("log", kv)), C(1.0))
+    assert boolean(flipped, kv=(0, 15)) == (False, True)
+
+
+def test_where_narrows_a_float_branch_without_an_integer_step():
+    # q / 4 < 5.5 leaves the taken branch q / 4 below 5.5, not below 4.5: q = 21 gives 5.25,
+    # which is > 5.0 (a step of 1 for floats marked this tile EMPTY; mutation testing)
+    narrowed = call("where", op("<", op("/", q, C(4)), C(5.5)), op("/", q, C(4)), C(0.0))
+    assert boolean(op(">", narrowed, C(5.0)), q=(16, 31)) == (False, True)
+    lo, hi = num(narrowed, q=(16, 31))
+    assert lo <= 0.0 and hi >= 5.25
+    # the other branch, and a condition written the other way round
+    other = call("where", op(">=", op("/", q, C(4)), C(5.5)), C(0.0), op("/", q, C(4)))
+    assert num(other, q=(16, 31))[1] >= 5.25
+    flipped = call("where", op(">", C(5.5), op("/", q, C(4))), op("/", q, C(4)), C(0.0))
+    assert num(flipped, q=(16, 31))[1] >= 5.25
+    # ints do step by one: where(q < 6, q, 0) is at most 5
+    assert num(call("where", op("<", q, C(6)), q, C(0)), q=(0, 9)) == (0, 5)
+
 _SINE = ops.Function("sine", 1, "num", "float", math.sin, "torch.sin", "periodic",
                      peak=math.pi / 2)
 _COSINE = ops.Function("cosine", 1, "num", "float", math.cos, "torch.cos", "periodic", peak=0.0)

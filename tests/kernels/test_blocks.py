@@ -519,6 +519,49 @@ def test_nan_rows_are_not_full():
     check_classes_sound(case)
 
 
+
+# Found by mutation testing (docs/testing.md): each of these tiles was misclassified by a one-line
+# bug that the random cases did not reach.
+EDGES = load_text("""
+mask flagged(flags: int[KV_LEN]) = flags[kv // 3] > 0
+mask zero_log = log(kv) * 0.0 <= 1.0
+mask narrowed = where(q / 4 < 5.5, q / 4, 0.0) > 5.0
+""", "edges.attn")
+
+
+@pytest.mark.parametrize("block", [(16, 16), (16, 32)], ids=lambda b: f"{b[0]}x{b[1]}")
+def test_a_single_flag_anywhere_keeps_its_tile(block):
+    # flags[kv // 3] reads each tile's range of flags through the sparse table; one set flag
+    # at the right end of a range (not a run of equal values) must keep its tile visible
+    spec = flexspec.parse("flagged(flags)", library=EDGES)
+    for at in range(0, 80 // 3 + 1):
+        flags = torch.zeros(80, dtype=torch.int64)
+        flags[at] = 1
+        case = Case(spec, Shape(1, 1, 1, 16, 80, 16), {"flags": flags}, block)
+        check_classes_sound(case)
+        check_refine_exact(case)
+
+
+@pytest.mark.parametrize("text, q_len", [("zero_log", 40), ("narrowed", 40)])
+def test_nan_products_and_float_where_narrowing_keep_their_tiles(text, q_len):
+    # log(0) * 0.0 is NaN (hidden) at kv = 0; q / 4 < 5.5 keeps q / 4 up to 5.25 at q = 21
+    case = Case(flexspec.parse(text, library=EDGES), Shape(1, 1, 1, q_len, 40, 16), {}, (16, 16))
+    assert 0 < case.dense().sum() < q_len * 40
+    check_classes_sound(case)
+    check_refine_exact(case)
+    check_against_torch(case)
+
+
+@pytest.mark.parametrize("block, kv_len", [((16, 32), 48), ((16, 32), 80), ((32, 16), 72),
+                                           ((64, 128), 192)])
+def test_a_ragged_last_column_of_unequal_blocks_is_never_full(block, kv_len):
+    # KV_LEN = 16 mod 32 in blocks of (16, 32): the last kv column runs past the end, although
+    # KV_LEN is a multiple of the q block; create_block_mask counts its padding as masked
+    case = Case(flexspec.parse("causal"), Shape(1, 1, 1, 3 * kv_len, kv_len, 16), {}, block)
+    check_refine_exact(case)
+    check_against_torch(case)
+    check_interval_superset(case)
+
 # ---------------------------------------------------------------------------------------------
 # ordered()
 

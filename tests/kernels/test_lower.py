@@ -1,5 +1,7 @@
 """Tests of flexspec.kernels.lower: the generated source, and FlexAttention runs against the reference."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -224,6 +226,79 @@ def test_random_masks_match_the_reference(mask, cute):
                        dense_mask(spec(mask), 2, 3, 7, 9))
 
 
+# Found by mutation testing (docs/testing.md): each case below failed a one-line bug that the
+# random masks above missed on most seeds.
+@pytest.mark.parametrize("mask", [
+    # floor division and modulo of negative dividends and by negative divisors, as Python
+    # rounds them: `(kv - q) // 4 == -1` has 58 visible pairs at 17 x 23, truncation gives 46
+    op("==", op("//", op("-", kv, q), C(4)), C(-1)),
+    op("==", op("//", op("-", q, kv), C(-3)), C(-2)),
+    op("==", op("%", op("-", kv, q), C(5)), C(3)),
+    op("==", op("%", op("-", q, kv), C(-4)), C(-1)),
+    op(">", op("//", op("-", KV_LEN, q), op("-", Q_LEN, KV_LEN)), op("//", kv, C(-5))),
+    op("==", op("%", op("-", Q_LEN, KV_LEN), C(7)), op("%", kv, C(7))),
+    # nested subtraction and division: the right operand keeps its parentheses
+    op(">=", op("-", q, op("-", kv, C(4))), C(2)),
+    op("<", op("-", op("-", q, kv), op("-", C(3), q)), C(0)),
+    op("==", op("//", op("//", q, C(2)), op("//", C(7), C(2))), op("//", kv, C(3))),
+    op("<", op("/", q, op("/", op("+", kv, C(1)), C(4))), C(2.5)),
+    op(">", op("-", Q_LEN, op("-", KV_LEN, C(30))), q),
+    op("<", op("/", kv, op("/", KV_LEN, C(4))), op("-", C(3.0), op("-", C(1.5), C(0.5)))),
+])
+@pytest.mark.parametrize("cute", [False, True], ids=["torch", "cute"])
+def test_floor_division_modulo_and_nesting_lower_like_the_reference(mask, cute):
+    assert torch.equal(lowered_mask(spec(mask), 1, 1, 17, 23, cute=cute),
+                       dense_mask(spec(mask), 1, 1, 17, 23))
+
+
+@pytest.mark.parametrize("mask", [
+    # expressions of sizes only are Python numbers in the lowered code: each operator there
+    # has its own Python form (`or`, math.exp), separate from the tensor one
+    op("<", op("/", q, C(30)), call("sigmoid", op("/", Q_LEN, C(10)))),
+    op(">", op("/", kv, C(40)), call("sigmoid", op("-", C(0), op("/", KV_LEN, C(10))))),
+    call("where", ir.Or((op(">", Q_LEN, C(4)), op(">", KV_LEN, C(100)))), op(">=", q, kv),
+         op("<=", q, kv)),
+    call("where", ir.And((op(">", Q_LEN, C(4)), op(">", KV_LEN, C(100)))), op(">=", q, kv),
+         op("<=", q, kv)),
+    call("where", ir.Unary("not", ir.Or((op("<", Q_LEN, C(4)), op(">", KV_LEN, C(100))))),
+         op(">=", q, kv), op("<=", q, kv)),
+    ir.Or((op("==", op("//", op("-", Q_LEN, KV_LEN), C(5)), C(-3)), op("<", q, C(0)))),
+])
+@pytest.mark.parametrize("cute", [False, True], ids=["torch", "cute"])
+def test_size_only_conditions_lower_like_the_reference(mask, cute):
+    # Q_LEN = 24, KV_LEN = 37: Q_LEN > 4 holds and KV_LEN > 100 does not
+    assert torch.equal(lowered_mask(spec(mask), 1, 1, 24, 37, cute=cute),
+                       dense_mask(spec(mask), 1, 1, 24, 37))
+
+
+
+@pytest.mark.parametrize("fn, arg", [
+    ("log", op("-", Q_LEN, C(100))), ("log", op("-", Q_LEN, C(24))), ("log2", op("-", C(0), H)),
+    ("log1p", op("-", C(-1), Q_LEN)), ("log1p", C(-1)), ("sqrt", op("-", H, KV_LEN)),
+    ("exp", op("*", Q_LEN, C(100))), ("exp2", op("*", KV_LEN, C(100))),
+    ("sigmoid", op("*", Q_LEN, C(-100))), ("sin", op("*", C(float("inf")), Q_LEN)),
+    ("cos", op("*", C(float("-inf")), Q_LEN)), ("exp", op("*", C(float("-inf")), H)),
+])
+@pytest.mark.parametrize("cute", [False, True], ids=["torch", "cute"])
+def test_float_functions_of_sizes_outside_their_domain_are_nan_or_infinite(fn, arg, cute):
+    # Python's math raises for log(-76), sqrt(-35), exp(2400), sin(inf), where torch (the
+    # reference, and the kernels for tensors) gives NaN or an infinity (found by the generators
+    # of flexspec.testing.definitions)
+    for mask in (op("<", q, call(fn, arg)), op(">=", q, call(fn, arg)),
+                 ir.Or((op("!=", call(fn, arg), C(0.5)), op("<", kv, C(3))))):
+        assert torch.equal(lowered_mask(spec(mask), 1, 2, 24, 37, cute=cute),
+                           dense_mask(spec(mask), 1, 2, 24, 37)), ir.to_text(mask)
+
+def test_a_score_of_sizes_only_matches_the_reference():
+    # sigmoid(Q_LEN / 10) at Q_LEN = 24 is 0.917; a flipped sign gives 0.083
+    score = op("+", SCORE, call("where", ir.Or((op(">", Q_LEN, C(4)), op(">", KV_LEN, C(100)))),
+                                call("sigmoid", op("/", Q_LEN, C(10))), C(-1.0)))
+    _, score_mod = lower(spec(score=score)).make_mods(sizes(1, 1, 24, 37), {})
+    index = torch.tensor(0, dtype=torch.int32)
+    got = score_mod(torch.tensor(0.5), index, index, index, index)
+    assert got.item() == pytest.approx(0.5 + 1 / (1 + math.exp(-2.4)), rel=1e-6)
+
+
 def test_the_cute_form_has_no_minimum_maximum_clamp_abs_or_sign():
     """FLASH's form (CuTeDSL rejected torch.maximum): the same functions through where."""
     mask = op("<", call("abs", op("-", q, kv)), call("clamp", kv, C(5), op("-", KV_LEN, C(3))))
@@ -334,7 +409,9 @@ EVERYTHING = spec(
         window(40),
         op("==", op("%", kv, C(16)), C(0)),
         op(">", call("floor", op("/", q, C(3.0))), call("max", kv, op("//", KV_LEN, C(2)))),
-        op("<", call("where", op(">", Q_LEN, C(10)), C(1), call("sign", kv)), C(0)))))),
+        op("<", call("where", op(">", Q_LEN, C(10)), C(1), call("sign", kv)), C(0)),
+        # functions of sizes are conditional Python expressions (torch's NaN and infinities)
+        op("<", kv, op("*", call("sqrt", KV_LEN), call("log", op("-", Q_LEN, C(5))))))))),
     op("+", softcap(30.0, ALIBI), op("*", C(0.01), call("clamp", op("-", q, kv), C(-5),
                                                         call("min", C(7), H)))))
 

@@ -51,6 +51,30 @@ def test_sdpa_form(text, form):
     assert sdpa_form(ir(text)) == form
 
 
+STRICT = """
+mask strict = kv < q
+mask strict_q = q > kv
+mask causal_kv = kv <= q
+mask later = kv >= q
+"""
+
+
+@pytest.mark.parametrize("text, causal", [("strict", None), ("strict_q", None),
+                                          ("causal_kv", True), ("later", None)])
+def test_sdpa_runs_only_causal_itself(text, causal):
+    # `kv < q` hides the diagonal that is_causal keeps (found by mutation testing); on the CPU,
+    # auto must then pick another backend, whose result is the reference
+    from flexspec.lang.library import load_text
+
+    library = load_text(STRICT)
+    form = sdpa_form(parse(text, library=library).ir)
+    assert (form and form.causal) == causal
+    attn = flexspec.compile(text, library=library)
+    q, k, v = Shape(1, 2, 2, 40, 40, 8).qkv(seed=4)
+    assert (attn.explain(q, k, v).choice.backend == "sdpa") == bool(causal)
+    torch.testing.assert_close(attn(q, k, v), attn.reference(q, k, v), atol=1e-5, rtol=1e-5)
+
+
 def test_sdpa_form_reads_division_and_left_constants():
     from flexspec.lang.library import load_text
 
@@ -429,6 +453,22 @@ def test_the_plan_is_reused_and_fresh_bindings_still_count(monkeypatch):
     torch.testing.assert_close(attn(q, k, v, doc_ids=second),
                                attn.reference(q, k, v, doc_ids=second), atol=2e-5, rtol=1e-5)
 
+
+
+def test_a_score_binding_is_read_at_every_call(eager_kernels):
+    # the same compiled object with new slopes: a score_mod kept in the plan would keep the old
+    # ones (found by mutation testing); new mask bindings and new score bindings together too
+    attn = flexspec.compile("causal & document + alibi(slopes=s)")
+    q, k, v = Shape(1, 2, 2, 130, 130, 8).qkv(seed=5)
+    ids = torch.arange(130) // 40
+    calls = [(ids, torch.tensor([0.5, 0.25])), (ids, torch.tensor([2.0, -1.0])),
+             (torch.arange(130) // 70, torch.tensor([0.1, 3.0]))]
+    for doc_ids, slopes in calls + calls[:1]:
+        assert attn.explain(q, k, v, doc_ids=doc_ids, s=slopes).choice.backend == "flex"
+        with torch.no_grad():
+            out = attn(q, k, v, doc_ids=doc_ids, s=slopes)
+        torch.testing.assert_close(out, attn.reference(q, k, v, doc_ids=doc_ids, s=slopes),
+                                   atol=2e-5, rtol=1e-5)
 
 def test_a_reused_plan_still_checks_value_dependent_indices():
     from flexspec.lang.library import load_text

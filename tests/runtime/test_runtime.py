@@ -142,6 +142,20 @@ def test_document_mask_with_more_queries_than_keys():
         attn.block_mask(20, 12, doc_ids=torch.zeros(12, dtype=torch.int64))
 
 
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_a_lookup_one_past_the_end_is_refused_and_the_last_entry_is_not(backend):
+    library = load_text("mask ahead(t: float[KV_LEN]) = t[q + 1] > 0.0\n")
+    attn = flexspec.compile("ahead(t)", library=library, backend=backend)
+    t = torch.randn(16)
+    q = torch.randn(1, 1, 16, 8)
+    # Q_LEN = KV_LEN = 16: row 15 reads t[16], one past the end (found by mutation testing)
+    with pytest.raises(BindingError, match=r"'t' is indexed by q \+ 1"):
+        attn(q, q, q, t=t)
+    # Q_LEN = 15: row 14 reads t[15], the last entry
+    short = q[:, :, :15]
+    torch.testing.assert_close(attn(short, q, q, t=t), attn.reference(short, q, q, t=t))
+
 # --- q, k, v ---------------------------------------------------------------------------
 
 
@@ -201,6 +215,35 @@ def test_block_mask_cache_hits_for_a_broadcast_binding():
     first = attn.block_mask(100, 150, batch=2, doc_ids=ids)
     assert attn.block_mask(100, 150, batch=2, doc_ids=ids) is first
 
+
+
+def test_views_of_one_tensor_at_different_offsets_are_different_bindings(eager_kernels):
+    # ids[0] and ids[1] share storage, shape, strides and version: only the storage offset
+    # tells them apart, and a cache that missed it reused the first mask (mutation testing)
+    attn = flexspec.compile("causal & document")
+    ids = torch.stack([doc_ids(), doc_ids(((10, 60), (100,)))])
+    q, k, v = SHAPE._replace(Q_LEN=150).qkv(seed=3)
+    for _ in range(2):  # the second round is served from the cache
+        for row in ids:
+            block_mask = attn.block_mask(150, 150, batch=2, doc_ids=row)
+            assert torch.equal(create_mask(block_mask.mask_mod, 2, 1, 150, 150),
+                               attn.dense_mask(150, 150, batch=2, doc_ids=row))
+            with torch.no_grad():
+                torch.testing.assert_close(attn(q, k, v, doc_ids=row),
+                                           attn.reference(q, k, v, doc_ids=row),
+                                           rtol=1e-4, atol=1e-4)
+
+
+def test_a_dense_mask_that_reads_the_batch_and_head_counts():
+    # B and H are sizes, not indices: the dense mask used to evaluate them at its extent of 1
+    # (found by the generators of flexspec.testing.definitions)
+    library = load_text("mask by_b = B / 2 < Q_LEN | kv == 0\nmask by_h = H > 2 | kv == 0\n")
+    for name, visible in (("by_b", 1), ("by_h", 3)):  # B / 2 < 1 is false, 4 > 2 is true
+        attn = flexspec.compile(name, library=library)
+        mask_mod, _ = attn.mods(q_len=1, kv_len=3, batch=2, heads=4)
+        dense = attn.dense_mask(1, 3, batch=2, heads=4)
+        assert torch.equal(dense.expand(2, 4, 1, 3), create_mask(mask_mod, 2, 4, 1, 3))
+        assert dense.sum() == visible * dense.numel() // 3
 
 def test_block_mask_cache_without_bindings():
     attn = flexspec.compile("causal & window(20)")
