@@ -285,7 +285,9 @@ class NativeBackend(Backend):
     def rank(self, request: Request) -> Rank | None:
         if request.device_type != "cuda":
             return None
-        return Rank(0, "FA4's own kernels ran this structure (causal, windows, documents as "
+        # ahead of FLASH (place 0): every place on a device is distinct, so the order is the
+        # places' and never the registry's
+        return Rank(-1, "FA4's own kernels ran this structure (causal, windows, documents as "
                        "variable-length sequences) faster than any block-sparse kernel on the "
                        "H200, and need no block mask")
 
