@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from flexspec import ir
+from flexspec.ir.forms import logit_factor
 from flexspec.runtime.backends.base import REGISTRY, Backend, Choice, Rank, Request
 from flexspec.runtime.backends.flash import (FLASH_CAPABILITIES, FLASH_DTYPES, FLASH_HEAD_DIMS,
                                              FLASH_MIN_FLOPS)
@@ -177,31 +178,12 @@ def _score_form(score: ir.Expr) -> tuple | None:
                     and rest.args[0].right == cap):
                 softcap, score = float(cap.value), rest.args[0].left
                 break
-    factor = 1.0
-    while score != ir.SCORE:
-        step = _constant_factor(score)
-        if step is None:
-            return None
-        constant, score = step
-        factor *= constant
-    if not (math.isfinite(factor) and factor > 0):
+    factor = logit_factor(score)
+    if factor is None:
         return None
     if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
         return None
     return softcap, factor
-
-
-def _constant_factor(node: ir.Expr) -> tuple | None:
-    """``(c, rest)`` when ``node`` is ``rest * c``, ``c * rest`` or ``rest / c`` for a number."""
-    if not isinstance(node, ir.Binary) or node.op not in ("*", "/"):
-        return None
-    for constant, rest in ((node.right, node.left), (node.left, node.right)):
-        if isinstance(constant, ir.Const) and type(constant.value) in (int, float):
-            if node.op == "*":
-                return float(constant.value), rest
-            if constant is node.right and constant.value != 0:
-                return 1.0 / float(constant.value), rest
-    return None
 
 
 def document_segments(ids: torch.Tensor) -> tuple | None:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flexspec import ir
+from flexspec.ir.forms import logit_factor
 from flexspec.runtime.backends.base import Backend, Rank, Request
 
 
@@ -40,37 +41,8 @@ def sdpa_form(spec: ir.AttentionIR) -> SdpaForm | None:
         causal = True  # is_causal is top-left: an end-aligned causal is another mask
     else:
         return None
-    factor, score = 1.0, spec.score
-    while score != ir.Var("score"):
-        step = _constant_factor(score)
-        if step is None:
-            return None
-        constant, score = step
-        factor *= constant
-    # a negative or zero scale breaks the kernels' running row maximum; infinity is not a scale
-    if not (math.isfinite(factor) and factor > 0):
-        return None
-    return SdpaForm(causal=causal, factor=factor)
-
-
-def _number(node: ir.Expr) -> float | None:
-    if isinstance(node, ir.Const) and isinstance(node.value, (int, float)) \
-            and not isinstance(node.value, bool):
-        return float(node.value)
-    return None
-
-
-def _constant_factor(node: ir.Expr) -> tuple | None:
-    """``(c, rest)`` when ``node`` is ``rest * c``, ``c * rest`` or ``rest / c`` for a number c."""
-    if not isinstance(node, ir.Binary):
-        return None
-    if node.op == "*" and _number(node.right) is not None:
-        return _number(node.right), node.left
-    if node.op == "*" and _number(node.left) is not None:
-        return _number(node.left), node.right
-    if node.op == "/" and _number(node.right):
-        return 1.0 / _number(node.right), node.left
-    return None
+    factor = logit_factor(spec.score)
+    return None if factor is None else SdpaForm(causal=causal, factor=factor)
 
 
 def not_sdpa(spec: ir.AttentionIR) -> str:
