@@ -315,6 +315,24 @@ def test_sdpa_backend_matches_reference_forward_and_backward(text):
     _check_forward_and_backward(attn, length, length, dim=64)
 
 
+def test_flash_runs_a_given_scale():
+    """A call's scale is read per batch row (scale[b]), which FLASH compiles (no GQA: the
+    backward rule keeps scores that read tensors off FLASH under GQA)."""
+    _needs("flash")
+    attn = flexspec.compile("causal & window(30)", backend="flash")
+    q, k, v = (torch.randn(2, 4, 500, 128, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    out = attn(q, k, v, scale=0.3)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attn.reference(q64, k64, v64, scale=0.3)
+    want = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
+    assert _relative_error(out, ref) < TOLERANCE[torch.bfloat16]
+    for g, w in zip(got, want):
+        assert _relative_error(g, w) < 3e-2
+
+
 def test_flash_runs_head_dim_64():
     _needs("flash")
     _check_forward_and_backward(flexspec.compile("causal & window(30)", backend="flash"),

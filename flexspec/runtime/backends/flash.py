@@ -77,14 +77,12 @@ class FlashBackend(FlexBackend):
                     "such backward passes elsewhere")
         if not request.blocks_of_128:
             return f"FLASH needs block sizes that are multiples of 128, got {request.block_size}"
-        constant = request.constant_lookup or (
-            "scale[0]" if request.scale is not None else None)  # how a given scale is read
+        constant = request.constant_lookup
         if constant is not None:
             return (f"FLASH's code generator (CuTeDSL) cannot read a tensor at a constant index "
                     f"('{constant}'; FA4 4.0.0b36: 'Expected TensorSSA, but got int'), which a "
-                    "binding with a broadcast batch or head dimension, or a given scale, "
-                    "becomes: pass bindings with their full B and H dimensions (and no scale, "
-                    "or a scale(...) in the spec) to run on FLASH")
+                    "binding with a broadcast batch or head dimension becomes: pass bindings "
+                    "with their full B and H dimensions to run on FLASH")
         if request.nested_lookup is not None:
             return (f"FLASH's code generator (CuTeDSL) could not compile a lookup whose index "
                     f"reads another tensor ('{request.nested_lookup}', such as a document id at "

@@ -117,8 +117,8 @@ class FlexBackend(Backend):
             # a new scale is a new value, not a new kernel
             spec = scaled(plan.spec)
             ratio = float(plan.scale) * math.sqrt(plan.request.head_dim)
-            scale_values = {SCALE_KEY: torch.tensor([ratio], dtype=torch.float32,
-                                                    device=plan.device)}
+            scale_values = {SCALE_KEY: torch.full((plan.sizes["B"],), ratio,
+                                                  dtype=torch.float32, device=plan.device)}
             values = {**values, **scale_values}
         lowered = lower(spec, cute=self.cute)
         call = FlexCall(lowered=lowered, entry=compiled.compiled_entry(lowered),
@@ -179,14 +179,16 @@ class FlexBackend(Backend):
 
 
 SCALE_KEY = "scale"
-_SCALE = ir.Tensor(SCALE_KEY, (ir.Const(1),), "float")
+# one entry per batch row, read at b: FLASH's code generator cannot read a tensor at a constant
+# index (see flash.py), so a single entry read at 0 would keep a given scale off FLASH
+_SCALE = ir.Tensor(SCALE_KEY, (ir.Var("B"),), "float")
 
 
 @functools.lru_cache(maxsize=256)
 def scaled(spec: ir.AttentionIR) -> ir.AttentionIR:
-    """``spec`` with its logits multiplied by ``scale[0]`` before the score pipeline: the ratio of
+    """``spec`` with its logits multiplied by ``scale[b]`` before the score pipeline: the ratio of
     the call's scale to the kernel's default (``scale`` cannot be a binding's name)."""
-    logit = ir.Binary("*", ir.SCORE, ir.Lookup(_SCALE, (ir.Const(0),)))
+    logit = ir.Binary("*", ir.SCORE, ir.Lookup(_SCALE, (ir.Var("b"),)))
     return ir.AttentionIR(spec.mask, ir.substitute(spec.score, {ir.SCORE_VAR: logit}), spec.align)
 
 
