@@ -169,3 +169,33 @@ def test_documents_must_be_read_in_the_same_row_at_q_and_kv():
     assert native_form(same((b, q), (zero, kv))) is None
     assert native_form(same((b, q), (b, q))) is None
     assert native_form(same((ir.Var("h"), q), (ir.Var("h"), kv))) is None
+
+
+def _plan_on_a_gpu_that_is_not_there(text, **facts):
+    """A real CPU plan of ``text`` whose request says it runs on an H200 with FA4 (the choice of
+    a fallback reads only the request)."""
+    import dataclasses
+    attn = flexspec.compile(text)
+    q, k, v = (torch.randn(1, 2, 256, 64) for _ in range(3))
+    ids = torch.arange(256) // 100
+    plan = attn._plan(q, k, v, None, {"doc_ids": ids}, None)
+    request = dataclasses.replace(plan.request, device_type="cuda", capability=(9, 0),
+                                  flash_installed=True, dtype=torch.bfloat16, batch=4, heads=16,
+                                  q_len=8192, kv_len=8192, **facts)
+    values = plan.values({"doc_ids": ids})
+    return dataclasses.replace(plan, request=request), values, attn._masks
+
+
+def test_ids_that_are_not_runs_go_where_auto_would_send_them_without_fa4():
+    from flexspec.runtime.backends.native import _fallback_plan
+    plan, values, masks = _plan_on_a_gpu_that_is_not_there("causal & doc")
+    fallback = _fallback_plan(plan, values, masks)
+    assert fallback.choice.backend == "flash" and fallback.backend.name == "flash"
+    assert "not contiguous runs" in fallback.choice.reason
+    assert fallback.prepared is not None and plan.prepared is not fallback.prepared
+    # training with blocks Triton's backward cannot tile: nothing else can run it, said in words
+    plan, values, masks = _plan_on_a_gpu_that_is_not_there("causal & doc", grads=True,
+                                                             block_size=(64, 64))
+    error = _fallback_plan(plan, values, masks)
+    assert isinstance(error, flexspec.BackendError)
+    assert "no other backend can run this call (flash: FLASH needs block sizes" in str(error)

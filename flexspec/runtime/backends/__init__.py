@@ -23,7 +23,7 @@ from __future__ import annotations
 from flexspec import ir
 from flexspec.errors import did_you_mean
 from flexspec.runtime.backends.base import (REGISTRY, Backend, BackendError, BackendName, Choice,
-                                            Rank, Request, register)
+                                            Rank, Request, auto_order, register)
 from flexspec.runtime.backends.flash import (FLASH_MIN_FLOPS, FLASH_OPTIONS, FlashBackend,
                                              flash_installed)
 from flexspec.runtime.backends.flex import SHORT_CPU_LENGTH, FlexBackend
@@ -54,14 +54,6 @@ def why_not(backend: str, request: Request, spec: ir.AttentionIR) -> str | None:
     if backend == "auto":
         raise BackendError("'auto' is not one backend but a choice among them: use choose()")
     return REGISTRY[backend].why_not(request, spec)
-
-
-def auto_order(request: Request) -> list[tuple[str, str]]:
-    """The backends ``auto`` tries for ``request``, best first, each with the reason it would be
-    chosen."""
-    ranked = [(rank, name) for name, backend in REGISTRY.items()
-              if (rank := backend.rank(request)) is not None]
-    return [(name, rank.reason) for rank, name in sorted(ranked, key=lambda r: r[0].place)]
 
 
 def choose(backend: str, request: Request, spec: ir.AttentionIR) -> Choice:

@@ -136,3 +136,11 @@ def register(backend: Backend) -> Backend:
     """Add ``backend`` to :data:`REGISTRY` under its name."""
     REGISTRY[backend.name] = backend
     return backend
+
+
+def auto_order(request: Request) -> list[tuple[str, str]]:
+    """The backends ``auto`` tries for ``request``, best first, each with the reason it would be
+    chosen."""
+    ranked = [(rank, name) for name, backend in REGISTRY.items()
+              if (rank := backend.rank(request)) is not None]
+    return [(name, rank.reason) for rank, name in sorted(ranked, key=lambda r: r[0].place)]

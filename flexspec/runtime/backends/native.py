@@ -24,7 +24,8 @@ import torch
 
 from flexspec import ir
 from flexspec.ir.forms import logit_factor
-from flexspec.runtime.backends.base import REGISTRY, Backend, Choice, Rank, Request
+from flexspec.runtime.backends.base import (REGISTRY, Backend, BackendError, Choice, Rank,
+                                            Request, auto_order)
 from flexspec.runtime.backends.flash import (FLASH_CAPABILITIES, FLASH_DTYPES, FLASH_HEAD_DIMS,
                                              FLASH_MIN_FLOPS)
 
@@ -230,7 +231,7 @@ class NativeCall:
     that runs calls whose ids are not contiguous runs."""
 
     form: NativeForm
-    fallback: object = None  # a Plan
+    fallback: object = None  # a Plan, or the BackendError that says why there is none
 
 
 class NativeBackend(Backend):
@@ -302,6 +303,8 @@ class NativeBackend(Backend):
             ids = values[ir.tensor_key(form.documents)]
             segments = document_segments(ids.expand(batch, length))
             if segments is None:
+                if isinstance(call.fallback, BackendError):
+                    raise call.fallback
                 return call.fallback.backend.run(call.fallback, q, k, v, scale, bindings, values)
         if plan.detach:
             q, k, v = q.detach(), k.detach(), v.detach()
@@ -322,21 +325,28 @@ class NativeBackend(Backend):
 
 
 def _fallback_plan(plan, values, masks):
-    """A copy of ``plan`` for the backend ``auto`` takes when this one does not exist: it runs
-    the calls whose document ids are not contiguous runs."""
+    """A copy of ``plan`` for the backend ``auto`` would take without this one, prepared: it runs
+    the calls whose document ids are not contiguous runs. A :class:`BackendError` saying why
+    when no other backend can."""
     rejected = []
-    for name, backend in REGISTRY.items():
-        if name in (NativeBackend.name, "reference"):
+    for name, because in auto_order(plan.request):
+        if name == NativeBackend.name:
             continue
-        reason = backend.why_not(plan.request, plan.spec)
-        if reason is None:
-            choice = Choice(name, "document ids that are not contiguous runs: FA4's own "
-                                  "kernels cannot run them", tuple(rejected))
-            fallback = dataclasses.replace(plan, choice=choice, backend=backend, prepared=None)
-            backend.prepare(fallback, values, masks)
-            return fallback
-        rejected.append((name, reason))
-    raise AssertionError("FlexAttention runs every spec FA4 does")  # pragma: no cover
+        backend = REGISTRY[name]
+        reason = backend.why_not(plan.request, plan.spec) or backend.auto_veto(plan.request,
+                                                                                plan.spec)
+        if reason is not None:
+            rejected.append((name, reason))
+            continue
+        choice = Choice(name, f"{because} (document ids that are not contiguous runs, which "
+                              "FA4's own kernels cannot run)", tuple(rejected))
+        fallback = dataclasses.replace(plan, choice=choice, backend=backend, prepared=None)
+        backend.prepare(fallback, values, masks)
+        return fallback
+    reasons = "; ".join(f"{name}: {reason}" for name, reason in rejected)
+    return BackendError("FA4's own kernels cannot run document ids that are not contiguous runs "
+                        f"(an id that comes back after another), and no other backend can run "
+                        f"this call ({reasons})")
 
 
 def _not_native(spec: ir.AttentionIR) -> str:
