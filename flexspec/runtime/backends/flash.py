@@ -50,23 +50,9 @@ class FlashBackend(FlexBackend):
     cute = True
 
     def why_not(self, request, spec):
-        device = request.device_type
-        if device != "cuda":
-            return f"FLASH runs on CUDA GPUs only, not on {device}"
-        if not request.flash_installed:
-            return ("FLASH needs FlashAttention-4 (the flash_attn.cute package), which is not "
-                    "installed: pip install flash-attn-4")
-        if request.capability is None or request.capability[0] not in FLASH_CAPABILITIES:
-            found = "unknown" if request.capability is None else \
-                ".".join(str(n) for n in request.capability)
-            return ("FLASH needs a Hopper or Blackwell GPU (compute capability 9.x or 10.x), "
-                    f"this one is {found}")
-        if request.dtype not in FLASH_DTYPES:
-            return f"FLASH needs float16 or bfloat16 inputs, got {request.dtype}"
-        if request.head_dim not in FLASH_HEAD_DIMS or request.v_head_dim != request.head_dim:
-            return ("FLASH is verified for head dimensions "
-                    f"{' and '.join(str(d) for d in FLASH_HEAD_DIMS)} (equal for q, k and v), "
-                    f"got {request.head_dim} and {request.v_head_dim}")
+        unavailable = fa4_unavailable(request, "FLASH")
+        if unavailable is not None:
+            return unavailable
         if request.table_grads:
             return ("FLASH cannot compute gradients of tensors the score reads (a learnable "
                     "table requires gradients)")
@@ -103,11 +89,7 @@ class FlashBackend(FlexBackend):
                        "spec at this size, forward and backward")
 
     def auto_veto(self, request, spec):
-        if request.dense_flops < FLASH_MIN_FLOPS:
-            return (f"the problem is small ({request.dense_flops / 1e9:.3g} GFLOP dense < "
-                    f"{FLASH_MIN_FLOPS / 1e9:.3g}): FLASH's fixed cost per call (about "
-                    "0.22 ms) outweighs its speed")
-        return None
+        return too_small(request, "FLASH")
 
     def facts(self, device, lowered):
         return {"flash_installed": device.type == "cuda" and flash_installed(),
@@ -147,6 +129,39 @@ class FlashBackend(FlexBackend):
         plan.prepared.kernel_options = flex.kernel_options(plan.request)
         # the kernel options are the second to last argument (see FlexBackend.run)
         return flex.launch(plan, args[:-2] + (plan.prepared.kernel_options, args[-1]))
+
+
+def fa4_unavailable(request: Request, kernel: str) -> str | None:
+    """Why FlashAttention-4's kernels (``kernel`` names which, for the message) cannot run on
+    ``request``'s device, dtype and head dimensions, or ``None``."""
+    device = request.device_type
+    if device != "cuda":
+        return f"{kernel} runs on CUDA GPUs only, not on {device}"
+    if not request.flash_installed:
+        return (f"{kernel} needs FlashAttention-4 (the flash_attn.cute package), which is not "
+                "installed: pip install flash-attn-4")
+    if request.capability is None or request.capability[0] not in FLASH_CAPABILITIES:
+        found = "unknown" if request.capability is None else \
+            ".".join(str(n) for n in request.capability)
+        return (f"{kernel} needs a Hopper or Blackwell GPU (compute capability 9.x or 10.x), "
+                f"this one is {found}")
+    if request.dtype not in FLASH_DTYPES:
+        return f"{kernel} needs float16 or bfloat16 inputs, got {request.dtype}"
+    if request.head_dim not in FLASH_HEAD_DIMS or request.v_head_dim != request.head_dim:
+        return (f"{kernel} is verified for head dimensions "
+                f"{' and '.join(str(d) for d in FLASH_HEAD_DIMS)} (equal for q, k and v), "
+                f"got {request.head_dim} and {request.v_head_dim}")
+    return None
+
+
+def too_small(request: Request, kernel: str) -> str | None:
+    """Why ``auto`` passes over FlashAttention-4's kernels for a problem below
+    :data:`FLASH_MIN_FLOPS`, or ``None``."""
+    if request.dense_flops < FLASH_MIN_FLOPS:
+        return (f"the problem is small ({request.dense_flops / 1e9:.3g} GFLOP dense < "
+                f"{FLASH_MIN_FLOPS / 1e9:.3g}): {kernel}'s fixed cost per call (about 0.22 ms "
+                "for FLASH) outweighs its speed")
+    return None
 
 
 @functools.lru_cache(maxsize=512)

@@ -26,8 +26,7 @@ from flexspec import ir
 from flexspec.ir.forms import logit_factor
 from flexspec.runtime.backends.base import (REGISTRY, Backend, BackendError, Choice, Rank,
                                             Request, auto_order)
-from flexspec.runtime.backends.flash import (FLASH_CAPABILITIES, FLASH_DTYPES, FLASH_HEAD_DIMS,
-                                             FLASH_MIN_FLOPS)
+from flexspec.runtime.backends.flash import fa4_unavailable, too_small
 
 
 @dataclass(frozen=True)
@@ -241,20 +240,9 @@ class NativeBackend(Backend):
         return None if native_form(spec) is not None else _not_native(spec)
 
     def why_not(self, request, spec):
-        device = request.device_type
-        if device != "cuda":
-            return f"FA4's own kernels run on CUDA GPUs only, not on {device}"
-        if not request.flash_installed:
-            return ("FA4's own kernels need FlashAttention-4 (the flash_attn.cute package), "
-                    "which is not installed: pip install flash-attn-4")
-        if request.capability is None or request.capability[0] not in FLASH_CAPABILITIES:
-            return "FA4's own kernels need a Hopper or Blackwell GPU"
-        if request.dtype not in FLASH_DTYPES:
-            return f"FA4's own kernels need float16 or bfloat16 inputs, got {request.dtype}"
-        if request.head_dim not in FLASH_HEAD_DIMS or request.v_head_dim != request.head_dim:
-            return (f"FA4's own kernels are verified here for head dimensions "
-                    f"{' and '.join(str(d) for d in FLASH_HEAD_DIMS)}, got "
-                    f"{request.head_dim} and {request.v_head_dim}")
+        unavailable = fa4_unavailable(request, "FA4's own interface")
+        if unavailable is not None:
+            return unavailable
         if native_form(spec) is None:
             return _not_native(spec)
         if request.q_len != request.kv_len:
@@ -275,10 +263,9 @@ class NativeBackend(Backend):
                        "H200, and need no block mask")
 
     def auto_veto(self, request, spec):
-        if request.dense_flops < FLASH_MIN_FLOPS:
-            return (f"the problem is small ({request.dense_flops / 1e9:.3g} GFLOP dense < "
-                    f"{FLASH_MIN_FLOPS / 1e9:.3g}): FA4's fixed cost per call outweighs its "
-                    "speed")
+        small = too_small(request, "FA4's own interface")
+        if small is not None:
+            return small
         if native_form(spec).softcap is not None:
             return ("FA4's own softcap ran at 0.90x the speed of FlexAttention's FLASH kernel "
                     "(causal + softcap(30), 4x16x8192x128, H200)")
