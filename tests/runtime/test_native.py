@@ -199,3 +199,14 @@ def test_ids_that_are_not_runs_go_where_auto_would_send_them_without_fa4():
     error = _fallback_plan(plan, values, masks)
     assert isinstance(error, flexspec.BackendError)
     assert "no other backend can run this call (flash: FLASH needs block sizes" in str(error)
+
+
+def test_documents_beyond_int32_positions_run_elsewhere():
+    import dataclasses
+    from flexspec.runtime.backends import REGISTRY
+    plan, _, _ = _plan_on_a_gpu_that_is_not_there("causal & doc")
+    fa4 = REGISTRY["fa4"]
+    assert fa4.why_not(plan.request, plan.spec) is None
+    huge = dataclasses.replace(plan.request, batch=2**18, q_len=2**13, kv_len=2**13)
+    assert "int32" in fa4.why_not(huge, plan.spec)
+    assert fa4.why_not(huge, flexspec.parse("causal").ir) is None  # no lengths to write

@@ -24,6 +24,7 @@ import torch
 
 from flexspec import ir
 from flexspec.ir.forms import logit_factor
+from flexspec.limits import fits_int
 from flexspec.runtime.backends.base import (REGISTRY, Backend, BackendError, Choice, Rank,
                                             Request, auto_order)
 from flexspec.runtime.backends.flash import fa4_unavailable, too_small
@@ -243,8 +244,12 @@ class NativeBackend(Backend):
         unavailable = fa4_unavailable(request, "FA4's own interface")
         if unavailable is not None:
             return unavailable
-        if native_form(spec) is None:
+        form = native_form(spec)
+        if form is None:
             return _not_native(spec)
+        if form.documents is not None and not fits_int(request.batch * request.q_len, "int32"):
+            return (f"FA4's cumulative sequence lengths are int32: {request.batch} rows of "
+                    f"{request.q_len} positions ({request.batch * request.q_len:,}) do not fit")
         if request.q_len != request.kv_len:
             return ("FA4 aligns causal masks and windows at the bottom right, flexspec at the "
                     f"top left: they agree only when Q_LEN == KV_LEN, got {request.q_len} and "
