@@ -523,3 +523,41 @@ def test_a_static_cache_decode_step_is_captured_in_a_cuda_graph():
                 ref = attn.reference(q[row:row + 1].double(), k[row:row + 1, :, :n].double(),
                                      v[row:row + 1, :, :n].double())
                 assert _relative_error(out[row:row + 1], ref) < TOLERANCE[torch.float32], (step, row)
+
+
+def test_a_packed_llama_matches_its_eager_attention_on_fa4(monkeypatch):
+    """A tiny Llama (2 layers, 8 heads of 128 over 2 KV heads) on one row of 8192 tokens packed
+    with 8 documents (positions restart at each), under flexspec's transformers integration and
+    under the model's own eager attention: the logits agree, and with FA4 installed the
+    documents ran on FA4's variable-length kernel."""
+    import copy
+    transformers = pytest.importorskip("transformers")
+    from flexspec.integrations import transformers as integration
+    calls = []
+    if flash_installed():
+        import flash_attn.cute
+        varlen = flash_attn.cute.flash_attn_varlen_func
+        monkeypatch.setattr(flash_attn.cute, "flash_attn_varlen_func",
+                            lambda *a, **kw: calls.append(1) or varlen(*a, **kw))
+    name = integration.register("flexspec_gpu_test")
+    config = transformers.LlamaConfig(vocab_size=100, hidden_size=1024, intermediate_size=1024,
+                                      num_hidden_layers=2, num_attention_heads=8,
+                                      num_key_value_heads=2, head_dim=128,
+                                      max_position_embeddings=8192)
+    torch.manual_seed(0)
+    eager = transformers.LlamaForCausalLM(copy.deepcopy(config)).to("cuda", torch.bfloat16).eval()
+    eager.set_attn_implementation("eager")
+    ours = transformers.LlamaForCausalLM(copy.deepcopy(config)).to("cuda", torch.bfloat16).eval()
+    ours.load_state_dict(eager.state_dict())
+    ours.set_attn_implementation(name)
+    generator = torch.Generator().manual_seed(3)
+    cuts = sorted(torch.randperm(8191, generator=generator)[:7].add(1).tolist())
+    lengths = [b - a for a, b in zip([0] + cuts, cuts + [8192])]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
+    ids = torch.randint(0, 100, (1, 8192), generator=generator).cuda()
+    with torch.no_grad():
+        expected = eager(ids, position_ids=positions).logits.float()
+        got = ours(ids, position_ids=positions).logits.float()
+    assert _relative_error(got, expected) < 2e-2
+    if flash_installed():
+        assert len(calls) == 2  # one call per layer
