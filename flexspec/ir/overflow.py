@@ -1,4 +1,7 @@
-"""Integer overflow: the integer arithmetic of a spec that, at given lengths, leaves the int
+"""Integer arithmetic a kernel cannot compute at given lengths: values that leave the int dtype
+it computes in (overflow), and divisors of ``//`` and ``%`` that can be 0.
+
+Overflow: the integer arithmetic of a spec that, at given lengths, leaves the int
 dtype a kernel computes it in. A kernel wraps around silently (``q * 2**62`` in int64 gave the
 reference and FlexAttention different answers), so every int node is bounded by interval
 analysis over the ranges of ``b h q kv`` and the sizes, and one whose bounds leave the dtype is an
@@ -9,6 +12,11 @@ condition (``where(q < 10, q * 2**60, 0)`` computes ``q * 2**60`` only for ``q <
 its wrapped value is discarded), and a branch its condition never takes is not checked at all.
 Bounds that interval analysis cannot find (a tensor's values, a divisor that may be 0) are not
 errors: only a sound, finite bound outside the dtype is.
+
+Division by zero: an int ``//`` or ``%`` whose divisor's bounds hold 0 (``Q_LEN // (Q_LEN - 24)``
+at Q_LEN = 24, ``q // (kv - q)``) is an error, in a ``where`` branch too: torch computes both
+branches of a ``where`` at every point, and an integer division by zero raises on the CPU and
+gives garbage on a GPU. A divisor with unknown bounds (a tensor's values) is not checked.
 
 >>> from flexspec.ir import Binary, Const, Var
 >>> spec = AttentionIR(mask=Binary(">=", Binary("*", Var("q"), Const(2**62)), Var("kv")))
@@ -23,6 +31,7 @@ from __future__ import annotations
 import math
 
 from flexspec import ir
+from flexspec.errors import SpecError
 from flexspec.ir.intervals import INF, Analyzer, ScalarOps
 from flexspec.ir.nodes import AttentionIR
 from flexspec.limits import check_int_range, fits_int
@@ -61,6 +70,21 @@ def check_int_ranges(spec: AttentionIR, ranges: dict, dtype: str, where: str) ->
     says for which lengths, in the message."""
     for root in (spec.mask, spec.score):
         _check(root, ranges, dtype, where)
+        _check_divisors(root, ranges, where)
+
+
+def _check_divisors(root: ir.Expr, ranges: dict, where: str) -> None:
+    bounds = _Bounds(ranges)
+    for node in ir.walk(root):
+        if isinstance(node, ir.Binary) and node.op in ("//", "%") and node.type == "int":
+            lo, hi = bounds.number(node.right)
+            if math.isfinite(lo) and math.isfinite(hi) and lo <= 0 <= hi:
+                divisor = ir.to_text(node.right)
+                raise SpecError(
+                    f"'{ir.to_text(node)}' divides by '{divisor}', which can be 0 {where}: an "
+                    "integer division by zero has no value (torch raises on the CPU, a GPU "
+                    "computes garbage), in a where branch too, since both branches are "
+                    f"computed; keep the divisor away from 0, e.g. max({divisor}, 1)")
 
 
 def _check(node: ir.Expr, ranges: dict, dtype: str, where: str, bounds=None) -> None:

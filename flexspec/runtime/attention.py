@@ -27,7 +27,7 @@ from flexspec.runtime.inputs import Tensors, as_device, check_qkv, given_sizes
 from flexspec.runtime.masks import BLOCK_MASK_MODES, BlockMaskMode, BlockMasks
 from flexspec.runtime.notices import warn_once
 from flexspec.runtime import positions
-from flexspec.runtime.plan import PLAN_CACHE_SIZE, Plan, call_key, make_plan
+from flexspec.runtime.plan import PLAN_CACHE_SIZE, Plan, call_key, check_ranges, make_plan
 
 
 class Attention:
@@ -127,6 +127,7 @@ class Attention:
         bindings = self._positions(bindings, q_offset, kv_lengths, sizes["B"], q_len, kv_len,
                                    device)
         values, spec = self._tensors(sizes, bindings, device, mask_only=True)
+        check_ranges(spec, sizes, "int64")
         return self._masks.get(spec, sizes, values, device)
 
     def dense_mask(self, q_len: int, kv_len: int, *, batch: int | None = None,

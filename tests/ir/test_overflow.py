@@ -5,6 +5,8 @@ pattern and the examples stay accepted at 1M positions, in int32 (FlexAttention'
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -115,3 +117,37 @@ def test_drawn_registry_specs_fit_int32_at_a_million_positions(text):
     spec = flexspec.parse(text).ir
     assert isinstance(spec, ir.AttentionIR)
     check_int_ranges(spec, position_ranges(MILLION), "int32", text)
+
+
+DIVISIONS = flexspec.loads(
+    "mask at24 = q < Q_LEN // (Q_LEN - 24)\n"
+    "mask pairs = q // (kv - q + 5) < 2\n"
+    "mask guarded = where(kv > q, q // (kv - q), 0) < 2\n"
+    "mask kept_away = q // max(kv - q, 1) < 2\n"
+    "mask positive = q % (kv + 1) == 0\n"
+    "mask tensor(t: int[KV_LEN]) = q // t[kv] < 2\n")
+
+
+@pytest.mark.parametrize("name, length, divisor", [
+    ("at24", 24, "Q_LEN - 24"), ("pairs", 8, "kv - q + 5"), ("guarded", 8, "kv - q")])
+def test_a_divisor_that_can_be_zero_is_an_error_naming_it(name, length, divisor):
+    attn = flexspec.compile(name, library=DIVISIONS)
+    q = k = v = torch.randn(1, 1, length, 8)
+    message = f"divides by .{re.escape(divisor)}., which can be 0 .*Q_LEN={length}.*max\\("
+    for run in (lambda: attn(q, k, v), lambda: attn.reference(q, k, v),
+                lambda: attn.dense_mask(length, length),
+                lambda: attn.block_mask(length, length)):
+        with pytest.raises(flexspec.SpecError, match=message):
+            run()
+
+
+def test_divisors_kept_away_from_zero_and_unknown_ones_run():
+    q = k = v = torch.randn(1, 1, 30, 8, dtype=torch.float64)
+    assert flexspec.compile("at24", library=DIVISIONS).reference(q, k, v).isfinite().all()
+    for name in ("kept_away", "positive"):
+        attn = flexspec.compile(name, library=DIVISIONS)
+        torch.testing.assert_close(attn(q.float(), k.float(), v.float()).double(),
+                                   attn.reference(q, k, v), rtol=1e-4, atol=1e-5)
+    attn = flexspec.compile("tensor", library=DIVISIONS)
+    # a tensor's values are not bounded: not refused (the values decide)
+    assert attn.reference(q, k, v, t=torch.full((30,), 3)).isfinite().all()
