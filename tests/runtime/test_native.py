@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import flexspec
-from flexspec.runtime.backends.native import document_segments, native_form
+from flexspec.runtime.backends.native import NativeCall, document_segments, native_form
 
 ATOMS = ["causal", "window({n})", "sliding_window({n})", "left({n})", "right({n})",
          "left_open({n})", "behind({n})", "causal", "abs_window({n})", "doc", "full",
@@ -210,3 +210,108 @@ def test_documents_beyond_int32_positions_run_elsewhere():
     huge = dataclasses.replace(plan.request, batch=2**18, q_len=2**13, kv_len=2**13)
     assert "int32" in fa4.why_not(huge, plan.spec)
     assert fa4.why_not(huge, flexspec.parse("causal").ir) is None  # no lengths to write
+
+
+# ---- the backend's call path, with FA4's interface emulated on the CPU ---------------------------
+
+
+def _emulated_attention(q, k, v, softmax_scale, causal, window_size, softcap):
+    """One sequence as FA4 defines it: q (S, H, D), k and v (S, Hkv, D); float64, dense."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    logits = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * softmax_scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    rows = torch.arange(q.shape[0]).view(-1, 1)
+    cols = torch.arange(k.shape[0]).view(1, -1)
+    left, right = (None, 0) if causal else window_size
+    visible = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool)
+    if left is not None:
+        visible &= cols >= rows - left
+    if right is not None:
+        visible &= cols <= rows + right
+    weights = torch.softmax(logits.masked_fill(~visible, -math.inf), -1).nan_to_num(0.0)
+    return torch.einsum("hqk,khd->qhd", weights, v.double()).to(q.dtype)
+
+
+@pytest.fixture
+def fa4_interface(monkeypatch):
+    """``flash_attn.cute`` with its two entry points emulated (what they are called with is
+    recorded), so that the backend's own code (layouts, cumulative lengths) runs here."""
+    import sys
+    import types
+    calls = []
+
+    def flash_attn_func(q, k, v, *, softmax_scale, causal, window_size, softcap):
+        calls.append(("dense", q.shape))
+        out = torch.stack([_emulated_attention(q[b], k[b], v[b], softmax_scale, causal,
+                                               window_size, softcap) for b in range(q.shape[0])])
+        return out, None
+
+    def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                               max_seqlen_k, softmax_scale, causal, window_size, softcap):
+        calls.append(("varlen", cu_seqlens_q.tolist(), max_seqlen_q))
+        assert torch.equal(cu_seqlens_q, cu_seqlens_k) and max_seqlen_q == max_seqlen_k
+        bounds = cu_seqlens_q.tolist()
+        assert max_seqlen_q == max(b - a for a, b in zip(bounds, bounds[1:]))
+        out = torch.cat([_emulated_attention(q[a:b], k[a:b], v[a:b], softmax_scale, causal,
+                                             window_size, softcap)
+                         for a, b in zip(bounds, bounds[1:])])
+        return out, None
+
+    cute = types.ModuleType("flash_attn.cute")
+    cute.flash_attn_func, cute.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
+    package = types.ModuleType("flash_attn")
+    package.cute = cute
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    return calls
+
+
+@pytest.mark.parametrize("text", ["causal & doc", "window(7) & doc + softcap(2.0)",
+                                  "sliding_window(5) + scale(0.5)", "full"])
+def test_the_call_path_lays_out_inputs_and_documents_as_fa4_reads_them(text, fa4_interface):
+    """q, k, v as (B, H, S, D) views of (B, S, H, D) tensors, GQA, ids per batch row: the
+    backend's output equals the float64 reference."""
+    import dataclasses
+    from flexspec.runtime.backends import REGISTRY
+    attn = flexspec.compile(text)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 150, 4, 16, generator=generator).transpose(1, 2)
+    k, v = (torch.randn(2, 150, 2, 16, generator=generator).transpose(1, 2) for _ in range(2))
+    ids = torch.stack([torch.arange(150) // 40, torch.arange(150) // 70 + 3])
+    bindings = {"doc_ids": ids} if "doc" in text else {}
+    plan = attn._plan(q, k, v, None, bindings, None)
+    # the plan of a CPU call, given what the fa4 backend keeps (contiguous ids need no fallback)
+    plan = dataclasses.replace(plan, backend=REGISTRY["fa4"],
+                               prepared=NativeCall(native_form(plan.spec)))
+    values = plan.values(bindings)
+    out = REGISTRY["fa4"].run(plan, q, k, v, None, bindings, values)
+    expected = attn.reference(q.double(), k.double(), v.double(), **bindings)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+    if "doc" in text:
+        assert fa4_interface == [("varlen", [0, 40, 80, 120, 150, 220, 290, 300], 70)]
+    else:
+        assert fa4_interface == [("dense", (2, 150, 4, 16))]
+
+
+def test_ids_that_are_not_runs_are_handed_to_the_fallback_plan(fa4_interface):
+    import dataclasses
+    from types import SimpleNamespace
+    from flexspec.runtime.backends import REGISTRY
+    attn = flexspec.compile("causal & doc")
+    q = k = v = torch.randn(1, 2, 150, 16)
+    ids = (torch.arange(150) // 30) % 2  # document 0 comes back
+    handed = []
+    fallback = SimpleNamespace(backend=SimpleNamespace(
+        run=lambda plan, *args: handed.append(plan) or "fallback's output"))
+    plan = attn._plan(q, k, v, None, {"doc_ids": ids}, None)
+    plan = dataclasses.replace(plan, backend=REGISTRY["fa4"],
+                               prepared=NativeCall(native_form(plan.spec), fallback))
+    values = plan.values({"doc_ids": ids})
+    assert REGISTRY["fa4"].run(plan, q, k, v, None, {"doc_ids": ids}, values) == \
+        "fallback's output"
+    assert handed == [fallback] and fa4_interface == []
+    plan.prepared.fallback = flexspec.BackendError("nothing else")
+    with pytest.raises(flexspec.BackendError, match="nothing else"):
+        REGISTRY["fa4"].run(plan, q, k, v, None, {"doc_ids": ids}, values)
