@@ -324,3 +324,22 @@ def test_the_fuzzer_reports_a_planted_bug(monkeypatch):
     monkeypatch.setattr(render, "render_text", broken)
     report = fuzzer.fuzz(40, seed=1, budget=5.0, echo=lambda *a: None)
     assert report.failures and "planted" in report.failures[0][2]
+
+
+def test_the_fuzzer_takes_every_spec_of_a_clean_file_through_the_stages(monkeypatch):
+    """A file's specs read its own definitions (model.attn's `local(128) + cap`): each is
+    re-parsed with the file's library, so the file is accepted and every spec staged."""
+    import random
+
+    from flexspec.resources import data_path
+    from flexspec.testing import fuzz as fuzzer
+
+    staged = []
+    original = fuzzer._spec_stages
+    monkeypatch.setattr(fuzzer, "_spec_stages",
+                        lambda spec, rng, library=None: staged.append(str(spec))
+                        or original(spec, rng, library))
+    text = (data_path("examples") / "model.attn").read_text(encoding="utf-8")
+    assert fuzzer.run_one("file", text, random.Random(0), cli=False) == "accepted"
+    library = fuzzer.load_text(text)
+    assert staged == [str(library[name]) for name in library.specs]

@@ -133,31 +133,34 @@ def _mutate(rng: random.Random, text: str, times: int) -> str:
 def run_one(kind: str, text: str, rng: random.Random, *, cli: bool) -> str:
     """Drive one input through the stages; ``"accepted"`` or ``"refused"`` (a flexspec error).
     Anything else escapes (the caller records it)."""
+    refused = False
     try:
         if kind == "file":
             library = load_text(text, "fuzz.attn")
-            specs = [library[name] for name in library.specs] if library.specs else []
+            specs = [library[name] for name in library.specs]
         else:
-            specs = [flexspec.parse(text)]
-        for spec in specs:
-            _spec_stages(spec, rng)
+            library, specs = None, [flexspec.parse(text)]
     except SpecError:
-        result = "refused"
-    else:
-        result = "accepted"
+        library, specs, refused = None, [], True
+    for spec in specs:  # each spec of a file on its own: one refused does not skip the others
+        try:
+            _spec_stages(spec, rng, library)
+        except SpecError:
+            refused = True
+    result = "refused" if refused else "accepted"
     if cli:
         _command_line(kind, text)
     return result
 
 
-def _spec_stages(spec, rng: random.Random) -> None:
+def _spec_stages(spec, rng: random.Random, library=None) -> None:
     import torch
 
     from flexspec.kernels.block_tables import EMPTY, tile_classes
     from flexspec.tools.render import render_text
     from flexspec.tools.values import demo_bindings
 
-    again = flexspec.parse(str(spec))
+    again = flexspec.parse(str(spec), library=library)  # a file's spec reads its definitions
     if again != spec:
         raise AssertionError(f"the canonical text does not parse back: {str(spec)!r}")
     attn = flexspec.compile(spec)
