@@ -340,6 +340,6 @@ def test_the_fuzzer_takes_every_spec_of_a_clean_file_through_the_stages(monkeypa
                         lambda spec, rng, library=None: staged.append(str(spec))
                         or original(spec, rng, library))
     text = (data_path("examples") / "model.attn").read_text(encoding="utf-8")
-    assert fuzzer.run_one("file", text, random.Random(0), cli=False) == "accepted"
+    assert fuzzer.run_one("file", text, random.Random(0), cli=False) == ("accepted", 6)
     library = fuzzer.load_text(text)
     assert staged == [str(library[name]) for name in library.specs]
