@@ -47,44 +47,45 @@ def _is_number(value) -> bool:
 class CheckedOps(ScalarOps):
     """ScalarOps that insists on the types the analysis promises every ops class (torch's
     included): booleans where a truth value goes, numbers where a bound goes. Python would take
-    ``None`` as false where ``blocks.TorchOps`` fails, so the rules are tested through this."""
+    ``None`` as false where ``blocks.TorchOps`` fails, so the rules are tested through this.
+    Each method checks, then runs ScalarOps' own."""
 
     @staticmethod
     def const(value):
         assert isinstance(value, bool) or _is_number(value), value
-        return value
+        return ScalarOps.const(value)
 
     @staticmethod
     def minimum(a, b):
         assert _is_number(a) and _is_number(b), (a, b)
-        return min(a, b)
+        return ScalarOps.minimum(a, b)
 
     @staticmethod
     def maximum(a, b):
         assert _is_number(a) and _is_number(b), (a, b)
-        return max(a, b)
+        return ScalarOps.maximum(a, b)
 
     @staticmethod
     def where(cond, a, b):
         assert isinstance(cond, bool), cond
         assert type(a) is bool or _is_number(a), a
         assert isinstance(a, bool) == isinstance(b, bool), (a, b)
-        return a if cond else b
+        return ScalarOps.where(cond, a, b)
 
     @staticmethod
     def all(*values):
         assert values and all(isinstance(v, bool) for v in values), values
-        return all(values)
+        return ScalarOps.all(*values)
 
     @staticmethod
     def any(*values):
         assert values and all(isinstance(v, bool) for v in values), values
-        return any(values)
+        return ScalarOps.any(*values)
 
     @staticmethod
     def logical_not(value):
         assert isinstance(value, bool), value
-        return not value
+        return ScalarOps.logical_not(value)
 
 
 def num(expr, **ranges):
@@ -999,6 +1000,10 @@ _SQRT = call("sqrt", op("-", b, C(2)))   # b in [1, 3]: NaN at b = 1
     (op("*", _LOG_KV, C(-2.0)), False), (op("*", _LOG_KV, C(0.5)), False),
     # inf - inf
     (op("-", _EXP_Q, _EXP_Q), True), (op("+", _EXP_Q, neg(_EXP_Q)), True),
+    (op("+", C(1.0), _EXP_Q), False), (op("/", C(2.0), _EXP_Q), False),
+    (op("/", _SQRT, C(2.0)), True), (op("*", _SQRT, C(2.0)), True),
+    # 0.0 * exp(q) lies in [0, 0] yet may be NaN: a function of it may be NaN too
+    (call("sqrt", op("*", C(0.0), _EXP_Q)), True), (call("sin", op("*", C(0.0), _EXP_Q)), True),
     (op("+", _EXP_Q, C(1.0)), False), (op("-", _EXP_Q, C(1.0)), False),
     # a NaN operand, on either side or under a minus
     (op("+", _SQRT, C(1.0)), True), (op("+", C(1.0), _SQRT), True), (neg(_SQRT), True),
