@@ -6,6 +6,7 @@ The ``eager_kernels`` fixture runs FlexAttention without torch.compile, for test
 around the kernel.
 """
 
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -34,6 +35,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_caches_under_mutmut():
+    """Under mutation testing (mutation/run.py), every mutant's tests run in a process forked
+    from one that ran the clean tests: flexspec's functools caches (``lower``'s above all) would
+    hand out results of the unmutated code and hide the mutant. Empty them first there."""
+    if "MUTANT_UNDER_TEST" in os.environ:
+        for name, module in list(sys.modules.items()):
+            if name.startswith("flexspec"):
+                for value in list(vars(module).values()):
+                    if callable(getattr(value, "cache_clear", None)):
+                        value.cache_clear()
+    yield
 
 
 @pytest.fixture

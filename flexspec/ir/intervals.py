@@ -163,12 +163,13 @@ class Analyzer:
         return self._div(a, b, floor=True)
 
     def _mod(self, a, b):
-        # Python's modulo by a positive divisor lies in [0, divisor - 1]; it is exact (and
-        # monotone) while the dividend stays inside one period of a fixed divisor.
+        # Python's modulo by a positive divisor lies in [0, divisor - 1] (by a negative one in
+        # [divisor + 1, 0]); it is exact (and rises with the dividend) while the dividend stays
+        # inside one period of a fixed divisor, of either sign.
         ops = self.ops
         (alo, ahi), (blo, bhi) = a, b
         spans_zero, (safe_lo, _) = self._safe_divisor(b)
-        exact = ops.all(blo == bhi, blo > 0)
+        exact = blo == bhi
         same_period = ops.all(exact, ops.floor(alo / safe_lo) == ops.floor(ahi / safe_lo))
         period_lo = alo - ops.floor(alo / safe_lo) * safe_lo
         period_hi = ahi - ops.floor(ahi / safe_lo) * safe_lo

@@ -40,12 +40,64 @@ def neg(x):
     return ir.Unary("neg", x)
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class CheckedOps(ScalarOps):
+    """ScalarOps that insists on the types the analysis promises every ops class (torch's
+    included): booleans where a truth value goes, numbers where a bound goes. Python would take
+    ``None`` as false where ``blocks.TorchOps`` fails, so the rules are tested through this.
+    Each method checks, then runs ScalarOps' own."""
+
+    @staticmethod
+    def const(value):
+        assert isinstance(value, bool) or _is_number(value), value
+        return ScalarOps.const(value)
+
+    @staticmethod
+    def minimum(a, b):
+        assert _is_number(a) and _is_number(b), (a, b)
+        return ScalarOps.minimum(a, b)
+
+    @staticmethod
+    def maximum(a, b):
+        assert _is_number(a) and _is_number(b), (a, b)
+        return ScalarOps.maximum(a, b)
+
+    @staticmethod
+    def where(cond, a, b):
+        assert isinstance(cond, bool), cond
+        assert type(a) is bool or _is_number(a), a
+        assert isinstance(a, bool) == isinstance(b, bool), (a, b)
+        return ScalarOps.where(cond, a, b)
+
+    @staticmethod
+    def all(*values):
+        assert values and all(isinstance(v, bool) for v in values), values
+        return ScalarOps.all(*values)
+
+    @staticmethod
+    def any(*values):
+        assert values and all(isinstance(v, bool) for v in values), values
+        return ScalarOps.any(*values)
+
+    @staticmethod
+    def logical_not(value):
+        assert isinstance(value, bool), value
+        return ScalarOps.logical_not(value)
+
+
 def num(expr, **ranges):
-    return Analyzer(ScalarOps, ranges).number(expr)
+    lo, hi = Analyzer(CheckedOps, ranges).number(expr)
+    assert _is_number(lo) and _is_number(hi), (lo, hi)
+    return lo, hi
 
 
 def boolean(expr, **ranges):
-    return Analyzer(ScalarOps, ranges).boolean(expr)
+    must, may = Analyzer(CheckedOps, ranges).boolean(expr)
+    assert isinstance(must, bool) and isinstance(may, bool), (must, may)
+    return must, may
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,13 +424,13 @@ _COSINE = ops.Function("cosine", 1, "num", "float", math.cos, "torch.cos", "peri
     (_COSINE, 6.0, 7.0, (math.cos(7.0), 1.0)),
 ])
 def test_periodic_rule(fn, lo, hi, expected):
-    assert Analyzer(ScalarOps, {})._periodic(fn, [(lo, hi)]) == expected
+    assert Analyzer(CheckedOps, {})._periodic(fn, [(lo, hi)]) == expected
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.floats(-50, 50), st.floats(0, 7), st.sampled_from([_SINE, _COSINE]))
 def test_periodic_rule_is_sound(lo, width, fn):
-    low, high = Analyzer(ScalarOps, {})._periodic(fn, [(lo, lo + width)])
+    low, high = Analyzer(CheckedOps, {})._periodic(fn, [(lo, lo + width)])
     for i in range(101):
         value = fn.python(lo + width * (i / 100))
         assert low <= value <= high
@@ -425,7 +477,7 @@ def test_interval_fixture(line, text, ranges, expected):
         lo, hi = span.split("..")
         bounds_of[name] = (int(lo), int(hi))
     expr = _fixture_ir(text)
-    analyzer = Analyzer(ScalarOps, bounds_of)
+    analyzer = Analyzer(CheckedOps, bounds_of)
     if expected in _BOOL_EXPECTED:
         got = analyzer.boolean(expr)
         assert (bool(got[0]), bool(got[1])) == _BOOL_EXPECTED[expected], f"intervals.txt:{line}"
@@ -718,7 +770,7 @@ def check_sound(expr: ir.Expr, ranges: dict) -> None:
         for node, value in out.items():
             if value is not Undefined:
                 values[node].append(value)
-    analyzer = Analyzer(ScalarOps, ranges)
+    analyzer = Analyzer(CheckedOps, ranges)
     for node, seen in values.items():
         if node.type == "bool":
             must, may = analyzer.boolean(node)
@@ -815,3 +867,211 @@ def test_registry_masks_are_sound(data):
         lo = data.draw(st.integers(0, top - 1))
         ranges[name] = (lo, min(top - 1, lo + data.draw(st.integers(0, 6))))
     check_sound(mask, ranges)
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact bounds that the soundness properties cannot see (a looser bound is still sound): each
+# found by mutation testing (mutation/run.py ir/intervals).
+
+
+@pytest.mark.parametrize("cond, branch, taken, expected", [
+    # q in [0, 9], kv in [3, 6]; the branch q, the other side kv
+    (op("<", q, kv), q, True, (0, 5)),
+    (op("<", q, kv), q, False, (3, 9)),     # q >= kv
+    (op("<=", q, kv), q, True, (0, 6)),
+    (op("<=", q, kv), q, False, (4, 9)),    # q > kv: ints step by one
+    (op(">", q, kv), q, True, (4, 9)),
+    (op(">", q, kv), q, False, (0, 6)),     # q <= kv
+    (op(">=", q, kv), q, True, (3, 9)),
+    (op(">=", q, kv), q, False, (0, 5)),    # q < kv
+    # the branch on the right: `kv > q` read as `q < kv`
+    (op(">", kv, q), q, True, (0, 5)),
+    (op(">", kv, q), q, False, (3, 9)),
+    (op("<=", kv, q), q, True, (3, 9)),
+    (op("<=", kv, q), q, False, (0, 5)),
+    # neither a bound comparison nor a condition on the branch: nothing to narrow
+    (op("==", q, kv), q, True, (0, 9)),
+    (op("!=", q, kv), q, False, (0, 9)),
+    (op("<", kv, C(5)), q, True, (0, 9)),
+    # a float side: no integer step (q / 2 < kv leaves q / 2 below 6.0, not 5.0)
+    (op("<", op("/", q, C(2)), kv), op("/", q, C(2)), True, (0.0, 4.5)),
+    (op("<", op("/", q, C(1)), kv), op("/", q, C(1)), True, (0.0, 6.0)),
+    (op(">", op("/", q, C(1)), kv), op("/", q, C(1)), True, (3.0, 9.0)),
+    (op("<", q, op("/", kv, C(1))), q, True, (0, 6.0)),
+    (op(">", q, op("/", kv, C(1))), q, True, (3.0, 9)),
+])
+def test_narrow_each_comparison_exactly(cond, branch, taken, expected):
+    analyzer = Analyzer(CheckedOps, {"q": (0, 9), "kv": (3, 6)})
+    assert analyzer._narrow(cond, branch, analyzer.number(branch), taken) == expected
+
+
+def test_where_narrows_both_branches_exactly():
+    # where(q < 5, 100, q): the second branch is taken only where q >= 5
+    assert num(call("where", op("<", q, C(5)), C(100), q), q=(0, 9)) == (5, 100)
+    assert num(call("where", op("<", q, C(5)), q, C(-100)), q=(0, 9)) == (-100, 4)
+    assert num(call("where", op("<=", q, C(4)), C(100), q), q=(0, 9)) == (5, 100)
+    assert num(call("where", op(">", q, C(4)), C(-100), q), q=(0, 9)) == (-100, 4)
+    assert num(call("where", op(">=", q, C(5)), C(-100), q), q=(0, 9)) == (-100, 4)
+    # the branch on the right of the condition
+    assert num(call("where", op(">", C(5), q), C(100), q), q=(0, 9)) == (5, 100)
+
+
+def test_where_takes_one_branch_when_the_condition_is_certain():
+    # the untaken branch must not widen the bounds, whichever side it lies on
+    expr = call("where", op("<", q, C(5)), kv, C(100))
+    assert num(expr, q=(0, 3), kv=(1, 2)) == (1, 2)       # always the first
+    expr = call("where", op("<", q, C(5)), C(-100), kv)
+    assert num(expr, q=(6, 9), kv=(1, 2)) == (1, 2)       # never the first
+    expr = call("where", op("<", q, C(5)), C(100), kv)
+    assert num(expr, q=(6, 9), kv=(1, 2)) == (1, 2)
+    expr = call("where", op("<", q, C(5)), kv, C(-100))
+    assert num(expr, q=(0, 3), kv=(1, 2)) == (1, 2)
+
+
+def test_ceil_of_an_unbounded_value():
+    assert num(call("ceil", op("/", q, kv)), q=(1, 2), kv=(-1, 1)) == (-INF, INF)
+    assert num(call("floor", op("/", q, kv)), q=(1, 2), kv=(-1, 1)) == (-INF, INF)
+
+
+def test_bounds_keeps_a_half_bounded_range():
+    assert bounds(call("exp", q), {"q": (0, 10**6)}) == (1.0, INF)
+    assert bounds(neg(call("exp", q)), {"q": (0, 10**6)}) == (-INF, -1.0)
+
+
+@pytest.mark.parametrize("lo, hi", [
+    (-2.0 ** 21 - 1, -2.0 ** 21),        # far out on the negative side: everything
+    (2.0 ** 20 + 10, 2.0 ** 20 + 11),    # just past 2**20
+])
+def test_periodic_rule_gives_everything_far_out(lo, hi):
+    assert Analyzer(CheckedOps, {})._periodic(_SINE, [(lo, hi)]) == (-1.0, 1.0)
+
+
+@pytest.mark.parametrize("lo, hi", [(100.0, 101.0), (2.0 ** 20 - 1, 2.0 ** 20)])
+def test_periodic_rule_is_exact_up_to_two_to_the_twenty(lo, hi):
+    # no extreme of sin lies in these ranges (checked here with the peaks' own positions), so
+    # the bounds are the endpoint values, not the whole [-1, 1]
+    peaks = [math.pi / 2 + k * math.pi for k in range(int(lo / math.pi) - 1, int(hi / math.pi) + 2)]
+    assert not any(lo <= p <= hi for p in peaks)
+    ends = sorted([math.sin(lo), math.sin(hi)])
+    assert Analyzer(CheckedOps, {})._periodic(_SINE, [(lo, hi)]) == (ends[0], ends[1])
+
+
+@pytest.mark.parametrize("cond, branch, expected", [
+    # the branch on the right of each comparison, the condition taken: flipped, then narrowed
+    (op("<", kv, q), q, (4, 9)),      # q > kv
+    (op("<=", kv, q), q, (3, 9)),     # q >= kv
+    (op(">", kv, q), q, (0, 5)),      # q < kv
+    (op(">=", kv, q), q, (0, 6)),     # q <= kv
+])
+def test_narrow_flips_a_condition_on_the_right(cond, branch, expected):
+    analyzer = Analyzer(CheckedOps, {"q": (0, 9), "kv": (3, 6)})
+    assert analyzer._narrow(cond, branch, analyzer.number(branch), True) == expected
+
+
+def test_abs_of_fractional_ranges():
+    assert num(call("abs", op("/", q, C(2))), q=(1, 4)) == (0.5, 2.0)
+    assert num(call("abs", op("/", q, C(2))), q=(-3, 1)) == (0.0, 1.5)
+    assert num(call("abs", op("/", q, C(2))), q=(-4, -1)) == (0.5, 2.0)
+
+
+def test_modulo_by_a_fixed_negative_divisor_inside_one_period():
+    # Python's x % -4 lies in [-3, 0] and, like a positive divisor, rises with x inside one
+    # period: 1 % -4 == -3, 2 % -4 == -2
+    assert num(op("%", q, C(-4)), q=(1, 2)) == (-3, -2)
+    assert num(op("%", q, C(-4)), q=(-3, 0)) == (-3, 0)
+    assert num(op("%", q, C(-4)), q=(3, 5)) == (-3, 0)   # crosses a multiple of 4
+
+
+_LOG_KV = call("log", kv)         # kv in [0, 5]: [-inf, log 5], never NaN (log 0 = -inf)
+_EXP_Q = call("exp", q)           # q in [0, 10**6]: [1, inf]
+_SQRT = call("sqrt", op("-", b, C(2)))   # b in [1, 3]: NaN at b = 1
+
+
+@pytest.mark.parametrize("expr, expected", [
+    (q, False), (C(1.5), False), (op("+", q, kv), False),
+    # 0 / 0 and inf / inf
+    (op("/", q, kv), True), (op("/", b, kv), False), (op("/", C(0.0), b), False),
+    (op("/", C(0.0), kv), True), (op("/", _EXP_Q, _EXP_Q), True), (op("/", _EXP_Q, b), False),
+    # 0 * inf, each side, each infinity
+    (op("*", _LOG_KV, C(0.0)), True), (op("*", C(0.0), _LOG_KV), True),
+    (op("*", _EXP_Q, C(0.0)), True), (op("*", C(0.0), _EXP_Q), True),
+    (op("*", C(2.0), _LOG_KV), False), (op("*", C(-2.0), _LOG_KV), False),
+    (op("*", C(0.5), _LOG_KV), False), (op("*", _LOG_KV, C(2.0)), False),
+    (op("*", _LOG_KV, C(-2.0)), False), (op("*", _LOG_KV, C(0.5)), False),
+    # inf - inf
+    (op("-", _EXP_Q, _EXP_Q), True), (op("+", _EXP_Q, neg(_EXP_Q)), True),
+    (op("+", C(1.0), _EXP_Q), False), (op("/", C(2.0), _EXP_Q), False),
+    (op("/", _SQRT, C(2.0)), True), (op("*", _SQRT, C(2.0)), True),
+    # 0.0 * exp(q) lies in [0, 0] yet may be NaN: a function of it may be NaN too
+    (call("sqrt", op("*", C(0.0), _EXP_Q)), True), (call("sin", op("*", C(0.0), _EXP_Q)), True),
+    (op("+", _EXP_Q, C(1.0)), False), (op("-", _EXP_Q, C(1.0)), False),
+    # a NaN operand, on either side or under a minus
+    (op("+", _SQRT, C(1.0)), True), (op("+", C(1.0), _SQRT), True), (neg(_SQRT), True),
+    (neg(_EXP_Q), False),
+    # functions: below their domain, at infinity, or of a NaN argument
+    (call("sqrt", b), False), (_SQRT, True), (call("log", kv), False), (call("log", h), True),
+    (call("sin", _EXP_Q), True), (call("sin", _LOG_KV), True), (call("sin", b), False),
+    (call("tanh", _EXP_Q), False), (call("exp", _SQRT), True),
+    (call("min", _SQRT, C(1.0)), True), (call("max", C(1.0), _SQRT), True),
+    (call("where", op("<", q, C(5)), C(1.0), _SQRT), True),
+    (call("where", op("<", q, C(5)), C(1.0), C(2.0)), False),
+])
+def test_may_be_nan(expr, expected):
+    analyzer = Analyzer(CheckedOps, {"q": (0, 10**6), "kv": (0, 5), "b": (1, 3), "h": (-3, -1)})
+    assert analyzer.may_be_nan(expr) is expected
+
+
+def test_equality_of_ranges_exactly():
+    assert boolean(op("==", q, kv), q=(2, 2), kv=(2, 5)) == (False, True)
+    assert boolean(op("==", q, kv), q=(2, 5), kv=(2, 2)) == (False, True)
+    assert boolean(op("==", q, kv), q=(5, 9), kv=(0, 3)) == (False, False)
+    assert boolean(op("!=", q, kv), q=(5, 9), kv=(0, 3)) == (True, True)
+
+
+def test_nan_on_either_side_of_a_comparison():
+    nan_at_1 = {"b": (1, 3)}   # _SQRT is NaN at b = 1
+    assert boolean(op("<", _SQRT, C(100.0)), **nan_at_1) == (False, True)
+    assert boolean(op(">", C(100.0), _SQRT), **nan_at_1) == (False, True)
+    # NaN != x is true: != holds everywhere here, NaN or not
+    assert boolean(op("!=", _SQRT, C(100.0)), **nan_at_1) == (True, True)
+    # 0.0 * exp(q) is 0.0, or NaN where exp(q) overflows: != 0.0 may hold there
+    zero_or_nan = op("*", C(0.0), _EXP_Q)
+    assert num(zero_or_nan, q=(0, 10**6)) == (0.0, 0.0)
+    assert boolean(op("!=", zero_or_nan, C(0.0)), q=(0, 10**6)) == (False, True)
+    assert boolean(op("==", zero_or_nan, C(0.0)), q=(0, 10**6)) == (False, True)
+    assert boolean(op("!=", zero_or_nan, C(0.0)), q=(0, 10)) == (False, False)
+
+
+class _LookupOps(CheckedOps):
+    """CheckedOps whose tensor lookups have known bounds: ``FOUND[tensor name]``."""
+
+    FOUND = {"t": (2.0, 5.0), "flags": (0.0, 1.0), "ones": (1.0, 1.0), "zeros": (0.0, 0.0)}
+    seen: list = []
+
+    @staticmethod
+    def lookup(node, index_bounds):
+        _LookupOps.seen.append((node, index_bounds))
+        return _LookupOps.FOUND[node.tensor.name]
+
+
+def test_lookups_take_their_bounds_from_the_ops():
+    def lookup_of(name, dtype):
+        return ir.Lookup(ir.Tensor(name, (ir.Var("KV_LEN"),), dtype), (op("+", q, C(1)),))
+
+    analyzer = Analyzer(_LookupOps, {"q": (0, 3)})
+    _LookupOps.seen.clear()
+    node = lookup_of("t", "int")
+    assert analyzer.number(node) == (2.0, 5.0)
+    assert _LookupOps.seen == [(node, [(1, 4)])]   # the lookup node and its index bounds
+    _LookupOps.seen.clear()
+    flags = lookup_of("flags", "bool")
+    assert analyzer.boolean(flags) == (False, True)
+    assert _LookupOps.seen == [(flags, [(1, 4)])]
+    assert analyzer.boolean(lookup_of("ones", "bool")) == (True, True)
+    assert analyzer.boolean(lookup_of("zeros", "bool")) == (False, False)
+
+
+def test_a_symbolic_parameter_is_unbounded():
+    # a parameter left symbolic (a definition checked without arguments) has no bounds
+    assert num(ir.Param("n", "int"), q=(0, 3)) == (-INF, INF)
+    assert num(op("+", ir.Param("n", "int"), q), q=(0, 3)) == (-INF, INF)

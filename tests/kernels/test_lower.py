@@ -94,6 +94,16 @@ def test_free_names_are_only_what_the_source_reads():
     header = lowered.source().splitlines()[2]
     assert header == "# free names: Q_LEN (int), KV_LEN (int), doc_ids (tensor 'doc_ids')"
 
+    assert lower(spec(CAUSAL)).source().splitlines()[2] == "# free names: none"
+
+
+def test_empty_and_or_lower_to_their_neutral_constant():
+    # And(()) and Or(()) (no operand: true and false) lower to a constant mask
+    assert lower(spec(ir.Or(()))).mask_source.splitlines()[-1] == (
+        "    return torch.full_like(q_idx, False, dtype=torch.bool)")
+    assert lower(spec(ir.And(()))).mask_source.splitlines()[-1] == (
+        "    return torch.full_like(q_idx, True, dtype=torch.bool)")
+
 
 def test_source_is_pasteable_python():
     lowered = lower(spec(ir.And((CAUSAL_BR, DOCUMENT)), softcap(20.0, ALIBI)))
@@ -119,17 +129,29 @@ def _load_lowering_cases():
 
 
 LOWERING_CASES = _load_lowering_cases()
+CUTE_CASES = pairs("lowering_cute.txt")
+
+
+def _golden_return(text: str, cute: bool) -> str:
+    context = Definition("fixture", "score", (), None)
+    expr = simplify(Checker(Scope()).expr(parse_expr(Source(text, "lowering.txt")),
+                                          {"score": ir.SCORE}, context))
+    lowered = lower(spec(expr) if expr.type == "bool" else spec(score=expr), cute=cute)
+    source = lowered.mask_source if expr.type == "bool" else lowered.score_source
+    return source.splitlines()[-1]
 
 
 @pytest.mark.parametrize("line, text, expected", LOWERING_CASES,
                          ids=[f"{n}:{text}" for n, text, _ in LOWERING_CASES])
 def test_lowering_fixture(line, text, expected):
-    context = Definition("fixture", "score", (), None)
-    expr = simplify(Checker(Scope()).expr(parse_expr(Source(text, "lowering.txt")),
-                                          {"score": ir.SCORE}, context))
-    lowered = lower(spec(expr) if expr.type == "bool" else spec(score=expr))
-    source = lowered.mask_source if expr.type == "bool" else lowered.score_source
-    assert source.splitlines()[-1] == "    return " + expected, f"lowering.txt:{line}"
+    assert _golden_return(text, cute=False) == "    return " + expected, f"lowering.txt:{line}"
+
+
+@pytest.mark.parametrize("line, text, expected", CUTE_CASES,
+                         ids=[f"{n}:{text}" for n, text, _ in CUTE_CASES])
+def test_lowering_cute_fixture(line, text, expected):
+    assert _golden_return(text, cute=True) == "    return " + expected, \
+        f"lowering_cute.txt:{line}"
 
 
 # --- masks against the reference -----------------------------------------------------------
