@@ -33,8 +33,10 @@ def test_the_settings_mutate_one_module_against_its_tests():
 
 
 def test_equivalent_mutants_name_a_core_module_and_a_reason():
-    prefixes = tuple("flexspec." + module.replace("/", ".").removesuffix(".__init__") + ".x_"
-                     for module in mutation.MODULES)
+    # mutmut names a function's mutants module.x_name__mutmut_N, a method's
+    # module.xǁClassǁname__mutmut_N
+    prefixes = tuple("flexspec." + module.replace("/", ".").removesuffix(".__init__") + mark
+                     for module in mutation.MODULES for mark in (".x_", ".xǁ"))
     reasons = mutation._equivalent()
     assert reasons
     for name, why in reasons.items():
