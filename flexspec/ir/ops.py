@@ -255,7 +255,6 @@ def _float_fn(name, python, scalar_form: Form | None = None, interval="increasin
                     float_math=True, **more)
 
 
-
 # On Python numbers (expressions of sizes only) the lowering writes these functions so that they
 # give what torch gives, NaN or an infinity, where Python's math raises (log(-1), sqrt(-1),
 # exp(1000), sin(inf)): a conditional expression, which dynamo folds like any constant.
@@ -270,6 +269,7 @@ def _ieee_log(name: str, pole: int) -> Form:
     """``name`` (log, log2, log1p): -inf at ``pole``, NaN below it (and for NaN)."""
     return _ieee(f"math.{name}({{0}}) if {{0}} > {pole} else -math.inf if {{0}} == {pole} "
                  "else math.nan")
+
 
 _FUNCTION_LIST = [
     Function("abs", 1, "num", "num", abs, "torch.abs", "abs", Form("torch.abs({0})"),
