@@ -204,6 +204,12 @@ def test_broadcast_document_ids_give_a_mask_without_b():
     ir.And((op(">", KV_LEN, C(3)), ir.Unary("not", op("<", Q_LEN, C(2))), CAUSAL)),
     op(">", Q_LEN, C(1000)),
     ir.FALSE,
+    # a conditional expression as the operand of the cute abs keeps its parentheses in the
+    # condition (found by the random masks: `where(b if c else b < 0, ...)` took `b` as the
+    # condition)
+    op("<", b, call("abs", call("where", op("<", Q_LEN, C(30)), op("-", b, q), b))),
+    # clamp of two sizes and a tensor: max(Q_LEN, 0) is a Python number, then a where
+    op("<", q, call("clamp", op("-", Q_LEN, C(10)), C(0), kv)),
 ])
 @pytest.mark.parametrize("cute", [False, True], ids=["torch", "cute"])
 def test_scalar_and_mixed_expressions_lower_correctly(mask, cute):
