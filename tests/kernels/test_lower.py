@@ -7,7 +7,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
-from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+from torch.nn.attention.flex_attention import (_vmap_for_bhqkv, create_block_mask, create_mask,
+                                               flex_attention)
 
 from flexspec import ir
 from flexspec.errors import BindingError, Source
@@ -16,7 +18,7 @@ from flexspec.lang.checker import Checker
 from flexspec.lang.definitions import Definition, Scope
 from flexspec.lang.parser import parse_expr
 from flexspec.kernels.lower import lower
-from flexspec.kernels.reference import dense_mask, reference_attention
+from flexspec.kernels.reference import dense_mask, dense_scores, reference_attention
 from flexspec.ir.specialize import specialize_ir
 from flexspec.kernels.tensors import builtin_tensor
 from golden import pairs
@@ -37,6 +39,17 @@ def lowered_mask(spec_, batch, heads, q_len, kv_len, tensors=None, cute=False):
     mask_mod, _ = lower(spec_, cute=cute).make_mods(sizes(batch, heads, q_len, kv_len),
                                                     tensors or {})
     return create_mask(mask_mod, batch, heads, q_len, kv_len, device="cpu")
+
+
+def lowered_scores(spec_, logits, tensors=None, cute=False):
+    """The lowered score_mod applied to ``logits [B, H, Q_LEN, KV_LEN]`` at every position, the
+    way FlexAttention's create_mask maps a mod over the index grid."""
+    batch, heads, q_len, kv_len = logits.shape
+    _, score_mod = lower(spec_, cute=cute).make_mods(sizes(batch, heads, q_len, kv_len),
+                                                     tensors or {})
+    grid = [torch.arange(n) for n in logits.shape]
+    with TransformGetItemToIndex():
+        return _vmap_for_bhqkv(score_mod, prefix=(0,))(logits, *grid)
 
 
 def doc_ids(batch, length, docs=4, seed=0):
@@ -325,6 +338,42 @@ def test_a_score_of_sizes_only_matches_the_reference():
     index = torch.tensor(0, dtype=torch.int32)
     got = score_mod(torch.tensor(0.5), index, index, index, index)
     assert got.item() == pytest.approx(0.5 + 1 / (1 + math.exp(-2.4)), rel=1e-6)
+
+
+@pytest.mark.parametrize("score", [
+    # min, max, clamp, abs and sign of tensors, of a tensor and a size, of sizes only
+    op("+", SCORE, call("min", q, op("-", kv, C(3)))),
+    op("+", SCORE, call("max", op("/", q, C(2)), KV_LEN)),
+    op("-", SCORE, call("min", Q_LEN, op("*", C(0.5), kv))),
+    op("+", SCORE, call("max", C(4), kv)),
+    op("+", SCORE, call("clamp", op("-", q, kv), C(-3), C(4))),
+    op("+", SCORE, call("clamp", q, kv, op("-", KV_LEN, C(20)))),
+    op("+", SCORE, call("clamp", op("-", Q_LEN, C(10)), C(0), kv)),
+    op("+", SCORE, call("clamp", C(5), q, op("+", kv, C(2)))),
+    op("+", SCORE, op("*", call("abs", op("-", q, kv)), call("sign", op("-", q, op("/", kv, C(2)))))),
+    op("+", SCORE, op("*", call("sign", op("-", kv, q)), call("abs", op("-", Q_LEN, KV_LEN)))),
+    # an int score and a score that does not read the logits become floats
+    op("-", q, kv),
+    op("*", call("exp2", op("/", kv, C(-8))), op("//", q, C(3))),
+    C(2.5),
+    op("*", Q_LEN, C(2)),
+    # float math of int tensors; where with a size condition and one tensor branch
+    op("+", SCORE, op("*", call("log1p", kv), call("sqrt", op("+", q, C(1))))),
+    op("+", SCORE, call("where", op(">", Q_LEN, C(10)), call("tanh", op("/", q, C(7))), C(-1.0))),
+    op("+", SCORE, call("where", op("<", Q_LEN, C(10)), C(2), op("%", kv, C(3)))),
+    op("+", SCORE, call("where", op("<", q, kv), op("/", SCORE, C(2)), call("floor", op("/", kv, C(3))))),
+    softcap(20.0, ALIBI),
+])
+@pytest.mark.parametrize("cute", [False, True], ids=["torch", "cute"])
+def test_score_mods_match_the_reference(score, cute):
+    # B, H, Q_LEN, KV_LEN = 2, 3, 24, 37: KV_LEN > Q_LEN > 10
+    logits = torch.randn(2, 3, 24, 37, generator=torch.Generator().manual_seed(0))
+    tensors = {"alibi_slopes(H)": builtin_tensor(SLOPES, {"H": 3})}
+    needed = {k: v for k, v in tensors.items() if k in lower(spec(score=score)).tensor_names}
+    got = lowered_scores(spec(score=score), logits, needed, cute=cute)
+    expected = dense_scores(spec(score=score), logits.double(), needed)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), expected, atol=1e-5), ir.to_text(score)
 
 
 def test_the_cute_form_has_no_minimum_maximum_clamp_abs_or_sign():
