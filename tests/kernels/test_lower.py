@@ -430,13 +430,13 @@ def test_missing_sizes_and_tensors_are_named():
 
 
 def test_tensor_identifiers_for_awkward_names():
-    keys = ["3d", "_x_", "()", "lambda", "a-b", "a.b", "a b"]
+    keys = ["3d", "_x_", "()", "lambda", "a-b", "a.b", "a b", "Xy_"]
     tensors = [ir.Tensor(key, (), dtype="int") for key in keys]
     mask = ir.And(tuple(op("<", q, lookup(t)) for t in tensors))
     lowered = lower(spec(mask))
     assert dict(lowered.tensor_names) == {"3d": "t_3d", "_x_": "x", "()": "tensor",
                                           "lambda": "lambda_", "a-b": "a_b", "a.b": "a_b_2",
-                                          "a b": "a_b_3"}
+                                          "a b": "a_b_3", "Xy_": "Xy"}
     values = {key: torch.tensor(i + 2) for i, key in enumerate(keys)}
     got = lowered_mask(spec(mask), 1, 1, 5, 5, values)
     assert torch.equal(got, dense_mask(spec(mask), 1, 1, 5, 5, values))
@@ -467,6 +467,10 @@ def test_long_chains_go_one_term_per_line_past_the_line_limit():
         assert (len(lines) == 1) == (len(one) <= 96), one
         lengths.add(len(one))
     assert {96, 97} <= lengths
+    # an & chain inside a split | chain needs no parentheses: & binds tighter
+    n = C(int("9" * 30))
+    mask = ir.Or((ir.And((op("<", q, kv), op("<", kv, C(3)))), op("==", q, n), op("==", kv, n)))
+    assert lower(spec(mask)).mask_source.splitlines()[3] == "        (q_idx < kv_idx) & (kv_idx < 3)"
 
 
 @pytest.mark.parametrize("mask, expected", [
