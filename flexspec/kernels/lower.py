@@ -180,7 +180,7 @@ class _Emitter:
     # CuTeDSL (FLASH) rejected torch.maximum (FA4 4.0.0b36): the same values through where
     def _cute_abs(self, args, arg_types) -> _Code:
         x = args[0]
-        return _Code(f"torch.where({x.text} < 0, -{x.at(_UNARY)}, {x.text})", _ATOM, True)
+        return _Code(f"torch.where({x.at(_CMP + 1)} < 0, -{x.at(_UNARY)}, {x.text})", _ATOM, True)
 
     def _cute_sign(self, args, arg_types) -> _Code:
         x = args[0]

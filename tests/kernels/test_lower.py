@@ -1,5 +1,6 @@
 """Tests of flexspec.kernels.lower: the generated source, and FlexAttention runs against the reference."""
 
+import inspect
 import math
 
 import pytest
@@ -7,16 +8,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
-from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+from torch.nn.attention.flex_attention import (_vmap_for_bhqkv, create_block_mask, create_mask,
+                                               flex_attention)
 
 from flexspec import ir
-from flexspec.errors import BindingError, Source
+from flexspec.errors import BindingError, Source, SpecError
 from flexspec.ir.simplify import simplify
 from flexspec.lang.checker import Checker
 from flexspec.lang.definitions import Definition, Scope
 from flexspec.lang.parser import parse_expr
 from flexspec.kernels.lower import lower
-from flexspec.kernels.reference import dense_mask, reference_attention
+from flexspec.kernels.reference import dense_mask, dense_scores, reference_attention
 from flexspec.ir.specialize import specialize_ir
 from flexspec.kernels.tensors import builtin_tensor
 from golden import pairs
@@ -37,6 +40,20 @@ def lowered_mask(spec_, batch, heads, q_len, kv_len, tensors=None, cute=False):
     mask_mod, _ = lower(spec_, cute=cute).make_mods(sizes(batch, heads, q_len, kv_len),
                                                     tensors or {})
     return create_mask(mask_mod, batch, heads, q_len, kv_len, device="cpu")
+
+
+TEMPERATURE = ir.Tensor("temperature", ())
+
+
+def lowered_scores(spec_, logits, tensors=None, cute=False):
+    """The lowered score_mod applied to ``logits [B, H, Q_LEN, KV_LEN]`` at every position, the
+    way FlexAttention's create_mask maps a mod over the index grid."""
+    batch, heads, q_len, kv_len = logits.shape
+    _, score_mod = lower(spec_, cute=cute).make_mods(sizes(batch, heads, q_len, kv_len),
+                                                     tensors or {})
+    grid = [torch.arange(n) for n in logits.shape]
+    with TransformGetItemToIndex():
+        return _vmap_for_bhqkv(score_mod, prefix=(0,))(logits, *grid)
 
 
 def doc_ids(batch, length, docs=4, seed=0):
@@ -204,6 +221,20 @@ def test_broadcast_document_ids_give_a_mask_without_b():
     ir.And((op(">", KV_LEN, C(3)), ir.Unary("not", op("<", Q_LEN, C(2))), CAUSAL)),
     op(">", Q_LEN, C(1000)),
     ir.FALSE,
+    # a conditional expression as the operand of the cute abs keeps its parentheses in the
+    # condition (found by the random masks: `where(b if c else b < 0, ...)` took `b` as the
+    # condition)
+    op("<", b, call("abs", call("where", op("<", Q_LEN, C(30)), op("-", b, q), b))),
+    # clamp of two sizes and a tensor: max(Q_LEN, 0) is a Python number, then a where
+    op("<", q, call("clamp", op("-", Q_LEN, C(10)), C(0), kv)),
+    # infinite constants, floor of an int (the int itself), one-operand and empty and/or, a
+    # comparison of comparisons (parenthesised: Python would chain them), sign of sizes alone
+    ir.Or((op("<", q, C(float("inf"))), op(">", kv, C(float("-inf"))))),
+    op("<", call("floor", kv), q),
+    ir.And((CAUSAL,)),
+    ir.Or((ir.And((op("<", q, C(3)), op(">", kv, C(5)))), ir.And(()))),
+    op("==", op("<", q, kv), op("<", kv, C(3))),
+    op("<", call("sign", op("-", Q_LEN, KV_LEN)), C(0)),
 ])
 @pytest.mark.parametrize("cute", [False, True], ids=["torch", "cute"])
 def test_scalar_and_mixed_expressions_lower_correctly(mask, cute):
@@ -284,6 +315,7 @@ def test_floor_division_modulo_and_nesting_lower_like_the_reference(mask, cute):
          op("<=", q, kv)),
     call("where", ir.Unary("not", ir.Or((op("<", Q_LEN, C(4)), op(">", KV_LEN, C(100))))),
          op(">=", q, kv), op("<=", q, kv)),
+    call("where", ir.Unary("not", op(">", Q_LEN, C(4))), op(">=", q, kv), op("<=", q, kv)),
     ir.Or((op("==", op("//", op("-", Q_LEN, KV_LEN), C(5)), C(-3)), op("<", q, C(0)))),
 ])
 @pytest.mark.parametrize("cute", [False, True], ids=["torch", "cute"])
@@ -319,6 +351,146 @@ def test_a_score_of_sizes_only_matches_the_reference():
     index = torch.tensor(0, dtype=torch.int32)
     got = score_mod(torch.tensor(0.5), index, index, index, index)
     assert got.item() == pytest.approx(0.5 + 1 / (1 + math.exp(-2.4)), rel=1e-6)
+
+
+@pytest.mark.parametrize("score", [
+    # min, max, clamp, abs and sign of tensors, of a tensor and a size, of sizes only
+    op("+", SCORE, call("min", q, op("-", kv, C(3)))),
+    op("+", SCORE, call("max", op("/", q, C(2)), KV_LEN)),
+    op("-", SCORE, call("min", Q_LEN, op("*", C(0.5), kv))),
+    op("+", SCORE, call("max", C(4), kv)),
+    op("+", SCORE, call("clamp", op("-", q, kv), C(-3), C(4))),
+    op("+", SCORE, call("clamp", q, kv, op("-", KV_LEN, C(20)))),
+    op("+", SCORE, call("clamp", op("-", Q_LEN, C(10)), C(0), kv)),
+    op("+", SCORE, call("clamp", C(5), q, op("+", kv, C(2)))),
+    op("+", SCORE, op("*", call("abs", op("-", q, kv)), call("sign", op("-", q, op("/", kv, C(2)))))),
+    op("+", SCORE, op("*", call("sign", op("-", kv, q)), call("abs", op("-", Q_LEN, KV_LEN)))),
+    # an int score and a score that does not read the logits become floats
+    op("-", q, kv),
+    op("*", call("exp2", op("/", kv, C(-8))), op("//", q, C(3))),
+    C(2.5),
+    op("*", Q_LEN, C(2)),
+    # float math of int tensors; where with a size condition and one tensor branch
+    op("+", SCORE, op("*", call("log1p", kv), call("sqrt", op("+", q, C(1))))),
+    op("+", SCORE, call("where", op(">", Q_LEN, C(10)), call("tanh", op("/", q, C(7))), C(-1.0))),
+    op("+", SCORE, call("where", op("<", Q_LEN, C(10)), C(2), op("%", kv, C(3)))),
+    op("+", SCORE, call("where", op("<", q, kv), op("/", SCORE, C(2)), call("floor", op("/", kv, C(3))))),
+    softcap(20.0, ALIBI),
+    # an int score that reads the logits (torch.where of ints is an int tensor)
+    call("where", op(">", SCORE, C(0.0)), C(1), C(0)),
+    # a 0-d tensor read without an index; abs of tensors inside sign (a tensor in the cute form)
+    op("+", SCORE, call("sign", lookup(TEMPERATURE))),
+    op("*", SCORE, lookup(TEMPERATURE)),
+    op("+", SCORE, call("sign", op("-", call("abs", op("-", q, kv)), C(2)))),
+    op("+", SCORE, call("clamp", op("-", q, C(5)), op("-", kv, C(3)), op("+", kv, C(3)))),
+])
+@pytest.mark.parametrize("cute", [False, True], ids=["torch", "cute"])
+def test_score_mods_match_the_reference(score, cute):
+    # B, H, Q_LEN, KV_LEN = 2, 3, 24, 37: KV_LEN > Q_LEN > 10
+    logits = torch.randn(2, 3, 24, 37, generator=torch.Generator().manual_seed(0))
+    tensors = {"alibi_slopes(H)": builtin_tensor(SLOPES, {"H": 3}), "temperature": torch.tensor(-0.7)}
+    needed = {k: v for k, v in tensors.items() if k in lower(spec(score=score)).tensor_names}
+    got = lowered_scores(spec(score=score), logits, needed, cute=cute)
+    expected = dense_scores(spec(score=score), logits.double(), needed)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), expected, atol=1e-5), ir.to_text(score)
+
+
+def test_a_score_takes_the_dtype_of_the_logits():
+    # a float score that does not read the logits is converted like an int one
+    logits = torch.zeros(1, 1, 5, 7, dtype=torch.float64)
+    for score in (op("/", q, C(3)), op("-", q, kv), C(0.25)):
+        got = lowered_scores(spec(score=score), logits)
+        assert got.dtype == torch.float64, ir.to_text(score)
+        expected = dense_scores(spec(score=score), logits)
+        assert torch.allclose(got, expected, atol=1e-6), ir.to_text(score)
+
+
+def test_lowering_errors_name_what_cannot_be_lowered():
+    with pytest.raises(SpecError, match=r"^the mask 'q - kv' is not a boolean expression$"):
+        lower(spec(op("-", q, kv)))
+    with pytest.raises(SpecError, match=r"^the score 'q >= kv' is not numeric$"):
+        lower(spec(score=CAUSAL))
+    param = ir.Param("n", "int")
+    with pytest.raises(SpecError, match=r"^cannot lower 'n' to FlexAttention$"):
+        lower(spec(op("<", q, param)))
+    with pytest.raises(SpecError, match=r"^cannot lower function 'nosuch' to FlexAttention$"):
+        lower(spec(op("<", q, ir.Call("nosuch", (kv,)))))
+    table = ir.Param("t", "tensor", (KV_LEN,))
+    with pytest.raises(SpecError, match=r"^tensor parameter 't' has no value to lower$"):
+        lower(spec(op("<", q, ir.Lookup(table, (kv,)))))
+
+
+def test_missing_sizes_and_tensors_are_named():
+    lowered = lower(spec(ir.And((CAUSAL_BR, DOCUMENT, PADDING))))
+    with pytest.raises(SpecError, match=r"^no value was given for size Q_LEN, KV_LEN$"):
+        lowered.make_mods({"B": 1, "H": 1}, {"doc_ids": doc_ids(1, 8), "lengths": torch.ones(1)})
+    with pytest.raises(BindingError, match=r"^no value was given for tensor 'doc_ids', 'lengths'$"):
+        lowered.make_mods(sizes(1, 1, 8, 8), {})
+
+
+def test_tensor_identifiers_for_awkward_names():
+    keys = ["3d", "_x_", "()", "lambda", "a-b", "a.b", "a b", "Xy_"]
+    tensors = [ir.Tensor(key, (), dtype="int") for key in keys]
+    mask = ir.And(tuple(op("<", q, lookup(t)) for t in tensors))
+    lowered = lower(spec(mask))
+    assert dict(lowered.tensor_names) == {"3d": "t_3d", "_x_": "x", "()": "tensor",
+                                          "lambda": "lambda_", "a-b": "a_b", "a.b": "a_b_2",
+                                          "a b": "a_b_3", "Xy_": "Xy"}
+    values = {key: torch.tensor(i + 2) for i, key in enumerate(keys)}
+    got = lowered_mask(spec(mask), 1, 1, 5, 5, values)
+    assert torch.equal(got, dense_mask(spec(mask), 1, 1, 5, 5, values))
+
+
+def test_tracebacks_show_the_generated_source():
+    # the source is registered with linecache line by line, so inspect (and tracebacks) see it
+    lowered = lower(spec(ir.And((CAUSAL, window(3)))))
+    mask_mod, _ = lowered.make_mods(sizes(1, 1, 4, 4), {})
+    assert inspect.getsource(mask_mod) == "".join(
+        "    " + line for line in lowered.mask_source.splitlines(True))
+
+
+def test_long_chains_go_one_term_per_line_past_the_line_limit():
+    # the return line of `q >= kv & q - kv <= N & kv >= M` is at most 96 characters or split;
+    # N and M of 1 to 17 digits cross the limit one character at a time
+    lengths = set()
+    for digits in range(2, 34):
+        n, m = C(int("9" * (digits // 2))), C(int("7" * (digits - digits // 2)))
+        mask = ir.And((CAUSAL, op("<=", op("-", q, kv), n), op(">=", kv, m)))
+        lines = lower(spec(mask)).mask_source.splitlines()[2:]
+        if len(lines) == 1:
+            one = lines[0]
+        else:
+            terms = [line.strip().removeprefix("& ") for line in lines[1:-1]]
+            one = "    return " + " & ".join(terms)
+            assert len(one) > 96 and lines[0] == "    return (" and lines[-1] == "    )"
+        assert (len(lines) == 1) == (len(one) <= 96), one
+        lengths.add(len(one))
+    assert {96, 97} <= lengths
+    # an & chain inside a split | chain needs no parentheses: & binds tighter
+    n = C(int("9" * 30))
+    mask = ir.Or((ir.And((op("<", q, kv), op("<", kv, C(3)))), op("==", q, n), op("==", kv, n)))
+    assert lower(spec(mask)).mask_source.splitlines()[3] == "        (q_idx < kv_idx) & (kv_idx < 3)"
+
+
+@pytest.mark.parametrize("mask, expected", [
+    # and/or/not of Python bools are Python's own words; & binds tighter than |
+    (call("where", ir.And((op(">", Q_LEN, C(4)), ir.Unary("not", op("<", KV_LEN, C(3))))),
+          CAUSAL, op("<=", q, kv)),
+     "q_idx >= kv_idx if Q_LEN > 4 and not KV_LEN < 3 else q_idx <= kv_idx"),
+    (ir.Or((ir.And((op("<", q, kv), op("<", kv, C(3)))), op("==", q, kv))),
+     "(q_idx < kv_idx) & (kv_idx < 3) | (q_idx == kv_idx)"),
+    (call("where", ir.Or((ir.And((op(">", Q_LEN, C(4)), op(">", KV_LEN, C(3)))),
+                          op(">", B, C(2)))), CAUSAL, op("<=", q, kv)),
+     "q_idx >= kv_idx if Q_LEN > 4 and KV_LEN > 3 or B > 2 else q_idx <= kv_idx"),
+    (op("==", ir.Or((op("<", q, kv), op("<", kv, C(3)))), op("<", kv, C(5))),
+     "(q_idx < kv_idx) | (kv_idx < 3) == (kv_idx < 5)"),
+    (ir.And((op("<", q, C(float("inf"))), op(">", kv, C(float("-inf"))))),
+     "(q_idx < inf) & (kv_idx > -inf)"),
+])
+def test_parentheses_only_where_python_needs_them(mask, expected):
+    assert lower(spec(mask)).mask_source.splitlines()[-1] == "    return " + expected
+    assert torch.equal(lowered_mask(spec(mask), 3, 1, 6, 7), dense_mask(spec(mask), 3, 1, 6, 7))
 
 
 def test_the_cute_form_has_no_minimum_maximum_clamp_abs_or_sign():
