@@ -8,6 +8,7 @@ lookups in range where it can, chooses the backend and lets it prepare what its 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -93,6 +94,14 @@ def check_ranges(spec: ir.AttentionIR, sizes: dict, dtype: str) -> None:
     would wrap around silently. Query positions are taken to lie in ``0 .. max(Q_LEN, KV_LEN)
     - 1``, where the default placements and a decoding step's ``q_offset`` put them (a plan
     serves every offset; the reference checks the positions of each call exactly)."""
+    _check_ranges(spec, tuple(sorted(sizes.items())), dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _check_ranges(spec: ir.AttentionIR, sizes: tuple, dtype: str) -> None:
+    # remembered when it passes: Attention.block_mask checks on every call (0.1-0.35 ms of
+    # interval analysis each time), and the answer depends only on these arguments
+    sizes = dict(sizes)
     last = max(sizes["Q_LEN"], sizes["KV_LEN"]) - 1
     where = f"for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}"
     check_int_ranges(spec, position_ranges(sizes, 0, last), dtype,
