@@ -68,13 +68,13 @@ def check_int_ranges(spec: AttentionIR, ranges: dict, dtype: str, where: str) ->
     """A :class:`~flexspec.errors.SpecError` naming the first int expression of ``spec`` whose
     values over ``ranges`` (name -> (lo, hi)) leave ``dtype`` ("int64" or "int32"); ``where``
     says for which lengths, in the message."""
+    bounds = _Bounds(ranges)  # both checks bound the same nodes over the same ranges
     for root in (spec.mask, spec.score):
-        _check(root, ranges, dtype, where)
-        _check_divisors(root, ranges, where)
+        _check(root, ranges, dtype, where, bounds)
+        _check_divisors(root, where, bounds)
 
 
-def _check_divisors(root: ir.Expr, ranges: dict, where: str) -> None:
-    bounds = _Bounds(ranges)
+def _check_divisors(root: ir.Expr, where: str, bounds: _Bounds) -> None:
     for node in ir.walk(root):
         if isinstance(node, ir.Binary) and node.op in ("//", "%") and node.type == "int":
             lo, hi = bounds.number(node.right)
