@@ -66,8 +66,8 @@ class _Code:
 
 class _Emitter:
     """Emits one expression; records which free names (sizes, tensors, inf, math) it used.
-    ``cute``: write ``min``, ``max``, ``clamp``, ``abs`` and ``sign`` of tensors with
-    ``torch.where`` (see :func:`lower`)."""
+    ``cute``: write ``min``, ``max``, ``clamp``, ``abs``, ``sign``, ``floor`` and ``ceil`` of
+    tensors with ``torch.where`` (see :func:`lower`)."""
 
     def __init__(self, names: dict, cute: bool = False):
         self.names = names  # tensor_key -> Python identifier
@@ -197,6 +197,19 @@ class _Emitter:
     def _cute_clamp(self, args, arg_types) -> _Code:
         x, lo, hi = args
         return self._where_minmax("<", self._where_minmax(">", x, lo), hi)
+
+    # torch 2.11's CuTeDSL code generator has no `floor` or `ceil` (torch 2.13's has): the float
+    # truncated toward zero by the conversion to int, then moved one step where it overshot
+    def _cute_floor(self, args, arg_types) -> _Code:
+        return self._rounded(args[0], ">", "-")
+
+    def _cute_ceil(self, args, arg_types) -> _Code:
+        return self._rounded(args[0], "<", "+")
+
+    def _rounded(self, x: _Code, overshot: str, step: str) -> _Code:
+        truncated = f"{x.at(_ATOM)}.to(torch.int64)"
+        return _Code(f"torch.where({truncated} {overshot} {x.at(_CMP + 1)}, {truncated} {step} 1, "
+                     f"{truncated})", _ATOM, True)
 
     def _where_minmax(self, keep_first_if: str, a: _Code, b: _Code) -> _Code:
         if not (a.tensor or b.tensor):
@@ -335,9 +348,10 @@ def lower(spec: ir.AttentionIR, *, cute: bool = False) -> Lowered:
     (:func:`flexspec.kernels.tensors.specialize_ir`), so a broadcast tensor gives a mask without ``b``.
 
     ``cute=True`` is the form for FLASH, whose CuTeDSL code generator rejected
-    ``torch.maximum``: ``min``, ``max``, ``clamp``, ``abs`` and ``sign`` of tensors become
-    ``torch.where`` over comparisons (equal values except for NaN operands, which ``where``
-    does not propagate).
+    ``torch.maximum``, ``floor`` and ``ceil`` (torch 2.11): ``min``, ``max``, ``clamp``, ``abs``
+    and ``sign`` of tensors become ``torch.where`` over comparisons (equal values except for NaN
+    operands, which ``where`` does not propagate), ``floor`` and ``ceil`` a conversion to int
+    corrected by one where it truncated the wrong way.
     """
     taken = set(_RESERVED)
     names = {}

@@ -505,6 +505,17 @@ def test_the_cute_form_has_no_minimum_maximum_clamp_abs_or_sign():
     assert "torch.where" in lowered.score_source
 
 
+@pytest.mark.parametrize("fn, bucket", [("floor", -1), ("floor", 2), ("ceil", -1), ("ceil", 0),
+                                        ("ceil", 3)])
+def test_the_cute_floor_and_ceil_round_like_the_reference(fn, bucket):
+    """FLASH's floor and ceil (a truncation corrected by one) at negative, positive and exact
+    quotients: `fn((kv - q) / 4) == bucket` picks one band of distances."""
+    mask = op("==", call(fn, op("/", op("-", kv, q), C(4))), C(bucket))
+    expected = dense_mask(spec(mask), 1, 1, 19, 23)
+    assert expected.any()
+    assert torch.equal(lowered_mask(spec(mask), 1, 1, 19, 23, cute=True), expected)
+
+
 # --- attention against the reference -------------------------------------------------------
 
 
