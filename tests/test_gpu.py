@@ -242,7 +242,8 @@ def test_rel_bias_runs_on_flash():
 # 2.11): the sweep below checks that every other one runs there and that these still fail.
 FLASH_CANNOT = {
     "natten(4, 4, 3, 3)": "could not compile.*'maximum'",  # inductor's, from the where forms
-    "t5_bias(num_buckets=8, max_distance=16)": "could not compile.*'floor'",
+    # compiled once floor had a FLASH form (2026-12-01), but gave relative error 0.63: refused
+    "t5_bias(num_buckets=8, max_distance=16)": "wrong results for a floor or ceil of a float",
 }
 
 
@@ -556,8 +557,10 @@ def test_a_packed_llama_matches_its_eager_attention_on_fa4(monkeypatch):
     positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
     ids = torch.randint(0, 100, (1, 8192), generator=generator).cuda()
     with torch.no_grad():
-        expected = eager(ids, position_ids=positions).logits.float()
-        got = ours(ids, position_ids=positions).logits.float()
+        # without a cache: transformers (and flexspec's integration) read restarting
+        # positions as packed documents only then
+        expected = eager(ids, position_ids=positions, use_cache=False).logits.float()
+        got = ours(ids, position_ids=positions, use_cache=False).logits.float()
     assert _relative_error(got, expected) < 2e-2
     if flash_installed():
         assert len(calls) == 2  # one call per layer

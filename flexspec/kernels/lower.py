@@ -114,6 +114,11 @@ class _Emitter:
     def _binary(self, node: ir.Binary) -> _Code:
         left, right = self.emit(node.left), self.emit(node.right)
         tensor = left.tensor or right.tensor
+        if self.cute and node.op == "/" and left.tensor and ir.type_of(node.left) == "int" \
+                and ir.type_of(node.right) == "int":
+            # torch divides ints as floats; CuTeDSL's `/` of int32 values may not (t5_bias's
+            # buckets were wrong on FLASH, torch 2.11): make the dividend a float first
+            left = _Code(f"{left.at(_ATOM)}.to(torch.float32)", _ATOM, True)
         entry = OPERATORS[node.op]
         symbol, prec = entry.py_tensor if tensor else entry.scalar
         # Comparisons take operands one level tighter: Python would chain `a < b < c`.
@@ -185,8 +190,10 @@ class _Emitter:
     def _cute_sign(self, args, arg_types) -> _Code:
         x = args[0]
         one, zero = ("1.0", "0.0") if arg_types[0] == "float" else ("1", "0")
-        return _Code(f"torch.where({x.at(_CMP + 1)} > 0, {one}, torch.where("
-                     f"{x.at(_CMP + 1)} < 0, -{one}, {zero}))", _ATOM, True)
+        inner = _Code(f"torch.where({x.at(_CMP + 1)} < 0, -{one}, {zero})", _ATOM, True)
+        if arg_types[0] != "float":
+            inner = _int32(inner)
+        return _Code(f"torch.where({x.at(_CMP + 1)} > 0, {one}, {inner.text})", _ATOM, True)
 
     def _cute_min(self, args, arg_types) -> _Code:
         return self._where_minmax("<", *args)
@@ -199,7 +206,9 @@ class _Emitter:
         return self._where_minmax("<", self._where_minmax(">", x, lo), hi)
 
     # torch 2.11's CuTeDSL code generator has no `floor` or `ceil` (torch 2.13's has): the float
-    # truncated toward zero by the conversion to int, then moved one step where it overshot
+    # truncated toward zero by the conversion to int, then moved one step where it overshot. The
+    # int is int32, FLASH's index type (an int64 index failed there: "store Int64 to Tensor
+    # with element type Int32"); ir/overflow keeps FLASH's ints in int32's range.
     def _cute_floor(self, args, arg_types) -> _Code:
         return self._rounded(args[0], ">", "-")
 
@@ -207,7 +216,7 @@ class _Emitter:
         return self._rounded(args[0], "<", "+")
 
     def _rounded(self, x: _Code, overshot: str, step: str) -> _Code:
-        truncated = f"{x.at(_ATOM)}.to(torch.int64)"
+        truncated = f"{x.at(_ATOM)}.to(torch.int32)"
         return _Code(f"torch.where({truncated} {overshot} {x.at(_CMP + 1)}, {truncated} {step} 1, "
                      f"{truncated})", _ATOM, True)
 
@@ -226,7 +235,10 @@ class _Emitter:
             # One branch is a Python scalar: a Python `if` would give a scalar on some calls
             # and a tensor on others, so make the condition a tensor and let torch choose.
             cond = _Code(f"torch.full_like(q_idx, {cond.text}, dtype=torch.bool)", _ATOM, True)
-        return _call("torch.where", cond, a, b)
+        where = _call("torch.where", cond, a, b)
+        if self.cute and not (a.tensor or b.tensor) and arg_types[1] == arg_types[2] == "int":
+            return _int32(where)
+        return where
 
     def _minmax(self, fn: str, a: _Code, b: _Code) -> _Code:
         if a.tensor and b.tensor:
@@ -238,6 +250,13 @@ class _Emitter:
             bound = "max" if fn == "min" else "min"
             return _Code(f"torch.clamp({t.text}, {bound}={s.text})", _ATOM, True)
         return _call(fn, a, b)
+
+
+def _int32(code: _Code) -> _Code:
+    """``torch.where`` of two Python ints as int32 for FLASH: torch makes it int64, which
+    CuTeDSL would not mix with its int32 indices ("store Int64 to Tensor with element type
+    Int32", torch 2.11); ir/overflow keeps FLASH's ints in int32's range."""
+    return _Code(f"{code.text}.to(torch.int32)", _ATOM, True)
 
 
 def _call(fn: str, *args: _Code) -> _Code:

@@ -234,6 +234,10 @@ class Attention:
     def _placed(self, q, k, bindings, q_offset, kv_lengths) -> dict:
         """:meth:`_positions` for a call, sized by q and k (checked first when they are not
         what a call takes, so the error names them)."""
+        if type(q_offset) is int and q_offset == 0 and not self._default_offset:
+            # where the queries stand anyway (transformers' integration passes it on every
+            # call): the spec runs as written, so forms such as fa4's documents still apply
+            q_offset = None
         if q_offset is None and kv_lengths is None and not self._default_offset:
             return bindings
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)

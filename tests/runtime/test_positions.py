@@ -311,3 +311,20 @@ def test_an_end_aligned_position_score_is_placed_once():
     close(attn(q, k, v), attn.reference(q, k, v), "end-aligned, Q_LEN=3, KV_LEN=5")
     close(attn(q, k, v), flexspec.compile("causal + alibi").reference(q, k, v, q_offset=2),
           "the same as causal at offset KV_LEN - Q_LEN")
+
+
+@pytest.mark.parametrize("text", ["causal & doc", "causal + alibi"])
+def test_an_offset_of_zero_runs_the_spec_as_written(text):
+    """q_offset=0 is where a start-aligned spec's queries stand anyway (the transformers
+    integration passes it on every call): the call plans the spec as written, with no position
+    tensors, so forms that read the spec's structure (fa4's documents, SDPA's causal) apply."""
+    attn = flexspec.compile(text)
+    q, k, v = Shape(2, 4, 4, 70, 70, 16).qkv(1)
+    ids = torch.arange(70).div(20, rounding_mode="floor").expand(2, 70)
+    values = {"doc_ids": ids} if "doc" in text else {}
+    plain, at_zero = attn.explain(q, k, v, **values), attn.explain(q, k, v, q_offset=0, **values)
+    assert at_zero.mask == plain.mask and at_zero.score == plain.score
+    assert "q_offset" not in at_zero.mask + at_zero.score
+    at_one = attn.explain(q[:, :, 1:], k, v, q_offset=1, **values)
+    assert "q_offset" in at_one.mask + at_one.score
+    close(attn(q, k, v, q_offset=0, **values), attn.reference(q, k, v, **values), text)
