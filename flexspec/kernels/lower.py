@@ -66,8 +66,9 @@ class _Code:
 
 class _Emitter:
     """Emits one expression; records which free names (sizes, tensors, inf, math) it used.
-    ``cute``: write ``min``, ``max``, ``clamp``, ``abs``, ``sign``, ``floor`` and ``ceil`` of
-    tensors with ``torch.where`` (see :func:`lower`)."""
+    ``cute``: FLASH's form (see :func:`lower`): ``min``, ``max``, ``clamp``, ``abs``, ``sign``,
+    ``floor`` and ``ceil`` of tensors through ``torch.where``, ints as int32, ``/`` of two ints
+    on a float dividend."""
 
     def __init__(self, names: dict, cute: bool = False):
         self.names = names  # tensor_key -> Python identifier
@@ -369,8 +370,9 @@ def lower(spec: ir.AttentionIR, *, cute: bool = False) -> Lowered:
     ``cute=True`` is the form for FLASH, whose CuTeDSL code generator rejected
     ``torch.maximum``, ``floor`` and ``ceil`` (torch 2.11): ``min``, ``max``, ``clamp``, ``abs``
     and ``sign`` of tensors become ``torch.where`` over comparisons (equal values except for NaN
-    operands, which ``where`` does not propagate), ``floor`` and ``ceil`` a conversion to int
-    corrected by one where it truncated the wrong way.
+    operands, which ``where`` does not propagate), ``floor`` and ``ceil`` a conversion to int32
+    corrected by one where it truncated the wrong way; a ``where`` of two Python ints is made
+    int32 (FLASH's index type) and the dividend of ``/`` of two ints a float.
     """
     taken = set(_RESERVED)
     names = {}
