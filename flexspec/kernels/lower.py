@@ -117,8 +117,10 @@ class _Emitter:
         tensor = left.tensor or right.tensor
         if self.cute and node.op == "/" and left.tensor and ir.type_of(node.left) == "int" \
                 and ir.type_of(node.right) == "int":
-            # torch divides ints as floats; CuTeDSL's `/` of int32 values may not (t5_bias's
-            # buckets were wrong on FLASH, torch 2.11): make the dividend a float first
+            # torch divides ints as floats. CuTeDSL 4.8.1 divides two int32 vectors in float32
+            # too, but labels the result Int32 (TensorSSA._apply_op keeps the operands' type),
+            # so later conversions misread it; t5_bias's buckets were wrong on FLASH (torch
+            # 2.11). A float dividend makes the division a float one throughout.
             left = _Code(f"{left.at(_ATOM)}.to(torch.float32)", _ATOM, True)
         entry = OPERATORS[node.op]
         symbol, prec = entry.py_tensor if tensor else entry.scalar
