@@ -18,6 +18,37 @@ RUN_PATH_FRACTION = 1 / 32
 SORT_PATH_ENTRIES = 1 << 16
 
 
+# row_counts adds a bool row's bytes eight at a time, as int64 words whose bytes are 0 or 1: a
+# sum of at most 127 words keeps every byte below 128, so no byte carries into the next and the
+# word stays below 2**63.
+_WORDS_PER_SUM = 127
+
+
+def row_counts(dense: torch.Tensor) -> torch.Tensor:
+    """The number of True entries in each row of a bool tensor: int32, ``dense.shape[:-1]``.
+
+    torch's bool-to-int32 row sum is compute-bound on the CPU (about 0.2 s for an [8192, 8192]
+    matrix, one per index table at S = 1M); reading the bytes as int64 words and adding the
+    words' bytes at the end does the same count in a thirtieth of the time. Tensors whose rows
+    cannot be read as words (not contiguous, a row length that is not a multiple of 8) take
+    torch's sum."""
+    shape, n = dense.shape[:-1], dense.shape[-1]
+    if not (dense.dtype == torch.bool and dense.is_contiguous() and n % 8 == 0
+            and dense.storage_offset() % 8 == 0 and dense.numel()):
+        return dense.sum(-1, dtype=torch.int32)
+    words = dense.view(torch.uint8).reshape(-1, n).view(torch.int64)
+    width = words.shape[1]
+    whole = width - width % _WORDS_PER_SUM
+    parts = []
+    if whole:
+        parts.append(words[:, :whole].unflatten(1, (-1, _WORDS_PER_SUM)).sum(-1))
+    if whole < width:
+        parts.append(words[:, whole:].sum(-1, keepdim=True))
+    # every byte of these sums is a partial count: their bytes add up to the row's count
+    sums = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+    return sums.view(torch.uint8).sum(-1, dtype=torch.int32).reshape(shape)
+
+
 def tile_grid(sizes: dict, block: tuple) -> tuple:
     """``(NQ, NK)``: the q-block rows and kv-block columns of a mask at ``sizes`` in blocks of
     ``block`` (the last row and column may run past the end). Written without negation, so a
@@ -43,7 +74,7 @@ def ordered(dense: torch.Tensor):
     if dense.numel() <= SORT_PATH_ENTRIES:
         return sorted_rows(dense)
     n_cols = dense.shape[-1]
-    count = dense.sum(-1, dtype=torch.int32)
+    count = row_counts(dense)
     columns = torch.arange(n_cols, dtype=torch.int32, device=dense.device)
     flat = dense.reshape(-1, n_cols)
     counts = count.reshape(-1)

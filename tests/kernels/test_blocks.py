@@ -609,6 +609,32 @@ def test_ordered_run_rows_on_every_path(rows, columns, scatter, path, seed):
     assert ((indices >= 0) & (indices < columns)).all()
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 5), st.sampled_from([1, 7, 8, 64, 1016, 1024, 2048 + 8, 3 * 1016, 4100]),
+       st.sampled_from([0.0, 0.05, 0.5, 1.0]), st.sampled_from(["plain", "sliced", "transposed"]),
+       st.integers(0, 2**31 - 1))
+def test_row_counts_equal_torchs_sum(rows, columns, density, layout, seed):
+    """The word-at-a-time count against torch's own, at row lengths around the 127-word sums
+    (1016 columns), all-True rows (every byte of a partial sum at its largest), views at an
+    offset and transposed views (which take torch's sum)."""
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.rand(rows + 1, columns, generator=gen) < density
+    if layout == "sliced":
+        dense = dense[1:]
+    elif layout == "transposed":
+        dense = dense.t()
+    got = block_tables.row_counts(dense)
+    assert got.dtype == torch.int32 and got.shape == dense.shape[:-1]
+    assert torch.equal(got, dense.sum(-1).to(torch.int32))
+
+
+@pytest.mark.parametrize("columns", [1016, 1024, 2056, 8192])
+def test_row_counts_of_rows_all_true(columns):
+    # every byte of every partial sum at its largest (127 words of ones): a longer sum carries
+    dense = torch.ones(3, columns, dtype=torch.bool)
+    assert block_tables.row_counts(dense).tolist() == [columns] * 3
+
+
 def test_ordered_edge_rows():
     count, indices = ordered(torch.tensor([[False, False, False], [True, True, True],
                                            [False, True, False]]))
