@@ -2,6 +2,7 @@
 
 ``slow`` tests (torch.compile runs of 20+ s on a small CPU) are skipped unless selected with
 ``-m slow`` or ``--run-slow``; ``gpu`` tests are skipped where no CUDA device is present.
+``--shard I/N`` keeps every N-th test from the I-th (the GPU suite in several device calls).
 The ``eager_kernels`` fixture runs FlexAttention without torch.compile, for tests of the runtime
 around the kernel.
 """
@@ -19,9 +20,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run every N-th selected test, starting with the I-th (1-based): the "
+                          "GPU suite runs in N calls that each fit a lent machine's time limit")
+
+
+def _shard(config, items) -> None:
+    """Keep shard I of N of ``items`` (``--shard I/N``), round robin."""
+    text = config.getoption("--shard")
+    if text is None:
+        return
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard wants I/N such as 1/3, got {text!r}") from None
+    if not 1 <= index <= count:
+        raise pytest.UsageError(f"--shard {text}: I must be between 1 and N")
+    kept = items[index - 1::count]
+    config.hook.pytest_deselected(items=[item for n, item in enumerate(items)
+                                         if n % count != index - 1])
+    items[:] = kept
 
 
 def pytest_collection_modifyitems(config, items):
+    _shard(config, items)
     run_slow = config.getoption("--run-slow") or "slow" in (config.getoption("-m") or "")
     skip_slow = pytest.mark.skip(reason="slow: run with --run-slow or -m slow")
     gpu_items = [item for item in items if "gpu" in item.keywords]
