@@ -329,7 +329,8 @@ def test_fixed_cases(make, block):
 @pytest.mark.parametrize("make, block", [
     pytest.param(FIXED[i].values[0], block, id=f"{FIXED[i].id}-{block[0]}x{block[1]}")
     for i, block in [(0, (24, 24)), (3, (24, 24)), (3, (8, 8)), (6, (100, 100)),
-                     (6, (48, 80)), (7, (8, 8))]])
+                     (6, (48, 80)), (7, (8, 8)), (3, (24, 32)), (3, (17, 32)),
+                     (3, (32, 24))]])
 def test_block_sizes_that_are_not_multiples_of_16(make, block):
     """build_block_mask takes any block size (the runtime asks for multiples of 16); the 16 x 16
     sub-tile pass of refine only applies where sub-tiles tile the block."""
@@ -772,6 +773,7 @@ mask rows_never = (q // 16) % 2 == 0 & (q // 16) % 2 == 1
 mask columns_always = (kv // 16) % 2 == 0 | (kv // 16) % 2 == 1
 mask columns_never = (kv // 16) % 2 == 0 & (kv // 16) % 2 == 1
 mask stripes = (q // 16) % 2 == 0 | (kv // 16) % 3 == 1
+mask row_17 = (q * q) % 7 == 3 | q % 16 == 1 & q >= 16 & kv % 2 == 0
 """, "test_blocks_stripes.attn")
 
 
@@ -839,3 +841,31 @@ def test_sparse_table_queries_are_exact():
                 window = values[r, a:b_ + 1]
                 assert (low[r, j].item(), high[r, j].item()) == (window.min().item(),
                                                                   window.max().item())
+
+
+def test_sampled_rows_stay_inside_their_tile():
+    """row_17: q * q % 7 is never 3 (not a square mod 7), which no interval shows; the rows at
+    16 k + 1 (k >= 1) see every other key. The first q-block row of tiles is EMPTY: the rows
+    refine samples first must be its own, not row 17 of the next tile."""
+    case = Case(flexspec.parse("row_17", library=STRIPES), Shape(1, 1, 1, 64, 64, 16), {},
+                (16, 16))
+    assert (case.classes()[..., 0, :] == PARTIAL).all()
+    check_refine_exact(case)
+    assert (exact_classes(case)[..., 0, :] == EMPTY).all()
+
+
+@pytest.mark.parametrize("q_len, kv_len, block", [(256, 256, (128, 128)), (300, 250, (128, 128)),
+                                                  (48, 80, (16, 32)), (64, 96, (32, 16))])
+def test_interval_block_masks_turn_only_ragged_full_tiles_partial(q_len, kv_len, block):
+    """exact=False: the interval classes, except that a FULL tile running past the end of the
+    sequence is PARTIAL."""
+    case = Case(flexspec.parse("causal"), Shape(1, 1, 1, q_len, kv_len, 16), {}, block)
+    classes = case.classes()
+    nq, nk = classes.shape[-2:]
+    ragged = (((torch.arange(nq) + 1) * block[0] > q_len).reshape(-1, 1)
+              | ((torch.arange(nk) + 1) * block[1] > kv_len).reshape(1, -1))
+    expected = torch.where(ragged & (classes == FULL), PARTIAL, classes)
+    built = build_block_mask(case.ir.mask, case.sizes, case.block, case.values, CPU,
+                             batch=1, heads=1, exact=False)
+    assert torch.equal(tile_classes(built), expected)
+    assert (expected == FULL).any()
