@@ -329,7 +329,8 @@ def test_fixed_cases(make, block):
 @pytest.mark.parametrize("make, block", [
     pytest.param(FIXED[i].values[0], block, id=f"{FIXED[i].id}-{block[0]}x{block[1]}")
     for i, block in [(0, (24, 24)), (3, (24, 24)), (3, (8, 8)), (6, (100, 100)),
-                     (6, (48, 80)), (7, (8, 8))]])
+                     (6, (48, 80)), (7, (8, 8)), (3, (24, 32)), (3, (17, 32)),
+                     (3, (32, 24))]])
 def test_block_sizes_that_are_not_multiples_of_16(make, block):
     """build_block_mask takes any block size (the runtime asks for multiples of 16); the 16 x 16
     sub-tile pass of refine only applies where sub-tiles tile the block."""
@@ -733,3 +734,164 @@ def test_tile_classes_invert_the_tables(text, q_len, kv_len):
     read_back = tile_classes(block_mask)
     # the same int8 tensor classify builds (torch.equal alone does not compare dtypes)
     assert read_back.dtype == torch.int8 and torch.equal(read_back, classes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Counting visible pairs, sub-tiles, super-tiles and lookups, each against its own definition
+
+
+def evaluated_cells(monkeypatch) -> list:
+    """Records the number of tiles whose cells ``refine`` evaluates (calls of _count_cells)."""
+    calls = []
+    count_cells = blocks._count_cells
+
+    def counting(coords, *args):
+        calls.append(coords.shape[0])
+        return count_cells(coords, *args)
+
+    monkeypatch.setattr(blocks, "_count_cells", counting)
+    return calls
+
+
+@pytest.mark.parametrize("make, block", [
+    pytest.param(FIXED[i].values[0], block, id=f"{FIXED[i].id}-{block[0]}x{block[1]}")
+    for i in (0, 2, 3) for block in ((128, 128), (16, 32))] + [
+    # padding of exactly one row and one column (Q_LEN and KV_LEN one short of a block)
+    pytest.param(lambda block: Case(flexspec.parse("parity", library=LIBRARY),
+                                    Shape(1, 1, 1, 255, 383, 16), {}, block), block,
+                 id=f"parity-one-short-{block[0]}x{block[1]}")
+    for block in ((128, 128), (16, 32))])
+def test_count_visible_counts_the_reference_mask(make, block, monkeypatch):
+    """count_visible (FULL tiles by area, PARTIAL ones cell by cell) against the dense mask: with
+    the interval classes it computes itself, with exact classes given, and with the cells
+    evaluated a few tiles at a time."""
+    case = make(block)
+    expected = int(case.dense().sum())
+    args = (case.ir.mask, case.sizes, case.block, case.values, CPU)
+    extent = {"batch": case.batch, "heads": case.heads}
+    assert blocks.count_visible(*args, **extent) == expected
+    exact = refine(case.classes(), *args)
+    assert torch.equal(exact, exact_classes(case))
+    assert blocks.count_visible(*args, **extent, classes=exact) == expected
+    # build_block_mask refines by default
+    built = build_block_mask(*args, **extent)
+    assert torch.equal(tile_classes(built), exact)
+    monkeypatch.setattr(blocks, "CELLS_PER_CHUNK", 3 * case.block[0] * case.block[1])
+    assert blocks.count_visible(*args, **extent) == expected
+    assert torch.equal(refine(case.classes(), *args), exact)
+
+
+def test_visible_counts_are_int64():
+    # a float32 count is inexact past 2**24 pairs
+    case = FIXED[3].values[0]((128, 128))
+    coords = (case.classes() == PARTIAL).nonzero()
+    visible, valid = blocks._count_cells(coords, torch.arange(128), case.ir.mask, case.sizes,
+                                         case.block, case.values, CPU)
+    assert visible.dtype == valid.dtype == torch.int64
+
+
+# Masks that the intervals of a whole tile cannot decide but those of each 16 x 16 sub-tile can:
+# q // 16 is one number in a sub-tile. Lengths one short of a multiple of 16 leave the last
+# sub-tile one row (column) short of its end.
+STRIPES = load_text("""
+mask rows_always = (q // 16) % 2 == 0 | (q // 16) % 2 == 1
+mask rows_never = (q // 16) % 2 == 0 & (q // 16) % 2 == 1
+mask columns_always = (kv // 16) % 2 == 0 | (kv // 16) % 2 == 1
+mask columns_never = (kv // 16) % 2 == 0 & (kv // 16) % 2 == 1
+mask stripes = (q // 16) % 2 == 0 | (kv // 16) % 3 == 1
+mask row_17 = (q * q) % 7 == 3 | q % 16 == 1 & q >= 16 & kv % 2 == 0
+""", "test_blocks_stripes.attn")
+
+
+@pytest.mark.parametrize("name", [name for name in STRIPES.definitions if name != "row_17"])
+@pytest.mark.parametrize("q_len, kv_len", [(256, 256), (255, 223), (240, 176)])
+def test_sub_tiles_decide_tiles_without_evaluating_cells(name, q_len, kv_len, monkeypatch):
+    case = Case(flexspec.parse(name, library=STRIPES), Shape(1, 1, 1, q_len, kv_len, 16), {},
+                (128, 128))
+    classes = case.classes()
+    assert (classes == PARTIAL).any()  # the intervals of whole tiles do not decide
+    calls = evaluated_cells(monkeypatch)
+    refined = refine(classes, case.ir.mask, case.sizes, case.block, case.values, CPU)
+    assert torch.equal(refined, exact_classes(case))
+    assert sum(calls) == 0, f"cells of {sum(calls)} tiles evaluated"
+
+
+@pytest.mark.parametrize("make", [FIXED[i].values[0] for i in (0, 2, 3, 4)],
+                         ids=[FIXED[i].id for i in (0, 2, 3, 4)])
+@pytest.mark.parametrize("side", [2, 3])
+def test_coarse_to_fine_classes_equal_the_flat_ones(make, side, monkeypatch):
+    """A tile inside a PARTIAL super-tile gets the intervals of its own ranges, so the classes
+    are those of the flat classification (for masks whose bounds shrink with their ranges)."""
+    case = make((16, 32))
+    flat = case.classes()
+    monkeypatch.setattr(blocks, "HIERARCHY_TILES", 1)
+    monkeypatch.setattr(blocks, "COARSE_SIDE", side)
+    assert torch.equal(case.classes(), flat)
+
+
+def one_dim_lookup_mask(relation, value):
+    table = ir.Tensor("t", (ir.Var("KV_LEN"),), dtype="int")
+    return ir.Binary(relation, ir.Lookup(table, (ir.Var("kv"),)), ir.Const(value))
+
+
+@pytest.mark.parametrize("kv_len", [300, 256, 40])
+def test_lookups_of_a_vector_by_kv_are_bounded_per_block(kv_len):
+    """t[kv] on a [KV_LEN] tensor: the per-block minimum and maximum, the padding of a short
+    last block counted as neither."""
+    sizes = {"B": 1, "H": 1, "Q_LEN": 100, "KV_LEN": kv_len}
+    ones = torch.ones(kv_len, dtype=torch.int64)
+    for mask, values in ((one_dim_lookup_mask(">", 0), ones),
+                         (one_dim_lookup_mask("<", 0), -ones)):
+        classes = classify(mask, sizes, (64, 128), {"t": values}, CPU, batch=1, heads=1)
+        assert (classes == FULL).all(), classes
+    # one hidden key per block: PARTIAL everywhere, never EMPTY
+    mixed = ones.clone()
+    mixed[::128] = 0
+    classes = classify(one_dim_lookup_mask(">", 0), sizes, (64, 128), {"t": mixed}, CPU,
+                       batch=1, heads=1)
+    assert (classes == PARTIAL).all(), classes
+
+
+def test_sparse_table_queries_are_exact():
+    gen = torch.Generator().manual_seed(5)
+    for length in (1, 2, 5, 16, 37):
+        values = torch.randint(-50, 50, (3, length), generator=gen).double()
+        table = blocks._SparseTable(values)
+        pairs = [(lo, hi) for lo in range(length) for hi in range(lo, length)]
+        lo = torch.tensor([p[0] for p in pairs]).reshape(1, -1)
+        hi = torch.tensor([p[1] for p in pairs]).reshape(1, -1)
+        rows = torch.arange(3).reshape(-1, 1)
+        low, high = table.query((rows,), lo, hi)
+        for r in range(3):
+            for j, (a, b_) in enumerate(pairs):
+                window = values[r, a:b_ + 1]
+                assert (low[r, j].item(), high[r, j].item()) == (window.min().item(),
+                                                                  window.max().item())
+
+
+def test_sampled_rows_stay_inside_their_tile():
+    """row_17: q * q % 7 is never 3 (not a square mod 7), which no interval shows; the rows at
+    16 k + 1 (k >= 1) see every other key. The first q-block row of tiles is EMPTY: the rows
+    refine samples first must be its own, not row 17 of the next tile."""
+    case = Case(flexspec.parse("row_17", library=STRIPES), Shape(1, 1, 1, 64, 64, 16), {},
+                (16, 16))
+    assert (case.classes()[..., 0, :] == PARTIAL).all()
+    check_refine_exact(case)
+    assert (exact_classes(case)[..., 0, :] == EMPTY).all()
+
+
+@pytest.mark.parametrize("q_len, kv_len, block", [(256, 256, (128, 128)), (300, 250, (128, 128)),
+                                                  (48, 80, (16, 32)), (64, 96, (32, 16))])
+def test_interval_block_masks_turn_only_ragged_full_tiles_partial(q_len, kv_len, block):
+    """exact=False: the interval classes, except that a FULL tile running past the end of the
+    sequence is PARTIAL."""
+    case = Case(flexspec.parse("causal"), Shape(1, 1, 1, q_len, kv_len, 16), {}, block)
+    classes = case.classes()
+    nq, nk = classes.shape[-2:]
+    ragged = (((torch.arange(nq) + 1) * block[0] > q_len).reshape(-1, 1)
+              | ((torch.arange(nk) + 1) * block[1] > kv_len).reshape(1, -1))
+    expected = torch.where(ragged & (classes == FULL), PARTIAL, classes)
+    built = build_block_mask(case.ir.mask, case.sizes, case.block, case.values, CPU,
+                             batch=1, heads=1, exact=False)
+    assert torch.equal(tile_classes(built), expected)
+    assert (expected == FULL).any()

@@ -1,18 +1,19 @@
 """Tests of flexspec.kernels.reference against definitions written out by hand in plain Python."""
 
 import math
+import re
 
 import pytest
 import torch
 
 from flexspec import ir
 from flexspec.errors import SpecError
-from flexspec.kernels.reference import (MAX_BYTES, dense_mask, evaluate, index_grid,
-                                reference_attention)
+from flexspec.kernels.reference import (MAX_BYTES, dense_mask, dense_scores, evaluate,
+                                        index_grid, query_offsets, reference_attention)
 from flexspec.kernels.tensors import builtin_tensor
 from ir_examples import (ALIBI, CAUSAL, CAUSAL_BR, DILATED, DOC_IDS, DOCUMENT, KV_LEN,
-                         PADDING, Q_LEN, SCORE, SLOPES, C, b, call, h, kv, lookup, op, q,
-                         sliding_window, softcap, spec, window)
+                         PADDING, Q_LEN, SCORE, SLOPES, B, C, H, b, call, distance, h, kv,
+                         lookup, op, q, sliding_window, softcap, spec, window)
 
 
 def python_mask(fn, batch, heads, q_len, kv_len):
@@ -21,13 +22,15 @@ def python_mask(fn, batch, heads, q_len, kv_len):
                            for qi in range(q_len)] for hi in range(heads)] for bi in range(batch)])
 
 
-def python_attention(q, k, v, allowed, modify, scale):
-    """Textbook attention in plain Python floats: a row with nothing allowed gives zeros."""
+def python_attention(q, k, v, allowed, modify, scale, with_lse=False):
+    """Textbook attention in plain Python floats: a row with nothing allowed gives zeros. With
+    ``with_lse``, also the log of the sum of exp of each row's allowed scores (-inf for none)."""
     batch, heads, q_len, dim = q.shape
     kv_heads, kv_len, dv = k.shape[1], k.shape[2], v.shape[3]
     group = heads // kv_heads
     q, k, v = q.tolist(), k.tolist(), v.tolist()
     out = [[[[0.0] * dv for _ in range(q_len)] for _ in range(heads)] for _ in range(batch)]
+    lse = [[[-math.inf] * q_len for _ in range(heads)] for _ in range(batch)]
     for bi in range(batch):
         for hi in range(heads):
             kh = hi // group
@@ -42,10 +45,12 @@ def python_attention(q, k, v, allowed, modify, scale):
                 top = max(logits.values())
                 weights = {ki: math.exp(s - top) for ki, s in logits.items()}
                 total = sum(weights.values())
+                lse[bi][hi][qi] = top + math.log(total)
                 for d in range(dv):
                     out[bi][hi][qi][d] = sum(w * v[bi][kh][ki][d]
                                              for ki, w in weights.items()) / total
-    return torch.tensor(out, dtype=torch.float64)
+    out = torch.tensor(out, dtype=torch.float64)
+    return (out, torch.tensor(lse, dtype=torch.float64)) if with_lse else out
 
 
 def unmodified(s, bi, hi, qi, ki):
@@ -154,6 +159,8 @@ def value_of(expr, **extra):
     (call("floor", op("/", op("-", q, kv), C(2))), lambda q_, k_: math.floor((q_ - k_) / 2)),
     (call("ceil", op("/", op("-", q, kv), C(2))), lambda q_, k_: math.ceil((q_ - k_) / 2)),
     (op("-", KV_LEN, Q_LEN), lambda q_, k_: 2),
+    (call("floor", op("-", q, kv)), lambda q_, k_: q_ - k_),
+    (call("ceil", op("-", kv, q)), lambda q_, k_: k_ - q_),
 ])
 def test_integer_semantics_follow_python(expr, fn):
     got = value_of(expr)
@@ -197,6 +204,97 @@ def test_score_is_read_from_the_grid():
     score = torch.randn(2, 3, 5, 7, dtype=torch.float64)
     got = value_of(softcap(2.0), score=score)
     assert torch.allclose(got, 2.0 * torch.tanh(score / 2.0))
+
+
+def test_values_read_become_int64_or_float64():
+    grid = {**index_grid(1, 1, 2, 3), "score": torch.ones(1, 1, 2, 3, dtype=torch.float32)}
+    assert evaluate(SCORE, grid, {}).dtype == torch.float64
+    weights = ir.Tensor("w", (KV_LEN,), dtype="float")
+    got = evaluate(lookup(weights, kv), grid, {"w": torch.tensor([0.5, 1.5, 2.5])})
+    assert got.dtype == torch.float64 and got.flatten().tolist() == [0.5, 1.5, 2.5]
+    ids = torch.tensor([[4, 5, 6]], dtype=torch.int32)
+    got = evaluate(lookup(DOC_IDS, b, kv), grid, {"doc_ids": ids})
+    assert got.dtype == torch.int64 and got.flatten().tolist() == [4, 5, 6]
+    flags = ir.Tensor("flags", (KV_LEN,), dtype="bool")
+    got = evaluate(lookup(flags, kv), grid, {"flags": torch.tensor([True, False, True])})
+    assert got.dtype == torch.bool and got.flatten().tolist() == [True, False, True]
+
+
+def test_sizes_evaluate_without_index_grids():
+    # a grid of sizes alone (no "b" to take a device from) evaluates on the CPU
+    assert evaluate(op("+", Q_LEN, C(1)), {"Q_LEN": 5}, {}).item() == 6
+    assert evaluate(op("-", B, C(1)), {"B": 3}, {}).item() == 2
+
+
+def test_index_grid_shapes_sizes_and_offsets():
+    grid = index_grid(2, 3, 4, 5, q_offset=torch.tensor([10, 20]))
+    assert [grid[name].shape for name in ("b", "h", "q", "kv")] == [
+        (2, 1, 1, 1), (1, 3, 1, 1), (2, 1, 4, 1), (1, 1, 1, 5)]
+    assert all(grid[name].dtype == torch.int64 for name in ("b", "h", "q", "kv"))
+    assert grid["q"].flatten().tolist() == [10, 11, 12, 13, 20, 21, 22, 23]
+    assert grid["kv"].flatten().tolist() == [0, 1, 2, 3, 4]
+    assert {name: grid[name] for name in ("B", "H", "Q_LEN", "KV_LEN")} == {
+        "B": 2, "H": 3, "Q_LEN": 4, "KV_LEN": 5}
+    # the sizes reach a spec through the grid
+    last = ir.And((op("==", b, op("-", B, C(1))), op("==", h, op("-", H, C(1)))))
+    expected = python_mask(lambda b_, h_, q_, k_: b_ == 1 and h_ == 2, 2, 3, 4, 5)
+    assert torch.equal(dense_mask(spec(last), 2, 3, 4, 5), expected)
+
+
+@pytest.mark.parametrize("value, batch, expected", [
+    (3, 2, [3]),
+    (torch.tensor(3), 2, [3]),
+    (torch.tensor([4], dtype=torch.int32), 3, [4]),
+    (torch.tensor([1, 7], dtype=torch.int32), 2, [1, 7]),
+])
+def test_query_offsets_are_int64_one_per_batch_row(value, batch, expected):
+    got = query_offsets(value, batch)
+    assert got.dtype == torch.int64 and got.shape == (len(expected), 1, 1, 1)
+    assert got.flatten().tolist() == expected
+
+
+@pytest.mark.parametrize("value, got", [
+    (1.5, "torch.float32 of shape []"),
+    (True, "torch.bool of shape []"),
+    (torch.tensor([[1, 2]]), "torch.int64 of shape [1, 2]"),
+    (torch.tensor([1, 2, 3]), "torch.int64 of shape [3]"),
+])
+def test_query_offsets_refuse_other_values(value, got):
+    message = f"q_offset must be an int or an int tensor of shape [2] or [1], got {got}"
+    with pytest.raises(SpecError, match=f"^{re.escape(message)}$"):
+        query_offsets(value, 2)
+
+
+@pytest.mark.parametrize("expr, tensors, message", [
+    (DOC_IDS, {}, "the reference cannot evaluate 'doc_ids'"),
+    (op("@", q, kv), {}, "unknown operator '@'"),
+    (call("nope", q), {}, "unknown function 'nope'"),
+    (ir.Param("n", "int"), {}, "parameter 'n' has no value; only resolved specs can run"),
+    (lookup(ir.Param("t", "int[KV_LEN]"), kv), {}, "tensor parameter 't' has no value"),
+    (lookup(DOC_IDS, b, op("/", q, C(2))), {"doc_ids": torch.zeros(1, 4, dtype=torch.long)},
+     "index 1 of 'doc_ids[b, q / 2]' is not an int"),
+    (lookup(DOC_IDS, b, q), {"doc_ids": torch.zeros(1, 1, 4, dtype=torch.long)},
+     "tensor 'doc_ids' has 3 dimensions but is read with 2 indices"),
+    (ir.And((CAUSAL, q)), {}, "'q' is not a boolean"),
+    (ir.Unary("not", kv), {}, "'kv' is not a boolean"),
+    (call("where", q, q, kv), {}, "'q' is not a boolean"),
+])
+def test_evaluation_errors(expr, tensors, message):
+    with pytest.raises(SpecError, match=f"^{re.escape(message)}$"):
+        evaluate(expr, index_grid(1, 1, 2, 3), tensors)
+
+
+def test_a_mask_must_be_boolean_and_a_score_numeric():
+    with pytest.raises(SpecError, match=r"^no value for 'q' in this evaluation$"):
+        evaluate(q, {}, {})
+    with pytest.raises(SpecError, match=r"^'q \+ kv' is not a boolean$"):
+        dense_mask(spec(op("+", q, kv)), 1, 1, 2, 2)
+    logits = torch.zeros(1, 1, 2, 2, dtype=torch.float64)
+    with pytest.raises(SpecError, match=r"^the score pipeline 'q >= kv' is not numeric$"):
+        dense_scores(spec(score=CAUSAL), logits)
+    # an int score pipeline gives float64 scores
+    got = dense_scores(spec(score=op("-", q, kv)), logits)
+    assert got.dtype == torch.float64 and got[0, 0].tolist() == [[0.0, -1.0], [1.0, 0.0]]
 
 
 # --- attention -----------------------------------------------------------------------------
@@ -306,3 +404,205 @@ def test_memory_budget():
     with pytest.raises(SpecError, match="limit 0.0 GiB"):
         reference_attention(spec(), *qkv(1, 1, 64, 64, 4), max_bytes=1000)
     assert dense_mask(spec(CAUSAL), 1, 1, 10, 10, max_bytes=800).shape == (1, 1, 10, 10)
+
+
+def test_max_bytes_bounds_every_dense_array():
+    with pytest.raises(SpecError, match="limit 0.0 GiB"):
+        dense_mask(spec(CAUSAL), 1, 1, 10, 10, max_bytes=799)
+    logits = torch.zeros(1, 1, 10, 10, dtype=torch.float64)
+    with pytest.raises(SpecError, match="limit 0.0 GiB"):
+        dense_scores(spec(), logits, max_bytes=799)
+    assert dense_scores(spec(), logits, max_bytes=800).shape == (1, 1, 10, 10)
+
+
+@pytest.mark.parametrize("shapes", [
+    ((2, 1, 4, 8), (1, 1, 4, 8), (1, 1, 4, 8)),   # batch
+    ((1, 1, 4, 8), (1, 1, 4, 8), (1, 1, 5, 8)),   # v's length
+    ((1, 1, 4, 8), (1, 1, 4, 6), (1, 1, 4, 6)),   # head dimension of q and k
+])
+def test_q_k_v_that_do_not_fit_are_refused(shapes):
+    q_, k_, v_ = (torch.zeros(shape) for shape in shapes)
+    message = (f"q {list(shapes[0])}, k {list(shapes[1])} and v {list(shapes[2])} do not fit "
+               "together")
+    with pytest.raises(SpecError, match=f"^{re.escape(message)}$"):
+        reference_attention(spec(), q_, k_, v_)
+
+
+# --- call arguments: q_offset, kv_lengths, rows, return_lse --------------------------------
+
+# A score that reads the query position, so that where the rows stand shows in the scores too.
+DECAY = op("-", SCORE, op("*", C(0.25), distance()))
+
+
+def decay(at):
+    """DECAY in plain Python, with row ``qi`` of batch row ``bi`` at position ``at(bi, qi)``."""
+    return lambda s, bi, hi, qi, ki: s - 0.25 * abs(at(bi, qi) - ki)
+
+
+def python_scores(logits, modify):
+    batch, heads, q_len, kv_len = logits.shape
+    return torch.tensor([[[[modify(logits[bi, hi, qi, ki].item(), bi, hi, qi, ki)
+                            for ki in range(kv_len)] for qi in range(q_len)]
+                          for hi in range(heads)] for bi in range(batch)], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("q_offset, offsets", [
+    (3, [3, 3]),
+    (torch.tensor([3]), [3, 3]),
+    (torch.tensor([2, 6], dtype=torch.int32), [2, 6]),
+])
+def test_q_offset_places_the_rows(q_offset, offsets):
+    def at(bi, qi):
+        return offsets[bi] + qi
+
+    def allowed(bi, hi, qi, ki):
+        return at(bi, qi) >= ki
+
+    mask = dense_mask(spec(CAUSAL), 2, 1, 4, 9, q_offset=q_offset)
+    assert torch.equal(mask, python_mask(allowed, 2, 1, 4, 9))
+    logits = torch.randn(2, 1, 4, 9, dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(1))
+    got = dense_scores(spec(score=DECAY), logits, q_offset=q_offset)
+    assert torch.allclose(got, python_scores(logits, decay(at)), rtol=0, atol=1e-12)
+    q_, k_, v_ = qkv(2, 2, 4, 9, 4, dtype=torch.float64)
+    out, lse = reference_attention(spec(CAUSAL, DECAY), q_, k_, v_, q_offset=q_offset,
+                                   return_lse=True)
+    want, want_lse = python_attention(q_, k_, v_, allowed, decay(at), 0.5, with_lse=True)
+    assert torch.allclose(out, want, rtol=0, atol=1e-12)
+    assert torch.allclose(lse, want_lse, rtol=0, atol=1e-12)
+    rows = [3, 0, 2]
+    part = reference_attention(spec(CAUSAL, DECAY), q_, k_, v_, q_offset=q_offset, rows=rows)
+    assert torch.allclose(part, want[:, :, rows], rtol=0, atol=1e-12)
+
+
+END = ir.AttentionIR(CAUSAL, DECAY, align="end")
+
+
+@pytest.mark.parametrize("kv_lengths, lengths", [
+    (torch.tensor([5, 9]), [5, 9]),
+    ([3, 8], [3, 8]),
+    (torch.tensor([6], dtype=torch.int32), [6, 6]),
+])
+def test_kv_lengths_hide_the_keys_past_each_rows_length(kv_lengths, lengths):
+    # No mask: the lengths alone hide keys.
+    expected = python_mask(lambda b_, h_, q_, k_: k_ < lengths[b_], 2, 2, 3, 9)
+    assert torch.equal(dense_mask(spec(), 2, 2, 3, 9, kv_lengths=kv_lengths), expected)
+    # An end-aligned spec places the rows at each batch row's own end, unless q_offset says.
+    for q_offset, at in ((None, lambda bi, qi: lengths[bi] - 3 + qi),
+                         (1, lambda bi, qi: 1 + qi)):
+        def allowed(bi, hi, qi, ki, at=at):
+            return at(bi, qi) >= ki and ki < lengths[bi]
+        got = dense_mask(END, 2, 2, 3, 9, q_offset=q_offset, kv_lengths=kv_lengths)
+        assert torch.equal(got, python_mask(allowed, 2, 2, 3, 9))
+        q_, k_, v_ = qkv(2, 2, 3, 9, 4, dtype=torch.float64)
+        out, lse = reference_attention(END, q_, k_, v_, q_offset=q_offset,
+                                       kv_lengths=kv_lengths, return_lse=True)
+        want, want_lse = python_attention(q_, k_, v_, allowed, decay(at), 0.5, with_lse=True)
+        assert torch.allclose(out, want, rtol=0, atol=1e-12)
+        assert torch.allclose(lse, want_lse, rtol=0, atol=1e-12)
+
+
+def test_an_end_aligned_spec_without_lengths_ends_at_the_last_key():
+    def at(bi, qi):
+        return 9 - 3 + qi
+
+    expected = python_mask(lambda b_, h_, q_, k_: at(b_, q_) >= k_, 1, 1, 3, 9)
+    assert torch.equal(dense_mask(END, 1, 1, 3, 9), expected)
+    logits = torch.randn(1, 1, 3, 9, dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(2))
+    assert torch.allclose(dense_scores(END, logits), python_scores(logits, decay(at)),
+                          rtol=0, atol=1e-12)
+    q_, k_, v_ = qkv(1, 2, 3, 9, 4, dtype=torch.float64)
+    want = python_attention(q_, k_, v_, lambda bi, hi, qi, ki: at(bi, qi) >= ki, decay(at), 0.5)
+    assert torch.allclose(reference_attention(END, q_, k_, v_), want, rtol=0, atol=1e-12)
+
+
+def test_rows_compute_only_those_rows():
+    doc_ids = torch.tensor([[0, 0, 1, 1, 1, 1, 2], [0, 0, 0, 0, 1, 1, 1]])
+    ids = doc_ids.tolist()
+    spec_ = spec(ir.And((CAUSAL, DOCUMENT)), DECAY)
+    tensors = {"doc_ids": doc_ids}
+    gen = torch.Generator().manual_seed(3)
+    q_ = torch.randn(2, 2, 6, 4, generator=gen, dtype=torch.float64)
+    k_ = torch.randn(2, 2, 7, 4, generator=gen, dtype=torch.float64)
+    v_ = torch.randn(2, 2, 7, 3, generator=gen, dtype=torch.float64)  # v's own last dimension
+    want, want_lse = python_attention(
+        q_, k_, v_, lambda bi, hi, qi, ki: qi >= ki and ids[bi][qi] == ids[bi][ki],
+        decay(lambda bi, qi: qi), 0.5, with_lse=True)
+    # row numbers as a list, an int32 tensor (read through doc_ids[b, q]: int64 indices), one row
+    for rows in ([5, 0, 3, 3], torch.tensor([1, 4], dtype=torch.int32), torch.tensor(2)):
+        index = torch.as_tensor(rows).reshape(-1).long()
+        out, lse = reference_attention(spec_, q_, k_, v_, tensors=tensors, rows=rows,
+                                       return_lse=True)
+        assert out.shape == (2, 2, len(index), 3) and lse.shape == (2, 2, len(index))
+        assert torch.allclose(out, want[:, :, index], rtol=0, atol=1e-12)
+        assert torch.allclose(lse, want_lse[:, :, index], rtol=0, atol=1e-12)
+    out, lse = reference_attention(spec_, q_, k_, v_, tensors=tensors, rows=[], return_lse=True)
+    assert out.shape == (2, 2, 0, 3) and lse.shape == (2, 2, 0)
+    for rows in ([-1], [6], [0, 6]):
+        with pytest.raises(SpecError, match=r"^rows must lie in 0\.\.5$"):
+            reference_attention(spec_, q_, k_, v_, tensors=tensors, rows=rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_lse_is_the_log_sum_exp_of_the_visible_scores(dtype):
+    # causal & padding: row 0 sees one key (a sum of exactly one exp), the rows of batch row 0
+    # past its length see none (-inf)
+    lengths = [3, 6]
+    q_, k_, v_ = qkv(2, 2, 6, 6, 4, dtype=dtype)
+    out, lse = reference_attention(spec(ir.And((CAUSAL, PADDING)), DECAY), q_, k_, v_,
+                                   tensors={"lengths": torch.tensor(lengths)}, return_lse=True)
+    want, want_lse = python_attention(
+        q_, k_, v_, lambda bi, hi, qi, ki: qi >= ki and qi < lengths[bi] and ki < lengths[bi],
+        decay(lambda bi, qi: qi), 0.5, with_lse=True)
+    assert out.dtype == dtype and out.shape == (2, 2, 6, 4)
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert lse.shape == (2, 2, 6)
+    assert (lse[0, :, 3:] == -math.inf).all() and lse[1].isfinite().all()
+    assert torch.allclose(lse.double(), want_lse, rtol=1e-6, atol=0)
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-6  # out is rounded to q's dtype
+    assert torch.allclose(out.double(), want, rtol=0, atol=tolerance)
+
+
+def test_softmax_is_stable_in_each_row():
+    # Scores near 800 * q: exp without subtracting each row's maximum overflows, and one maximum
+    # for the whole tensor would send every row but the last to zeros.
+    score = op("+", SCORE, op("*", C(800.0), q))
+    q_, k_, v_ = qkv(1, 2, 4, 5, 4, dtype=torch.float64)
+    out, lse = reference_attention(spec(score=score), q_, k_, v_, return_lse=True)
+    want, want_lse = python_attention(q_, k_, v_, lambda bi, hi, qi, ki: True,
+                                      lambda s, bi, hi, qi, ki: s + 800.0 * qi, 0.5,
+                                      with_lse=True)
+    assert torch.allclose(out, want, rtol=0, atol=1e-12)
+    assert torch.allclose(lse, want_lse, rtol=1e-14, atol=0)
+
+
+def test_int64_ranges_are_checked_at_the_call_s_query_positions():
+    # q * 2**56 fits int64 up to query position 127 (2**63 - 2**56) and overflows at 128.
+    big = op("*", q, C(2**56))
+    mask, score = spec(op(">=", big, kv)), spec(score=op("+", SCORE, big))
+
+    def calls(q_len, kv_len, batch=1, **where):
+        yield lambda: dense_mask(mask, batch, 1, q_len, kv_len, **where)
+        yield lambda: dense_scores(score, torch.zeros(batch, 1, q_len, kv_len,
+                                                      dtype=torch.float64), **where)
+        yield lambda: reference_attention(mask, *qkv(batch, 1, q_len, kv_len, 2), **where)
+
+    def refused(where, q_len, kv_len, batch=1, **call):
+        text = f"for B={batch}, H=1, Q_LEN={q_len}, KV_LEN={kv_len}{where}, beyond"
+        for run in calls(q_len, kv_len, batch, **call):
+            with pytest.raises(SpecError, match=re.escape(text)):
+                run()
+
+    for run in (*calls(128, 2), *calls(4, 2, q_offset=124),
+                *calls(4, 2, 2, q_offset=torch.tensor([0, 124]))):
+        run()
+    refused("", 129, 2)
+    refused(" and query positions from 125", 4, 2, q_offset=125)
+    refused(" and query positions from 0", 4, 2, 2, q_offset=torch.tensor([0, 125]))
+    # an end-aligned spec's rows stand at KV_LEN - Q_LEN + i
+    end = ir.AttentionIR(mask.mask, align="end")
+    dense_mask(end, 1, 1, 4, 128)
+    with pytest.raises(SpecError, match=re.escape("Q_LEN=4, KV_LEN=129 and query positions "
+                                                  "from 125, beyond")):
+        dense_mask(end, 1, 1, 4, 129)
