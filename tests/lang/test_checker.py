@@ -725,10 +725,20 @@ def test_a_long_chain_of_definitions_is_refused_without_checking_each_again():
     ("twice(x) & same(x)", "the binding 'x' is used as int[Q_LEN] and as int[B, KV_LEN]; give "
      "the two uses different names", 1),
     ("atleast(-1)", "'atleast' requires n >= 0, but n = -1", 9),
+    # a tensor parameter left out is bound under its own name, here one a call takes
+    ("lower & lenm", "'kv_lengths' cannot name the runtime tensor 'kv_lengths' of 'lenm': every "
+     "call takes an argument of that name (q, k, v, scale, q_offset, kv_lengths, return_lse); "
+     "bind it under another name, e.g. lenm(kv_lengths=my_kv_lengths)", 9),
+    # the alibi slopes (a builtin tensor, not a binding) come before the two uses of x
+    ("lower + slope + sk(x) + sq(x)", "the binding 'x' is used as float[KV_LEN] and as "
+     "float[Q_LEN]; give the two uses different names", 1),
 ])
 def test_spec_errors_whole(text, message, column):
     library = load_text(HELPERS + "mask two(a: int, c: int) = q - kv <= a + c\n"
-                        "mask twice(t: int[Q_LEN]) = t[q] == 2\n", "helpers.attn")
+                        "mask twice(t: int[Q_LEN]) = t[q] == 2\n"
+                        "score sk(t: float[KV_LEN]) = score + t[kv]\n"
+                        "score sq(t: float[Q_LEN]) = score + t[q]\n"
+                        "mask lenm(kv_lengths: int[B]) = kv < kv_lengths[b]\n", "helpers.attn")
     library.scope.definitions["atleast"] = _definition(
         "atleast", "mask", "q - kv >= n", ParamSpec("n", "int", constraint=_expr("n >= 0")))
     err = check_error(text, library)
@@ -884,6 +894,8 @@ def test_defaults_and_arguments_inside_score_definitions(lib):
     assert ir.to_text(flexspec.parse("lower + d", library=library).ir.score) == "score + (score + 1)"
     assert ir.to_text(flexspec.parse("lower + g", library=library).ir.score) == \
         "(score + 1) * tanh(score / (score + 1))"
+    # a score modifier's body may be an int
+    assert ir.to_text(load_text("score i = q - kv\nspec s = i\n")["s"].ir.score) == "q - kv"
 
 
 def test_recursion_too_deep_is_a_check_error_at_the_definition_or_spec(monkeypatch):
@@ -934,3 +946,26 @@ def test_what_a_chain_of_terms_is(lib):
         "join a spec with '+', e.g. 'causal + add1 + dbl'", 2)
     assert flexspec.parse("(lower + same0) & local", library=library).ir == \
         flexspec.parse("lower & local", library=library).ir
+
+
+def test_the_inlining_budget_is_the_most_operators_allowed(monkeypatch):
+    # `lower & local` inlines q >= kv (3 nodes) and abs(q - kv) <= 4 (6 nodes): 9 in all (a
+    # library of its own: a scope remembers the definitions found too large)
+    lib = load_text(HELPERS, "helpers.attn")
+    monkeypatch.setattr(checker, "MAX_INLINED_NODES", 9)
+    assert flexspec.parse("lower & local", library=lib).ir.mask is not None
+    monkeypatch.setattr(checker, "MAX_INLINED_NODES", 8)
+    err = check_error("lower & local", lib)
+    assert (err.message, err.column) == (
+        "the spec expands to more than 8 operators when its definitions are inlined (every use "
+        "of a definition is a copy of it; reached inlining local): use large definitions once "
+        "each rather than several times in a chain", 9)
+
+
+def test_not_of_a_mask_is_a_mask(lib):
+    # `~` negates its mask (simplified: q >= kv negated is q < kv) and gives a mask '&' takes
+    assert ir.to_text(flexspec.parse("~lower", library=lib).ir.mask) == "q < kv"
+    spec = flexspec.parse("~lower & local + add1", library=lib)
+    assert ir.to_text(spec.ir.mask) == "q < kv & abs(q - kv) <= 4"
+    # and a spec whose definitions are not aligned at the end counts positions from the start
+    assert spec.ir.align == "start"
