@@ -898,19 +898,32 @@ def test_defaults_and_arguments_inside_score_definitions(lib):
     assert ir.to_text(load_text("score i = q - kv\nspec s = i\n")["s"].ir.score) == "q - kv"
 
 
-def test_recursion_too_deep_is_a_check_error_at_the_definition_or_spec(monkeypatch):
+def test_recursion_too_deep_is_a_check_error_at_the_definition_or_spec(monkeypatch, lib):
     # a RecursionError anywhere in checking (a body nested deeper than Python's stack, whose
-    # depth differs by platform) becomes a check error pointing at the body or the spec
-    def too_deep(*args):
-        raise RecursionError
-    monkeypatch.setattr(checker.Checker, "check_definition", too_deep)
-    monkeypatch.setattr(checker.Checker, "spec", too_deep)
+    # depth differs by platform) becomes a check error pointing at the body or the spec; only
+    # the definition `deep` and the spec node below raise it (the registry may load meanwhile)
+    spec_node = parse_spec("lower & local")
+    check_definition_, spec_ = checker.Checker.check_definition, checker.Checker.spec
+
+    def deep_definition(self, definition):
+        if definition.name == "deep":
+            raise RecursionError
+        return check_definition_(self, definition)
+
+    def deep_spec(self, node):
+        if node is spec_node:
+            raise RecursionError
+        return spec_(self, node)
+
+    monkeypatch.setattr(checker.Checker, "check_definition", deep_definition)
+    monkeypatch.setattr(checker.Checker, "spec", deep_spec)
     message = ("the expression is nested too deeply (or its definitions inline each other too "
                "deeply) to check")
-    assert [(e.message, e.line, e.column) for e in file_errors("mask a = q > kv\n")] == \
-        [(message, 1, 10)]
-    err = check_error("lower & local")
-    assert (err.message, err.column) == (message, 1)
+    assert [(e.message, e.line, e.column) for e in file_errors("mask deep = q > kv\n")] == \
+        [(message, 1, 13)]
+    with pytest.raises(flexspec.SpecCheckError) as info:
+        checker.check_spec(spec_node, lib.scope)
+    assert (info.value.message, info.value.line, info.value.column) == (message, 1, 1)
 
 
 def test_default_constraints_of_later_parameters_and_computed_defaults():
@@ -969,3 +982,32 @@ def test_not_of_a_mask_is_a_mask(lib):
     assert ir.to_text(spec.ir.mask) == "q < kv & abs(q - kv) <= 4"
     # and a spec whose definitions are not aligned at the end counts positions from the start
     assert spec.ir.align == "start"
+
+
+def test_check_spec_of_an_expression_that_is_not_a_spec(lib):
+    # the parser gives check_spec spec expressions only; called with a definition expression
+    # it names it and points at it
+    with pytest.raises(flexspec.SpecCheckError) as info:
+        checker.check_spec(_expr("q >= kv", 2), lib.scope)
+    assert (info.value.message, info.value.line) == (
+        "'q >= kv' is not a pattern; a spec combines named patterns such as "
+        "'causal & window(128) + alibi'", 3)
+
+
+def test_a_spec_using_a_definition_aligned_at_the_end_is_aligned_at_the_end(lib):
+    needs("causal_bottom_right")
+    assert flexspec.parse("causal_bottom_right & local(2)", library=lib).ir.align == "end"
+    assert flexspec.parse("local(2) + add1", library=lib).ir.align == "start"
+
+
+def test_the_depth_limit_is_the_most_levels_allowed(monkeypatch, lib):
+    # the mask is the deeper half here: its depth is the one measured
+    mask = flexspec.parse("lower & local", library=lib).ir.mask
+    levels = ir.depth(mask)
+    monkeypatch.setattr(checker, "MAX_IR_DEPTH", levels)
+    assert flexspec.parse("lower & local", library=lib).ir.mask == mask
+    monkeypatch.setattr(checker, "MAX_IR_DEPTH", levels - 1)
+    err = check_error("lower & local", lib)
+    assert (err.message, err.column) == (
+        "the expression is nested too deeply (or its definitions inline each other too deeply) "
+        f"to check ({levels} levels of operators after inlining; at most {levels - 1})", 1)
