@@ -12,7 +12,12 @@ import pytest
 
 import flexspec
 from flexspec import ir
+from flexspec.errors import Source
+from flexspec.lang import checker
+from flexspec.lang.checker import check_definition
+from flexspec.lang.definitions import Definition, ParamSpec, Scope
 from flexspec.lang.library import check_text, load_text
+from flexspec.lang.parser import parse_expr, parse_spec
 
 # Helpers written in the language, in front of the registry.
 HELPERS = """
@@ -658,3 +663,351 @@ def test_a_long_chain_of_definitions_is_refused_without_checking_each_again():
     errors = check_text("\n".join(lines) + "\n", "chain.attn")
     assert [e.line for e in errors] == [101]
     assert "expands to more than" in errors[0].message
+
+
+# ---------------------------------------------------------------------------------------------
+# Every message whole, and where it points (mutation testing: a search for part of a message
+# does not notice words lost or added around it, nor a span that points nowhere)
+
+
+@pytest.mark.parametrize("text, message, column", [
+    ("q", "'q' is a built-in name of the definition language, not a pattern", 1),
+    ("tanh", "'tanh' is a built-in name of the definition language, not a pattern", 1),
+    ("locl", "unknown pattern 'locl'. Did you mean 'local'?", 1),
+    ("lower & add1", "'add1' is a score modifier, so it cannot be combined with '&'; score "
+     "modifiers join a spec with '+', e.g. 'causal + add1'", 9),
+    ("add1 | lower", "'add1' is a score modifier, so it cannot be combined with '|'; score "
+     "modifiers join a spec with '+', e.g. 'causal + add1'", 1),
+    ("~add1", "'add1' is a score modifier, so it cannot be combined with '~'; score modifiers "
+     "join a spec with '+', e.g. 'causal + add1'", 2),
+    ("(lower + add1) & local", "'lower + add1' is a spec with score modifiers, so it cannot be "
+     "combined with '&'; score modifiers join a spec with '+', after the masks, e.g. "
+     "'causal & window(128) + alibi'", 2),
+    ("~(lower + add1)", "'lower + add1' is a spec with score modifiers, so it cannot be "
+     "combined with '~'; score modifiers join a spec with '+', after the masks, e.g. "
+     "'causal & window(128) + alibi'", 3),
+    ("lower + local", "a spec has at most one mask term, but 'lower' and 'local' are both "
+     "masks; combine masks with '&': 'lower & local'", 9),
+    ("lower & local + add1 + local", "a spec has at most one mask term, but 'lower & local' "
+     "and 'local' are both masks; combine masks with '&': 'lower & local & local'", 24),
+    ("base(3)", "'base' is a named spec and takes no arguments", 1),
+    ("local(m=3)", "'local' has no parameter 'm'. It takes local(n: int = 4)", 7),
+    ("local(nn=3)", "'local' has no parameter 'nn'. Did you mean 'n'? It takes "
+     "local(n: int = 4)", 7),
+    ("local(n=3, n=4)", "argument 'n' given twice", 12),
+    ("local(3, n=4)", "argument 'n' given twice", 10),
+    ("local(n=3, 4)", "a positional argument cannot follow a keyword argument", 12),
+    ("local(1, 2)", "'local' takes 1 argument: local(n: int = 4), but 2 were given", 10),
+    ("lower(3)", "'lower' takes no arguments, but 1 was given", 7),
+    ("lower(3, 4)", "'lower' takes no arguments, but 2 were given", 7),
+    ("same(1, 2)", "'same' takes 1 argument: same(ids: int[B, KV_LEN]), but 2 were given", 9),
+    ("two(1, 2, 3)", "'two' takes 2 arguments: two(a: int, c: int), but 3 were given", 11),
+    ("two(1)", "'two' needs a value for 'c' (int): write two(a: int, c: int)", 1),
+    ("local(x)", "'x' is a bare name, which in a spec names a runtime tensor, but 'n' is an int "
+     "parameter; pass a literal such as 128", 7),
+    ("cap(x)", "'x' is a bare name, which in a spec names a runtime tensor, but 'c' is a float "
+     "parameter; pass a literal such as 30.0", 5),
+    ("flag(x)", "'x' is a bare name, which in a spec names a runtime tensor, but 'on' is a bool "
+     "parameter; pass a literal such as true", 6),
+    ('local("four")', "'n' expects an int, got a string", 7),
+    ("same(3)", "'ids' of 'same' expects a tensor (ids: int[B, KV_LEN]), got an int", 6),
+    ('same("x")', "'ids' expects a tensor, got a string", 6),
+    ("per_head(lim=2)", "'lim' of 'per_head' expects a tensor (lim: int[H]), got an int", 14),
+    ("local(2.5)", "'n' of 'local' expects an int, got a float (2.5)", 7),
+    ("cap(true)", "'c' of 'cap' expects a float, got a bool (true)", 5),
+    ("flag(1)", "'on' of 'flag' expects a bool, got an int (1)", 6),
+    ("same(q_offset)", "'q_offset' cannot name the runtime tensor 'ids' of 'same': every call "
+     "takes an argument of that name (q, k, v, scale, q_offset, kv_lengths, return_lse); bind "
+     "it under another name, e.g. same(ids=my_q_offset)", 6),
+    ("same(ids=kv_lengths)", "'kv_lengths' cannot name the runtime tensor 'ids' of 'same': "
+     "every call takes an argument of that name (q, k, v, scale, q_offset, kv_lengths, "
+     "return_lse); bind it under another name, e.g. same(ids=my_kv_lengths)", 10),
+    ("twice(x) & same(x)", "the binding 'x' is used as int[Q_LEN] and as int[B, KV_LEN]; give "
+     "the two uses different names", 1),
+    ("atleast(-1)", "'atleast' requires n >= 0, but n = -1", 9),
+    # a tensor parameter left out is bound under its own name, here one a call takes
+    ("lower & lenm", "'kv_lengths' cannot name the runtime tensor 'kv_lengths' of 'lenm': every "
+     "call takes an argument of that name (q, k, v, scale, q_offset, kv_lengths, return_lse); "
+     "bind it under another name, e.g. lenm(kv_lengths=my_kv_lengths)", 9),
+    # the alibi slopes (a builtin tensor, not a binding) come before the two uses of x
+    ("lower + slope + sk(x) + sq(x)", "the binding 'x' is used as float[KV_LEN] and as "
+     "float[Q_LEN]; give the two uses different names", 1),
+])
+def test_spec_errors_whole(text, message, column):
+    library = load_text(HELPERS + "mask two(a: int, c: int) = q - kv <= a + c\n"
+                        "mask twice(t: int[Q_LEN]) = t[q] == 2\n"
+                        "score sk(t: float[KV_LEN]) = score + t[kv]\n"
+                        "score sq(t: float[Q_LEN]) = score + t[q]\n"
+                        "mask lenm(kv_lengths: int[B]) = kv < kv_lengths[b]\n", "helpers.attn")
+    library.scope.definitions["atleast"] = _definition(
+        "atleast", "mask", "q - kv >= n", ParamSpec("n", "int", constraint=_expr("n >= 0")))
+    err = check_error(text, library)
+    assert (err.message, err.line, err.column) == (message, 1, column)
+
+
+@pytest.mark.parametrize("text, errors", [
+    ("mask a(q: int) = q > kv\n",
+     [("parameter name 'q' is reserved (an index, size or function of the language)", 1, 8)]),
+    ("mask a(t: int[2.5]) = t[0] > kv\n",
+     [("a tensor dimension must be an int expression, got a float", 1, 15)]),
+    ("score a(t: float[H] = alibi_slopes(H, 2)) = score + t[h]\n",
+     [("alibi_slopes takes one argument, the number of heads: alibi_slopes(H)", 1, 23)]),
+    ("score a(t: float[H] = alibi_slopes(n=H)) = score + t[h]\n",
+     [("alibi_slopes takes one argument, the number of heads: alibi_slopes(H)", 1, 23)]),
+    ('score a(t: float[H] = learnable(H, init="ones")) = score + t[h]\n',
+     [('learnable takes dims and optionally init="zeros" or init="normal"', 1, 36)]),
+    ('score a(t: float[H] = learnable(H, mode="zeros")) = score + t[h]\n',
+     [('learnable takes dims and optionally init="zeros" or init="normal"', 1, 36)]),
+    ("score a(t: float[H] = learnable(H, init=1)) = score + t[h]\n",
+     [('learnable takes dims and optionally init="zeros" or init="normal"', 1, 36)]),
+    ("score a(t: float[H] = learnable(H, Q_LEN)) = score + t[h]\n",
+     [("learnable() gives 2 dims but 't' declares 1", 1, 23)]),
+    ("spec s = lower\nmask lower = q >= kv\nmask a = s\n",
+     [("'s' is a named spec; definitions can use masks and score modifiers but not specs",
+       3, 10)]),
+    ("score s = score * 2\nmask a = s > 0\n",
+     [("'s' is a score modifier and can only be used in score definitions", 2, 10)]),
+    ("score s = score * 2\nmask a(n: int = floor(s)) = q - kv <= n\n",
+     [("'s' is a score modifier and can only be used in score definitions", 2, 23)]),
+    ("spec x = y\nspec y = x\n",
+     [("definitions refer to each other in a cycle: y -> x -> y", 1, 10),
+      ("definitions refer to each other in a cycle: x -> y -> x", 2, 10)]),
+    ("mask a = q + kv\n",
+     [("mask 'a' must be a boolean expression, but its definition is an int", 1, 10)]),
+    ("score s = score > 0\n", [("score 's' must be a number, but its definition is a bool", 1, 11)]),
+    ("mask w(n: int) = q - kv <= n\nmask a = w(true)\n",
+     [("'n' of 'w' expects an int, got a bool (true)", 2, 12)]),
+    ("mask w(t: int[KV_LEN]) = t[kv] == 0\nmask a = w(3)\n",
+     [("'t' of 'w' expects a tensor (t: int[KV_LEN]), got an int", 2, 12)]),
+])
+def test_definition_errors_whole(text, errors):
+    assert [(e.message, e.line, e.column) for e in file_errors(text)] == errors
+
+
+def _expr(text: str, line: int = 0):
+    """A definition expression as a YAML pattern holds it, placed at ``line`` of its file."""
+    return parse_expr(Source(text, "p.yaml", line_offset=line))
+
+
+def _definition(name, kind, body, *params):
+    return Definition(name, kind, params, _expr(body) if kind != "spec" else parse_spec(body))
+
+
+def _checked_on_its_own(definition, *others) -> flexspec.SpecCheckError | None:
+    """check_definition of ``definition`` (a registry pattern's way in) in a scope with it."""
+    scope = Scope((definition,) + others, parent=load_text(HELPERS, "helpers.attn").scope)
+    try:
+        check_definition(definition, scope)
+    except flexspec.SpecCheckError as err:
+        return err
+    return None
+
+
+def test_constraints_and_defaults_of_patterns_checked_on_their_own():
+    # constraints exist only in registry patterns: these are checked with their parameters
+    # symbolic (check_definition), where each part of a pattern file points at its own line
+    not_bool = _definition("m", "mask", "q - kv <= n", ParamSpec("n", "int", constraint=_expr("n + 1", 4)))
+    err = _checked_on_its_own(not_bool)
+    assert (err.message, err.line) == ("the constraint of 'n' must be a boolean expression", 5)
+    broken = _definition("m", "mask", "q - kv <= lo",
+                         ParamSpec("lo", "int", default=_expr("5", 2), constraint=_expr("lo <= hi", 6)),
+                         ParamSpec("hi", "int", default=_expr("3", 8)))
+    err = _checked_on_its_own(broken)
+    assert (err.message, err.line) == (
+        "the default of 'lo' (5) breaks its constraint lo <= hi; change one of them", 3)
+    # hi without a default is symbolic: the constraint may hold, so no error
+    assert _checked_on_its_own(_definition(
+        "m", "mask", "q - kv <= lo",
+        ParamSpec("lo", "int", default=_expr("5"), constraint=_expr("lo <= hi")),
+        ParamSpec("hi", "int"))) is None
+    # a default that meets its constraint, and a constraint on a parameter without a default
+    assert _checked_on_its_own(_definition(
+        "m", "mask", "q - kv <= n",
+        ParamSpec("n", "int", default=_expr("3"), constraint=_expr("n > 2")),
+        ParamSpec("k", "int", constraint=_expr("k > 100")))) is None
+    reserved = _definition("m", "mask", "q - kv <= 1",
+                           ParamSpec("kv", "int", span=_expr("kv", 7).span))
+    err = _checked_on_its_own(reserved)
+    assert (err.message, err.line) == (
+        "parameter name 'kv' is reserved (an index, size or function of the language)", 8)
+    dims = _definition("m", "mask", "t[0] > kv", ParamSpec("t", "int", dims=(_expr("Q_LEN > 1", 3),)))
+    err = _checked_on_its_own(dims)
+    assert (err.message, err.line) == (
+        "a tensor dimension must be an int expression, got a bool", 4)
+
+
+def test_a_named_spec_checked_on_its_own():
+    # check_definition takes every kind: a spec is checked as a spec expression, not as a
+    # definition body (where '+' would be arithmetic), and its cycles point at the use
+    assert _checked_on_its_own(_definition("s", "spec", "lower + add1")) is None
+    x = Definition("x", "spec", (), parse_spec("y", "x.attn"))
+    y = Definition("y", "spec", (), parse_spec("lower & x", "y.attn"))
+    err = _checked_on_its_own(x, y)
+    assert (err.message, err.source_name, err.column) == (
+        "definitions refer to each other in a cycle: x -> y -> x", "y.attn", 9)
+    err = _checked_on_its_own(_definition("s", "spec", "lower & add1"))
+    assert err.message.startswith("'add1' is a score modifier, so it cannot be combined")
+
+
+def test_int_expression_for_a_float_parameter_becomes_a_float(lib):
+    # the float of a non-constant int argument is `x * 1.0`: the same value, as a float
+    library = load_text(HELPERS + "score d = cap(q - kv)\nscore e = cap((q - kv) * 1.0)\n"
+                        "spec sd = d\nspec se = e\n")
+    assert library["sd"].ir.score == library["se"].ir.score
+    assert library["sd"].ir.score.type == "float"
+
+
+def test_learnable_and_builtin_tensors_exactly(lib):
+    # each use of a learnable default is its own table, numbered from the second; learnable()
+    # takes its init (zeros unless given) and dims; alibi_slopes(H) is the builtin of H heads
+    library = load_text(HELPERS + "score two(w: float[H, 3] = learnable(H, 3)) = score + w[h, 0]\n"
+                        'score z(w: float[H] = learnable(H, init="zeros")) = score + w[h]\n')
+    spec = flexspec.parse("lower + bias + bias + bias + two + z + slope", library=library)
+    heads = ir.Var("H")
+    assert spec.ir.tensors() == [
+        ir.Tensor("bias_w", (heads,), "float", "learnable", init="normal"),
+        ir.Tensor("bias_w_2", (heads,), "float", "learnable", init="normal"),
+        ir.Tensor("bias_w_3", (heads,), "float", "learnable", init="normal"),
+        ir.Tensor("two_w", (heads, ir.Const(3)), "float", "learnable", init="zeros"),
+        ir.Tensor("z_w", (heads,), "float", "learnable", init="zeros"),
+        ir.Tensor("alibi_slopes", (heads,), "float", "builtin", "alibi_slopes", (heads,)),
+    ]
+
+
+@pytest.mark.parametrize("text, errors", [
+    ("mask a(n: int = learnable(H)) = q - kv <= n\n",
+     [("learnable() can only be the default of a tensor parameter", 1, 17)]),
+    ("mask w(n: int) = q - kv <= n\nmask a = w() & q > 0\n",
+     [("'w' needs a value for 'n' (int): write w(n: int)", 2, 10)]),
+])
+def test_definition_errors_whole_more(text, errors):
+    test_definition_errors_whole(text, errors)
+
+
+def test_defaults_and_arguments_inside_score_definitions(lib):
+    # an int default of a float parameter is a float; inside a score definition an argument
+    # may read the score through a score modifier (cap's c is score + 1 here),
+    # and so may a default (the argument a call leaves out)
+    library = load_text(HELPERS + "score f(c: float = 2) = score * c\nscore g = cap(add1)\n"
+                        "score d(c: float = add1) = score + c\n")
+    assert ir.to_text(flexspec.parse("lower + f", library=library).ir.score) == "score * 2.0"
+    assert ir.to_text(flexspec.parse("lower + d", library=library).ir.score) == "score + (score + 1)"
+    assert ir.to_text(flexspec.parse("lower + g", library=library).ir.score) == \
+        "(score + 1) * tanh(score / (score + 1))"
+    # a score modifier's body may be an int
+    assert ir.to_text(load_text("score i = q - kv\nspec s = i\n")["s"].ir.score) == "q - kv"
+
+
+def test_recursion_too_deep_is_a_check_error_at_the_definition_or_spec(monkeypatch, lib):
+    # a RecursionError anywhere in checking (a body nested deeper than Python's stack, whose
+    # depth differs by platform) becomes a check error pointing at the body or the spec; only
+    # the definition `deep` and the spec node below raise it (the registry may load meanwhile)
+    spec_node = parse_spec("lower & local")
+    check_definition_, spec_ = checker.Checker.check_definition, checker.Checker.spec
+
+    def deep_definition(self, definition):
+        if definition.name == "deep":
+            raise RecursionError
+        return check_definition_(self, definition)
+
+    def deep_spec(self, node):
+        if node is spec_node:
+            raise RecursionError
+        return spec_(self, node)
+
+    monkeypatch.setattr(checker.Checker, "check_definition", deep_definition)
+    monkeypatch.setattr(checker.Checker, "spec", deep_spec)
+    message = ("the expression is nested too deeply (or its definitions inline each other too "
+               "deeply) to check")
+    assert [(e.message, e.line, e.column) for e in file_errors("mask deep = q > kv\n")] == \
+        [(message, 1, 13)]
+    with pytest.raises(flexspec.SpecCheckError) as info:
+        checker.check_spec(spec_node, lib.scope)
+    assert (info.value.message, info.value.line, info.value.column) == (message, 1, 1)
+
+
+def test_default_constraints_of_later_parameters_and_computed_defaults():
+    # every literal default is checked, after parameters without a constraint; a computed
+    # default (Q_LEN) is symbolic here, so its constraint is left to the call, even one that
+    # can never hold
+    late = _definition("m", "mask", "q - kv <= n", ParamSpec("k", "int", default=_expr("1")),
+                       ParamSpec("n", "int", default=_expr("3"), constraint=_expr("n > 4")))
+    assert _checked_on_its_own(late).message == \
+        "the default of 'n' (3) breaks its constraint n > 4; change one of them"
+    computed = _definition("m", "mask", "q - kv <= n",
+                           ParamSpec("n", "int", default=_expr("Q_LEN"), constraint=_expr("n > 0 & false")))
+    assert _checked_on_its_own(computed) is None
+
+
+def test_a_named_spec_with_a_mask_and_scores_inside_a_chain(lib):
+    # a named spec contributes its mask and its scores; later terms apply to its score
+    library = load_text(HELPERS + "spec ms = lower & local(2) + add1\n")
+    spec = flexspec.parse("ms + dbl", library=library)
+    assert ir.to_text(spec.ir.mask) == ir.to_text(flexspec.parse("lower & local(2)", library=library).ir.mask)
+    assert ir.to_text(spec.ir.score) == "(score + 1) * 2"
+
+
+def test_what_a_chain_of_terms_is(lib):
+    # scores only: no mask (true), and a score modifier to '&'; a mask whose scores leave the
+    # score as it is: a mask, which '&' takes
+    library = load_text(HELPERS + "score same0 = score\n")
+    scores = flexspec.parse("add1 + dbl", library=library)
+    assert (scores.ir.mask, ir.to_text(scores.ir.score)) == (ir.TRUE, "(score + 1) * 2")
+    err = check_error("(add1 + dbl) & lower", library)
+    assert (err.message, err.column) == (
+        "'add1 + dbl' is a score modifier, so it cannot be combined with '&'; score modifiers "
+        "join a spec with '+', e.g. 'causal + add1 + dbl'", 2)
+    assert flexspec.parse("(lower + same0) & local", library=library).ir == \
+        flexspec.parse("lower & local", library=library).ir
+
+
+def test_the_inlining_budget_is_the_most_operators_allowed(monkeypatch):
+    # `lower & local` inlines q >= kv (3 nodes) and abs(q - kv) <= 4 (6 nodes): 9 in all (a
+    # library of its own: a scope remembers the definitions found too large)
+    lib = load_text(HELPERS, "helpers.attn")
+    monkeypatch.setattr(checker, "MAX_INLINED_NODES", 9)
+    assert flexspec.parse("lower & local", library=lib).ir.mask is not None
+    monkeypatch.setattr(checker, "MAX_INLINED_NODES", 8)
+    err = check_error("lower & local", lib)
+    assert (err.message, err.column) == (
+        "the spec expands to more than 8 operators when its definitions are inlined (every use "
+        "of a definition is a copy of it; reached inlining local): use large definitions once "
+        "each rather than several times in a chain", 9)
+
+
+def test_not_of_a_mask_is_a_mask(lib):
+    # `~` negates its mask (simplified: q >= kv negated is q < kv) and gives a mask '&' takes
+    assert ir.to_text(flexspec.parse("~lower", library=lib).ir.mask) == "q < kv"
+    spec = flexspec.parse("~lower & local + add1", library=lib)
+    assert ir.to_text(spec.ir.mask) == "q < kv & abs(q - kv) <= 4"
+    # and a spec whose definitions are not aligned at the end counts positions from the start
+    assert spec.ir.align == "start"
+
+
+def test_check_spec_of_an_expression_that_is_not_a_spec(lib):
+    # the parser gives check_spec spec expressions only; called with a definition expression
+    # it names it and points at it
+    with pytest.raises(flexspec.SpecCheckError) as info:
+        checker.check_spec(_expr("q >= kv", 2), lib.scope)
+    assert (info.value.message, info.value.line) == (
+        "'q >= kv' is not a pattern; a spec combines named patterns such as "
+        "'causal & window(128) + alibi'", 3)
+
+
+def test_a_spec_using_a_definition_aligned_at_the_end_is_aligned_at_the_end(lib):
+    needs("causal_bottom_right")
+    assert flexspec.parse("causal_bottom_right & local(2)", library=lib).ir.align == "end"
+    assert flexspec.parse("local(2) + add1", library=lib).ir.align == "start"
+
+
+def test_the_depth_limit_is_the_most_levels_allowed(monkeypatch, lib):
+    # the mask is the deeper half here: its depth is the one measured
+    mask = flexspec.parse("lower & local", library=lib).ir.mask
+    levels = ir.depth(mask)
+    monkeypatch.setattr(checker, "MAX_IR_DEPTH", levels)
+    assert flexspec.parse("lower & local", library=lib).ir.mask == mask
+    monkeypatch.setattr(checker, "MAX_IR_DEPTH", levels - 1)
+    err = check_error("lower & local", lib)
+    assert (err.message, err.column) == (
+        "the expression is nested too deeply (or its definitions inline each other too deeply) "
+        f"to check ({levels} levels of operators after inlining; at most {levels - 1})", 1)
