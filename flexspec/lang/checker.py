@@ -353,6 +353,14 @@ class Checker(ExpressionChecker):
         if value.type != "int":
             raise SpecCheckError(f"a tensor dimension must be an int expression, got "
                                  f"{type_name(value.type)}", node.span)
+        # an index (q, kv, b, h) or the score, read here directly or through a pattern, has no
+        # value when the tensor's shape is fixed
+        read = sorted(ir.free_vars(value) - set(ir.SIZE_VARS))
+        if read:
+            raise SpecCheckError(
+                f"a tensor dimension can read only the sizes {', '.join(ir.SIZE_VARS)} and "
+                f"parameters, but this one reads {', '.join(repr(n) for n in read)}; "
+                "write the shape with sizes, e.g. float[KV_LEN]", node.span)
         return value
 
     def _binding(self, param: ParamSpec, name: str, bound: dict, definition: Definition,

@@ -750,6 +750,13 @@ def test_spec_errors_whole(text, message, column):
      [("parameter name 'q' is reserved (an index, size or function of the language)", 1, 8)]),
     ("mask a(t: int[2.5]) = t[0] > kv\n",
      [("a tensor dimension must be an int expression, got a float", 1, 15)]),
+    # an index or the score (here through a score pattern) has no value when shapes are fixed
+    ("mask a(t: int[q]) = t[0] > kv\n",
+     [("a tensor dimension can read only the sizes B, H, Q_LEN, KV_LEN and parameters, but "
+       "this one reads 'q'; write the shape with sizes, e.g. float[KV_LEN]", 1, 15)]),
+    ("score add1 = score + 1.0\nscore a(t: float[floor(add1)]) = score + t[0]\n",
+     [("a tensor dimension can read only the sizes B, H, Q_LEN, KV_LEN and parameters, but "
+       "this one reads 'score'; write the shape with sizes, e.g. float[KV_LEN]", 2, 18)]),
     ("score a(t: float[H] = alibi_slopes(H, 2)) = score + t[h]\n",
      [("alibi_slopes takes one argument, the number of heads: alibi_slopes(H)", 1, 23)]),
     ("score a(t: float[H] = alibi_slopes(n=H)) = score + t[h]\n",
