@@ -911,12 +911,20 @@ mask by_row(t: int[Q_LEN]) = t[q] > 0
 mask steps(t: int[4]) = t[q // 64] > 0
 mask heads(t: int[H, KV_LEN]) = t[h, kv] > 0
 mask loose(t: int[Q_LEN]) = t[q + (q - q) * 3] > 0
+mask three(t: int[H, Q_LEN, 2]) = t[h, q, 1] > 0
+mask seven_tenths = kv <= q * 0.7
 """, "test_blocks_lookups.attn")
 
 
 def _columns_of_ones(q_len, kv_len, every):
     t = torch.zeros(q_len, kv_len, dtype=torch.int64)
     t[:, ::every] = 1
+    return t
+
+
+def _ones_but(row):
+    t = torch.ones(1, 96, 2, dtype=torch.int64)
+    t[0, row, 1] = 0
     return t
 
 
@@ -932,6 +940,11 @@ def _columns_of_ones(q_len, kv_len, every):
     # q + (q - q) * 3 is q, bounded by [-48, 64] over the 17 rows: the sparse-table query of
     # the 17 entries must clamp both ends to the tensor, no further (the last row is hidden)
     ("loose", (17, 40), {"t": torch.tensor([1] * 16 + [0])}, (128, 128)),
+    # the per-block reduction of a 3-D tensor along its middle dimension: one hidden row
+    ("three", (96, 64), {"t": _ones_but(70)}, (32, 32)),
+    # 0.7 in float32 is below 0.7: q = 10 sees kv = 7 (10 * 0.7 > 7 in float64), in the tile
+    # q 0..10, kv 7..13
+    ("seven_tenths", (22, 14), {}, (11, 7)),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_lookups_through_every_path_are_sound(name, shape, values, block):
     case = Case(flexspec.parse(name, library=LOOKUPS), Shape(1, 1, 1, *shape, 16), values, block)
