@@ -895,3 +895,85 @@ def test_interval_block_masks_turn_only_ragged_full_tiles_partial(q_len, kv_len,
                              batch=1, heads=1, exact=False)
     assert torch.equal(tile_classes(built), expected)
     assert (expected == FULL).any()
+
+
+# Lookups through each path of blocks._Lookups: two dimensions read by q and kv, a two-entry
+# dimension read by q, two tensors through the sparse table, index bounds that leave the tensor
+# (loose intervals of an index that stays inside), per-block and per-range bounds that must be
+# exact.
+LOOKUPS = load_text("""
+mask both(t: int[Q_LEN, KV_LEN]) = t[q, kv] > 0
+mask pair(t: int[2]) = t[q % 2] > 0
+mask two(a: int[Q_LEN], c: int[KV_LEN]) = a[q // 2] > 0 & c[kv // 2] > 0
+mask falling(t: int[Q_LEN]) = t[16 - q] > 0
+mask folded(t: int[Q_LEN]) = t[abs(q - 8)] > 0
+mask by_row(t: int[Q_LEN]) = t[q] > 0
+mask steps(t: int[4]) = t[q // 64] > 0
+mask heads(t: int[H, KV_LEN]) = t[h, kv] > 0
+mask loose(t: int[Q_LEN]) = t[q + (q - q) * 3] > 0
+mask three(t: int[H, Q_LEN, 2]) = t[h, q, 1] > 0
+mask seven_tenths = kv <= q * 0.7
+""", "test_blocks_lookups.attn")
+
+
+def _columns_of_ones(q_len, kv_len, every):
+    t = torch.zeros(q_len, kv_len, dtype=torch.int64)
+    t[:, ::every] = 1
+    return t
+
+
+def _ones_but(row):
+    t = torch.ones(1, 96, 2, dtype=torch.int64)
+    t[0, row, 1] = 0
+    return t
+
+
+@pytest.mark.parametrize("name, shape, values, block", [
+    # the first kv column of every tile true, the rest false: bounds from one column are unsound
+    ("both", (96, 128), {"t": _columns_of_ones(96, 128, 32)}, (32, 32)),
+    ("pair", (64, 64), {"t": torch.tensor([1, 0])}, (32, 32)),
+    # the sparse tables of two tensors are not shared
+    ("two", (64, 64), {"a": torch.ones(64, dtype=torch.int64), "c": torch.zeros(64, dtype=torch.int64)}, (32, 32)),
+    ("two", (64, 64), {"a": torch.zeros(64, dtype=torch.int64), "c": torch.ones(64, dtype=torch.int64)}, (32, 32)),
+    ("falling", (17, 40), {"t": torch.tensor([1, 0] * 8 + [1])}, (128, 128)),
+    ("folded", (17, 40), {"t": torch.tensor([1, 0] * 8 + [1])}, (128, 128)),
+    # q + (q - q) * 3 is q, bounded by [-48, 64] over the 17 rows: the sparse-table query of
+    # the 17 entries must clamp both ends to the tensor, no further (the last row is hidden)
+    ("loose", (17, 40), {"t": torch.tensor([1] * 16 + [0])}, (128, 128)),
+    # the per-block reduction of a 3-D tensor along its middle dimension: one hidden row
+    ("three", (96, 64), {"t": _ones_but(70)}, (32, 32)),
+    # 0.7 in float32 is below 0.7: q = 10 sees kv = 7 (10 * 0.7 > 7 in float64), in the tile
+    # q 0..10, kv 7..13
+    ("seven_tenths", (22, 14), {}, (11, 7)),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_lookups_through_every_path_are_sound(name, shape, values, block):
+    case = Case(flexspec.parse(name, library=LOOKUPS), Shape(1, 1, 1, *shape, 16), values, block)
+    check_classes_sound(case)
+    check_refine_exact(case)
+
+
+@pytest.mark.parametrize("name, values", [
+    # the last q-block differs from the one before it
+    ("by_row", {"t": torch.tensor([0] * 192 + [1] * 64)}),
+    ("steps", {"t": torch.tensor([1, 0, 1, 0])}),
+    ("steps", {"t": torch.tensor([0, 1, 0, 1])}),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_lookups_aligned_with_the_tiles_are_exact(name, values):
+    """A lookup whose index covers exactly the entries of one block per tile is bounded by
+    those entries' minimum and maximum: the interval classes are already exact."""
+    case = Case(flexspec.parse(name, library=LOOKUPS), Shape(1, 1, 1, 256, 128, 16), values,
+                (64, 64))
+    assert torch.equal(case.classes(), exact_classes(case)), case.classes()
+
+
+def test_a_tensor_with_fewer_dimensions_broadcasts_like_the_reference():
+    """t[h, kv] of a [KV_LEN] tensor reads it as [1, KV_LEN] (the reference does the same)."""
+    spec = flexspec.parse("heads", library=LOOKUPS)
+    ir_mask = Case(spec, Shape(1, 2, 2, 64, 64, 16), {"t": torch.ones(2, 64, dtype=torch.int64)},
+                   (32, 32)).ir.mask
+    flags = torch.zeros(64, dtype=torch.int64)
+    flags[32:] = 1
+    sizes = {"B": 1, "H": 2, "Q_LEN": 64, "KV_LEN": 64}
+    classes = classify(ir_mask, sizes, (32, 32), {"t": flags}, CPU, batch=1, heads=2)
+    expected = torch.tensor([[EMPTY, FULL], [EMPTY, FULL]], dtype=torch.int8)
+    assert torch.equal(classes, expected.expand(1, 2, 2, 2)), classes
