@@ -629,6 +629,14 @@ def test_row_counts_equal_torchs_sum(rows, columns, density, layout, seed):
     assert torch.equal(got, dense.sum(-1).to(torch.int32))
 
 
+def test_row_counts_of_a_view_at_an_unaligned_offset():
+    # contiguous rows that start 9 bytes into their storage cannot be read as int64 words
+    flat = torch.arange(9 + 3 * 16) % 3 == 0
+    dense = flat[9:].view(3, 16)
+    assert dense.is_contiguous() and dense.storage_offset() == 9
+    assert torch.equal(block_tables.row_counts(dense), dense.sum(-1).to(torch.int32))
+
+
 @pytest.mark.parametrize("columns", [1016, 1024, 2056, 8192])
 def test_row_counts_of_rows_all_true(columns):
     # every byte of every partial sum at its largest (127 words of ones): a longer sum carries
