@@ -242,8 +242,6 @@ def test_rel_bias_runs_on_flash():
 # 2.11): the sweep below checks that every other one runs there and that these still fail.
 FLASH_CANNOT = {
     "natten(4, 4, 3, 3)": "could not compile.*'maximum'",  # inductor's, from the where forms
-    # compiled once floor had a FLASH form (2026-12-01), but gave relative error 0.63: refused
-    "t5_bias(num_buckets=8, max_distance=16)": "wrong results for a floor or ceil of a float",
 }
 
 
@@ -281,6 +279,26 @@ def test_every_pattern_runs_on_flash_forward_and_backward(text):
             attn(q, k, v, **bindings)
         return
     _assert_matches_reference_with_gradients(attn, q, k, v, bindings)
+
+
+# torch 2.11's CuTeDSL computed torch.where of two constants wrongly (relative error 0.63 for
+# where(kv > q, 4, 0), hand-written too); the lowering's FLASH form avoids it (kernels/lower.py,
+# _Emitter._chosen). Full masks, so that both branches are seen.
+SCALAR_CHOICES = flexspec.loads("""
+score ints = score + where(kv > q, 4, 0)
+score floats = score + where(q > kv, 1.5, -2.5)
+score infinite = score + where(kv >= q, 0.0, -inf)
+score signs = score + sign(q - kv) * 0.5
+""")
+
+
+@pytest.mark.parametrize("name", ["ints", "floats", "infinite", "signs"])
+def test_flash_chooses_between_scalars_like_the_reference(name):
+    _needs("flash")
+    attn = flexspec.compile(f"full + {name}", backend="flash", library=SCALAR_CHOICES)
+    q, k, v = (torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    _assert_matches_reference_with_gradients(attn, q, k, v, {})
 
 
 def test_fresh_document_ids_build_masks_on_the_device_without_recompiling():

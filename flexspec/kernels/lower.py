@@ -39,7 +39,7 @@ from flexspec import ir
 from flexspec.errors import BindingError, SpecError
 from flexspec.ir.ops import (FUNCTIONS, OPERATORS, PY_ADD as _ADD, PY_ATOM as _ATOM,
                              PY_BAND as _BAND, PY_BOR as _BOR, PY_CMP as _CMP, PY_COND as _COND,
-                             PY_OR as _OR_KW, PY_UNARY as _UNARY)
+                             PY_MUL as _MUL, PY_OR as _OR_KW, PY_UNARY as _UNARY)
 from flexspec.kernels.tensors import tensor_key
 
 MASK_PARAMS = ("b", "h", "q_idx", "kv_idx")
@@ -66,9 +66,7 @@ class _Code:
 
 class _Emitter:
     """Emits one expression; records which free names (sizes, tensors, inf, math) it used.
-    ``cute``: FLASH's form (see :func:`lower`): ``min``, ``max``, ``clamp``, ``abs``, ``sign``,
-    ``floor`` and ``ceil`` of tensors through ``torch.where``, ints as int32, ``/`` of two ints
-    on a float dividend."""
+    ``cute``: FLASH's form (see :func:`lower`)."""
 
     def __init__(self, names: dict, cute: bool = False):
         self.names = names  # tensor_key -> Python identifier
@@ -115,13 +113,16 @@ class _Emitter:
     def _binary(self, node: ir.Binary) -> _Code:
         left, right = self.emit(node.left), self.emit(node.right)
         tensor = left.tensor or right.tensor
-        if self.cute and node.op == "/" and left.tensor and ir.type_of(node.left) == "int" \
+        if self.cute and node.op == "/" and tensor and ir.type_of(node.left) == "int" \
                 and ir.type_of(node.right) == "int":
             # torch divides ints as floats. CuTeDSL 4.8.1 divides two int32 vectors in float32
             # too, but labels the result Int32 (TensorSSA._apply_op keeps the operands' type),
             # so later conversions misread it; t5_bias's buckets were wrong on FLASH (torch
-            # 2.11). A float dividend makes the division a float one throughout.
-            left = _Code(f"{left.at(_ATOM)}.to(torch.float32)", _ATOM, True)
+            # 2.11). A float tensor operand makes the division a float one throughout.
+            if left.tensor:
+                left = _Code(f"{left.at(_ATOM)}.to(torch.float32)", _ATOM, True)
+            else:
+                right = _Code(f"{right.at(_ATOM)}.to(torch.float32)", _ATOM, True)
         entry = OPERATORS[node.op]
         symbol, prec = entry.py_tensor if tensor else entry.scalar
         # Comparisons take operands one level tighter: Python would chain `a < b < c`.
@@ -191,12 +192,11 @@ class _Emitter:
         return _Code(f"torch.where({x.at(_CMP + 1)} < 0, -{x.at(_UNARY)}, {x.text})", _ATOM, True)
 
     def _cute_sign(self, args, arg_types) -> _Code:
+        # two converted comparisons, not a where of constants (see _chosen)
         x = args[0]
-        one, zero = ("1.0", "0.0") if arg_types[0] == "float" else ("1", "0")
-        inner = _Code(f"torch.where({x.at(_CMP + 1)} < 0, -{one}, {zero})", _ATOM, True)
-        if arg_types[0] != "float":
-            inner = _int32(inner)
-        return _Code(f"torch.where({x.at(_CMP + 1)} > 0, {one}, {inner.text})", _ATOM, True)
+        dtype = "torch.float32" if arg_types[0] == "float" else "torch.int32"
+        return _Code(f"({x.at(_CMP + 1)} > 0).to({dtype}) - ({x.at(_CMP + 1)} < 0).to({dtype})",
+                     _ADD, True)
 
     def _cute_min(self, args, arg_types) -> _Code:
         return self._where_minmax("<", *args)
@@ -238,10 +238,24 @@ class _Emitter:
             # One branch is a Python scalar: a Python `if` would give a scalar on some calls
             # and a tensor on others, so make the condition a tensor and let torch choose.
             cond = _Code(f"torch.full_like(q_idx, {cond.text}, dtype=torch.bool)", _ATOM, True)
-        where = _call("torch.where", cond, a, b)
-        if self.cute and not (a.tensor or b.tensor) and arg_types[1] == arg_types[2] == "int":
-            return _int32(where)
-        return where
+        if self.cute and not (a.tensor or b.tensor):
+            return self._chosen(cond, a, b, _where_type(arg_types[1:]))
+        return _call("torch.where", cond, a, b)
+
+    def _chosen(self, cond: _Code, a: _Code, b: _Code, kind: str) -> _Code:
+        """FLASH's form of ``where`` with two Python scalar branches. torch 2.11's CuTeDSL gave
+        wrong values for it (hand-written too: relative error 0.63 for ``where(kv > q, 4, 0)``
+        on an H200, FA4 4.0.0b36) but right ones for a product with a converted condition and
+        for a ``where`` with a tensor branch. So: ``cond * a + (1 - cond) * b``, exact for
+        finite values; where a branch may be infinite (``inf * 0`` is NaN), a ``where`` whose
+        second branch is made a tensor by adding ``cond * 0.0``."""
+        dtype = "torch.float32" if kind == "float" else "torch.int32"
+        flag = f"{cond.at(_ATOM)}.to({dtype})"
+        if kind == "float" and "inf" in a.text + b.text:
+            tensor_b = _Code(f"{flag} * 0.0 + {b.at(_ADD + 1)}", _ADD, True)
+            return _call("torch.where", cond, a, tensor_b)
+        chosen = _Code(f"{flag} * {a.at(_MUL + 1)} + (1 - {flag}) * {b.at(_MUL + 1)}", _ADD, True)
+        return _Code(f"{chosen.at(_CMP + 1)} != 0", _CMP, True) if kind == "bool" else chosen
 
     def _minmax(self, fn: str, a: _Code, b: _Code) -> _Code:
         if a.tensor and b.tensor:
@@ -255,11 +269,9 @@ class _Emitter:
         return _call(fn, a, b)
 
 
-def _int32(code: _Code) -> _Code:
-    """``torch.where`` of two Python ints as int32 for FLASH: torch makes it int64, which
-    CuTeDSL would not mix with its int32 indices ("store Int64 to Tensor with element type
-    Int32", torch 2.11); ir/overflow keeps FLASH's ints in int32's range."""
-    return _Code(f"{code.text}.to(torch.int32)", _ATOM, True)
+def _where_type(branch_types) -> str:
+    """The type of a ``where`` from its branches' types (the checker lets ints and floats mix)."""
+    return "float" if "float" in branch_types else branch_types[0]
 
 
 def _call(fn: str, *args: _Code) -> _Code:
@@ -370,11 +382,13 @@ def lower(spec: ir.AttentionIR, *, cute: bool = False) -> Lowered:
     (:func:`flexspec.kernels.tensors.specialize_ir`), so a broadcast tensor gives a mask without ``b``.
 
     ``cute=True`` is the form for FLASH, whose CuTeDSL code generator rejected
-    ``torch.maximum``, ``floor`` and ``ceil`` (torch 2.11): ``min``, ``max``, ``clamp``, ``abs``
-    and ``sign`` of tensors become ``torch.where`` over comparisons (equal values except for NaN
-    operands, which ``where`` does not propagate), ``floor`` and ``ceil`` a conversion to int32
-    corrected by one where it truncated the wrong way; a ``where`` of two Python ints is made
-    int32 (FLASH's index type) and the dividend of ``/`` of two ints a float.
+    ``torch.maximum``, ``floor`` and ``ceil`` and computed a ``torch.where`` of two constants
+    wrongly (torch 2.11): ``min``, ``max``, ``clamp`` and ``abs`` of tensors become
+    ``torch.where`` over comparisons (equal values except for NaN operands, which ``where`` does
+    not propagate), ``sign`` two comparisons converted to numbers, ``floor`` and ``ceil`` a
+    conversion to int32 corrected by one where it truncated the wrong way, a ``where`` of two
+    Python scalars a product with the converted condition (int32, FLASH's index type, for
+    ints), and the tensor operand of ``/`` of two ints a float.
     """
     taken = set(_RESERVED)
     names = {}

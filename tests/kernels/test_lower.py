@@ -235,6 +235,9 @@ def test_broadcast_document_ids_give_a_mask_without_b():
     ir.Or((ir.And((op("<", q, C(3)), op(">", kv, C(5)))), ir.And(()))),
     op("==", op("<", q, kv), op("<", kv, C(3))),
     op("<", call("sign", op("-", Q_LEN, KV_LEN)), C(0)),
+    # where of two Python bools under a tensor condition
+    call("where", op(">", kv, q), op(">", Q_LEN, C(3)), C(False)),
+    call("where", op(">", kv, q), C(False), op(">", Q_LEN, C(3))),
 ])
 @pytest.mark.parametrize("cute", [False, True], ids=["torch", "cute"])
 def test_scalar_and_mixed_expressions_lower_correctly(mask, cute):
@@ -383,6 +386,13 @@ def test_a_score_of_sizes_only_matches_the_reference():
     op("*", SCORE, lookup(TEMPERATURE)),
     op("+", SCORE, call("sign", op("-", call("abs", op("-", q, kv)), C(2)))),
     op("+", SCORE, call("clamp", op("-", q, C(5)), op("-", kv, C(3)), op("+", kv, C(3)))),
+    # where of two Python scalars (the cute form multiplies by the converted condition): ints,
+    # floats, a size, an infinite branch
+    op("+", SCORE, call("where", op(">", kv, q), C(4), C(0))),
+    op("+", SCORE, call("where", op(">", q, kv), C(1.5), C(-2.5))),
+    op("+", SCORE, call("where", op(">", kv, q), C(-2), KV_LEN)),
+    op("+", SCORE, call("where", op(">=", kv, q), C(0.0), C(float("-inf")))),
+    op("+", SCORE, call("where", op(">=", kv, q), C(float("inf")), C(2))),
 ])
 @pytest.mark.parametrize("cute", [False, True], ids=["torch", "cute"])
 def test_score_mods_match_the_reference(score, cute):

@@ -210,27 +210,6 @@ def test_flash_refuses_lookups_at_a_constant_index():
     assert why_not("flash", dataclasses.replace(H200, scale=0.5), ir("causal")) is None
 
 
-def test_flash_refuses_floor_and_ceil_of_floats():
-    """t5_bias's floor compiled on FLASH once it had a form there, and gave wrong results
-    (H200, 2026-12-01): specs with a floor or ceil of a float run on Triton; of an int (the
-    int itself) they stay on FLASH."""
-    from flexspec.runtime.backends import flash
-    spec = ir("causal + t5_bias(num_buckets=8, max_distance=16)")
-    request = dataclasses.replace(H200, float_rounding=flash.float_rounding(spec))
-    assert "floor(" in why_not("flash", request, spec)
-    assert choose("auto", request, spec).backend == "flex"
-    from flexspec import ir as nodes
-    q, kv = nodes.Var("q"), nodes.Var("kv")
-
-    def score(rounded):
-        condition = nodes.Binary(">", rounded, kv)
-        return nodes.AttentionIR(nodes.TRUE, nodes.Binary("+", nodes.SCORE, nodes.Call(
-            "where", (condition, nodes.Const(1.0), nodes.Const(0.0)))))
-    assert flash.float_rounding(score(nodes.Call("floor", (q,)))) is None
-    ceil = score(nodes.Call("ceil", (nodes.Binary("/", q, nodes.Const(3)),)))
-    assert flash.float_rounding(ceil) == "ceil(q / 3)"
-
-
 # ---- auto on the CPU and elsewhere -------------------------------------------------------------
 
 

@@ -50,7 +50,6 @@ class Request:
     flash_failed: str | None = None  # FLASH failed to compile this spec before (the error)
     constant_lookup: str | None = None  # a lookup at a constant index (flash.constant_lookup)
     nested_lookup: str | None = None    # a lookup indexed by another (flash.nested_lookup)
-    float_rounding: str | None = None   # floor or ceil of a float (flash.float_rounding)
     lse: bool = False                # the call asks for the log-sum-exp too (return_lse)
     scale: float | None = None       # the call's scale (None: 1 / sqrt(D))
 

@@ -74,11 +74,6 @@ class FlashBackend(FlexBackend):
                     f"reads another tensor ('{request.nested_lookup}', such as a document id at "
                     "a q_offset; FA4 4.0.0b36: 'Type mismatch, store Int64 to Tensor with "
                     "element type Int32')")
-        if request.float_rounding is not None:
-            return (f"FLASH gave wrong results for a floor or ceil of a float "
-                    f"('{request.float_rounding}'; t5_bias: relative error 0.63 against the "
-                    "reference, H200, torch 2.11, FA4 4.0.0b36), so such specs run elsewhere "
-                    "until a GPU run verifies the lowering's fix")
         if request.lse:
             return ("FLASH's log-sum-exp disagreed with the reference (causal & window(200) + "
                     "alibi at q_offset=5, H200, FA4 4.0.0b36), so return_lse=True runs "
@@ -100,8 +95,7 @@ class FlashBackend(FlexBackend):
         return {"flash_installed": device.type == "cuda" and flash_installed(),
                 "flash_failed": FAILED.get(lowered.ir),
                 "constant_lookup": constant_lookup(lowered.ir),
-                "nested_lookup": nested_lookup(lowered.ir),
-                "float_rounding": float_rounding(lowered.ir)}
+                "nested_lookup": nested_lookup(lowered.ir)}
 
     def kernel_options(self, request):
         return FLASH_OPTIONS
@@ -187,17 +181,6 @@ def nested_lookup(spec: ir.AttentionIR) -> str | None:
     for node in _lookups(spec):
         if any(isinstance(inner, ir.Lookup) for index in node.index for inner in ir.walk(index)):
             return ir.to_text(node)
-    return None
-
-
-@functools.lru_cache(maxsize=512)
-def float_rounding(spec: ir.AttentionIR) -> str | None:
-    """The first ``floor`` or ``ceil`` of a float in ``spec`` (as text), or ``None``."""
-    for root in (spec.mask, spec.score):
-        for node in ir.walk(root):
-            if isinstance(node, ir.Call) and node.fn in ("floor", "ceil") \
-                    and ir.type_of(node.args[0]) == "float":
-                return ir.to_text(node)
     return None
 
 
