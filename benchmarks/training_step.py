@@ -13,7 +13,10 @@ loader hands out), so no block mask can be reused. For each shape it prints, in 
   called by hand, with cumulative lengths computed from each step's ids (a few torch ops and
   one host read), which is what flexspec's ``fa4`` backend does for contiguous documents;
 * the ratio of flexspec's step to the kernel alone (the target is at most 1.03) and to the
-  hand-written step.
+  hand-written step;
+* with ``--graphs`` (CUDA): the kernel alone and flexspec's whole step (block mask from the
+  step's ids, forward, backward) each captured in a CUDA graph and replayed back to back, and
+  their ratio.
 
 q, k and v are views of (B, S, H, D) tensors (``--layout bshd``, the layout projections give
 and what FA4's variable-length interface reads without a copy) or contiguous (B, H, S, D)
@@ -24,6 +27,7 @@ Outputs of flexspec and the hand-written step are compared each run (relative er
     python benchmarks/training_step.py                         # 4x16x8192x128, 1x16x32768x128, 1x16x131072x128
     python benchmarks/training_step.py 2x4x1024x64 --device cpu # a small check (no FLASH, no backward on CPU)
     python benchmarks/training_step.py --layout bhsd           # contiguous (B, H, S, D) inputs
+    python benchmarks/training_step.py 4x16x8192x128 --graphs  # + whole steps in CUDA graphs
 """
 
 from __future__ import annotations
@@ -70,6 +74,29 @@ def median_ms(fn, device, steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def graph_ms(step, steps: int) -> float:
+    """Per-step time of ``step(i)`` (after a warm-up) captured once in a CUDA graph and replayed
+    ``steps`` times back to back, each replay after ``step``'s inputs for the next index were
+    copied in (``step.feed(i)``): mean over the replays, one synchronisation at the end."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(3):
+            step(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(0)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(steps):
+        step.feed(i)
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
 def cumulative_lengths(ids):
     """Hand-written: where each document starts, rows laid end to end, and the longest one."""
     starts = torch.ones_like(ids, dtype=torch.bool)
@@ -79,7 +106,8 @@ def cumulative_lengths(ids):
     return cumulative, int((cumulative[1:] - cumulative[:-1]).max())
 
 
-def measure(batch, heads, length, dim, device, dtype, steps, warmup, layout) -> dict:
+def measure(batch, heads, length, dim, device, dtype, steps, warmup, layout,
+            graphs=False) -> dict:
     pool = doc_ids_pool(batch, length, device)
     grads = device.type == "cuda"  # FlexAttention has no backward on the CPU
     shape = (batch, length, heads, dim) if layout == "bshd" else (batch, heads, length, dim)
@@ -137,6 +165,22 @@ def measure(batch, heads, length, dim, device, dtype, steps, warmup, layout) -> 
         row["step native hand"] = median_ms(native_hand, device, steps, warmup)
     row["flexspec / kernel"] = row["step flexspec"] / row["kernel alone"]
     row["flexspec / hand"] = row["step flexspec"] / row["step hand"]
+    if graphs and device.type == "cuda":
+        # the whole step in a CUDA graph: the ids of each step copied into the captured tensor,
+        # flexspec's block mask rebuilt inside the graph (fa4 hands documents to its fallback
+        # there: cumulative lengths need a host read)
+        static_ids = pool[0].clone()
+
+        def kernel_step(i):
+            return run(compiled_flex(q, k, v, block_mask=fixed, kernel_options=options))
+
+        def flexspec_step(i):
+            return run(attn(q, k, v, doc_ids=static_ids))
+        kernel_step.feed = lambda i: None
+        flexspec_step.feed = lambda i: static_ids.copy_(pool[i % POOL])
+        row["kernel alone graph"] = graph_ms(kernel_step, steps)
+        row["step flexspec graph"] = graph_ms(flexspec_step, steps)
+        row["graph flexspec / kernel"] = row["step flexspec graph"] / row["kernel alone graph"]
     with torch.no_grad():
         ours = attn(q, k, v, doc_ids=pool[1])
         theirs = compiled_flex(q, k, v, block_mask=hand_mask(1), kernel_options=options)
@@ -153,6 +197,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--layout", choices=("bshd", "bhsd"), default="bshd")
+    parser.add_argument("--graphs", action="store_true",
+                        help="also time the kernel alone and flexspec's step in CUDA graphs")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -160,7 +206,7 @@ def main(argv=None) -> int:
     for text in args.shapes:
         batch, heads, length, dim = (int(n) for n in text.split("x"))
         rows.append(measure(batch, heads, length, dim, device, dtype, args.steps, args.warmup,
-                            args.layout))
+                            args.layout, args.graphs))
         print(rows[-1], flush=True)
     keys = list(rows[0])
     print("\n| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))

@@ -276,6 +276,12 @@ def identity(value: torch.Tensor) -> tuple:
             tuple(value.stride()), value._version)
 
 
+def capturing(device) -> bool:
+    """Whether work on ``device`` is being recorded into a CUDA graph now (a captured call may
+    not read the device from the host, and its results are replayed with new inputs)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def meta(value) -> tuple:
     """What dynamo's guards and flexspec's checks see of an argument (not its values)."""
     if isinstance(value, torch.Tensor):

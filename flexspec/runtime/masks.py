@@ -18,8 +18,8 @@ from flexspec.kernels.block_tables import tables, tile_grid
 from flexspec.kernels import fused_blocks
 from flexspec.kernels.blocks import build_block_mask
 from flexspec.kernels.lower import lower
-from flexspec.limits import check_block_mask
-from flexspec.runtime.inputs import identity
+from flexspec.limits import MAX_FUSED_TILES, check_block_mask
+from flexspec.runtime.inputs import capturing, identity
 
 # Devices where masks that read tensors are built by one compiled program each (fused_blocks):
 # on the CPU a program's first compile (about 20 s on a 2-core machine) outweighs what it saves.
@@ -106,13 +106,18 @@ class BlockMasks:
             key: MaskKey | None = None) -> BlockMask:
         """The block mask of ``spec`` for these tensor values, from the cache or built."""
         key = key or self.key(spec, sizes, device)
+        # Inside a CUDA graph capture a mask that reads tensors is built, never looked up: the
+        # graph replays its build with whatever the tensors hold then (a cached mask would be
+        # replayed as it was at capture). The build's tensors live in the graph's memory pool,
+        # so it is not kept either.
+        captured = bool(key.reads) and capturing(device)
         cache_key = (key.token,) + tuple(identity(values[name]) for name in key.reads)
         with self._lock:
-            cached = self._cache.get(cache_key)
+            cached = None if captured else self._cache.get(cache_key)
             if cached is not None:
                 self._cache.move_to_end(cache_key)
                 return cached[0]
-            waiting = self._probation.pop(cache_key, None)
+            waiting = None if captured else self._probation.pop(cache_key, None)
             if waiting is not None:
                 self._admit(cache_key, *waiting)
                 return waiting[0]
@@ -132,15 +137,33 @@ class BlockMasks:
                 self._untraceable.add(key.token)
                 return self.get(spec, sizes, values, device, key)
         else:
+            if captured:
+                raise BindingError(self._not_capturable(key, sizes))
             block_mask = build_block_mask(spec.mask, sizes, self.block_size, values, device,
                                           batch=key.batch, heads=key.heads, mask_mod=mask_mod,
                                           exact=self.mode == "exact")
+        if captured:
+            return block_mask
         # an entry keeps the values alive, so their memory cannot be reused while it exists
         with self._lock:
             self._probation[cache_key] = (block_mask, values)
             if len(self._probation) > PROBATION_SIZE:
                 self._probation.popitem(last=False)
         return block_mask
+
+    def _not_capturable(self, key: MaskKey, sizes: dict) -> str:
+        """Why a mask that reads tensors cannot be built inside a CUDA graph capture: only the
+        compiled program (fused_blocks) builds without reading the device from the host."""
+        if key.token in self._untraceable:
+            why = "torch.compile could not trace its block-mask program (see the earlier warning)"
+        else:
+            nq, nk = tile_grid(sizes, self.block_size)
+            why = (f"its grid of {key.batch * key.heads * nq * nk} tiles (B x H x query blocks "
+                   f"x key blocks) is larger than the {MAX_FUSED_TILES} the compiled block-mask "
+                   "program takes")
+        return ("flexspec cannot build this block mask inside a CUDA graph capture: " + why +
+                ", and the eager builder reads counts on the host. Run this step outside the "
+                "graph, or capture a smaller one")
 
     def _check_size(self, key: MaskKey, sizes: dict) -> None:
         nq, nk = tile_grid(sizes, self.block_size)

@@ -315,3 +315,26 @@ def test_ids_that_are_not_runs_are_handed_to_the_fallback_plan(fa4_interface):
     plan.prepared.fallback = flexspec.BackendError("nothing else")
     with pytest.raises(flexspec.BackendError, match="nothing else"):
         REGISTRY["fa4"].run(plan, q, k, v, None, {"doc_ids": ids}, values)
+
+
+def test_inside_a_cuda_graph_capture_documents_are_handed_to_the_fallback_plan(fa4_interface,
+                                                                               monkeypatch):
+    """Cumulative lengths need a host read, which a capture cannot make: contiguous ids too go
+    to the fallback (a block-mask backend, whose mask is built inside the graph)."""
+    import dataclasses
+    from types import SimpleNamespace
+    from flexspec.runtime.backends import REGISTRY, native
+    monkeypatch.setattr(native, "capturing", lambda device: True)
+    attn = flexspec.compile("causal & doc")
+    q = k = v = torch.randn(1, 2, 150, 16)
+    ids = torch.arange(150) // 30
+    handed = []
+    fallback = SimpleNamespace(backend=SimpleNamespace(
+        run=lambda plan, *args: handed.append(plan) or "fallback's output"))
+    plan = attn._plan(q, k, v, None, {"doc_ids": ids}, None)
+    plan = dataclasses.replace(plan, backend=REGISTRY["fa4"],
+                               prepared=NativeCall(native_form(plan.spec), fallback))
+    values = plan.values({"doc_ids": ids})
+    assert REGISTRY["fa4"].run(plan, q, k, v, None, {"doc_ids": ids}, values) == \
+        "fallback's output"
+    assert handed == [fallback] and fa4_interface == []

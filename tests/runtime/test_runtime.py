@@ -608,6 +608,59 @@ def test_fresh_bindings_every_call_do_not_fill_the_block_mask_cache(monkeypatch)
     assert len(attn._masks._cache) == 1 and attn._masks.cached_bytes() <= kept + kept // 2
 
 
+def _fused_on_the_cpu(monkeypatch) -> list:
+    """Masks that read tensors built by their traced program on the CPU (as on a GPU; traced
+    with the "eager" backend, no code generated); returns the list of builds."""
+    from flexspec.kernels import fused_blocks
+    monkeypatch.setattr(masks, "FUSED_DEVICES", frozenset({"cpu"}))
+    built = []
+    original = fused_blocks.fused_block_mask
+
+    def counted(*args, **kwargs):
+        built.append(1)
+        return original(*args, **{**kwargs, "compiler": "eager"})
+    monkeypatch.setattr(fused_blocks, "fused_block_mask", counted)
+    return built
+
+
+def test_inside_a_cuda_graph_capture_a_mask_that_reads_tensors_is_built_every_time(monkeypatch):
+    """A captured graph replays the block mask's build with whatever its tensors hold at each
+    replay; a mask served from the cache would be replayed as it was at capture (a stale mask
+    for the next step's doc_ids). Masks that read no tensor are still served from the cache."""
+    built = _fused_on_the_cpu(monkeypatch)
+    attn = flexspec.compile("causal & doc")
+    ids = torch.arange(300) // 100
+    first = attn.block_mask(300, 300, doc_ids=ids)
+    assert attn.block_mask(300, 300, doc_ids=ids) is first and len(built) == 1
+    monkeypatch.setattr(masks, "capturing", lambda device: True)
+    inside = attn.block_mask(300, 300, doc_ids=ids)
+    assert inside is not first and len(built) == 2
+    assert torch.equal(inside.to_dense(), first.to_dense())
+    plain = flexspec.compile("causal & window(50)")
+    monkeypatch.setattr(masks, "capturing", lambda device: False)
+    kept = plain.block_mask(300, 300)
+    monkeypatch.setattr(masks, "capturing", lambda device: True)
+    assert plain.block_mask(300, 300) is kept
+    # a build inside a capture is not kept: after it the cache serves what it held before
+    monkeypatch.setattr(masks, "capturing", lambda device: False)
+    assert attn.block_mask(300, 300, doc_ids=ids) is first and len(built) == 2
+
+
+def test_a_mask_too_large_for_its_program_cannot_be_built_inside_a_capture(monkeypatch):
+    from flexspec.kernels import fused_blocks
+    _fused_on_the_cpu(monkeypatch)
+    monkeypatch.setattr(fused_blocks, "MAX_FUSED_TILES", 4)
+    monkeypatch.setattr(masks, "MAX_FUSED_TILES", 4)
+    monkeypatch.setattr(masks, "capturing", lambda device: True)
+    attn = flexspec.compile("causal & doc")
+    with pytest.raises(BindingError, match=r"^flexspec cannot build this block mask inside a "
+                       r"CUDA graph capture: its grid of 9 tiles \(B x H x query blocks x key "
+                       r"blocks\) is larger than the 4 the compiled block-mask program takes, "
+                       r"and the eager builder reads counts on the host. Run this step outside "
+                       r"the graph, or capture a smaller one$"):
+        attn.block_mask(300, 300, doc_ids=torch.arange(300) // 100)
+
+
 def test_float64_inputs_say_which_backend_runs_them(attn):
     """Red-team finding: the message listed float64 among the dtypes to use while refusing it."""
     q = torch.zeros(1, 2, 8, 8, dtype=torch.float64)

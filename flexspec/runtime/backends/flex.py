@@ -20,6 +20,7 @@ from flexspec import ir
 from flexspec.kernels.lower import Lowered, lower
 from flexspec.runtime import compiled
 from flexspec.runtime.backends.base import Backend, Rank, Request
+from flexspec.runtime.inputs import capturing
 
 try:
     from torch.nn.attention.flex_attention import FlexKernelOptions
@@ -144,13 +145,17 @@ class FlexBackend(Backend):
         if not call.mask_bindings:
             block_mask = call.block_mask
         else:
-            block_mask = call.last_block_mask(bindings)
+            # inside a CUDA graph capture the mask is built, so that replays rebuild it from
+            # what the bindings hold then (the last mask would be replayed as it was)
+            captured = capturing(q.device)
+            block_mask = None if captured else call.last_block_mask(bindings)
             if block_mask is None:
                 seen = tuple((bindings[name], bindings[name]._version)
                              for name in call.mask_bindings)
                 block_mask = call.masks.get(plan.spec, plan.sizes,
                                             values or plan.values(bindings), q.device, plan.mask)
-                call.last = (seen, block_mask)
+                if not captured:
+                    call.last = (seen, block_mask)
         if call.score_varies:
             # the kernel computes scores in float32: a float64 table would turn them into float64
             kernel_values = {key: value.float() if value.dtype == torch.float64 else value

@@ -28,6 +28,7 @@ from flexspec.limits import fits_int
 from flexspec.runtime.backends.base import (REGISTRY, Backend, BackendError, Choice, Rank,
                                             Request, auto_order)
 from flexspec.runtime.backends.flash import fa4_unavailable, too_small
+from flexspec.runtime.inputs import capturing
 
 
 @dataclass(frozen=True)
@@ -293,7 +294,10 @@ class NativeBackend(Backend):
         if form.documents is not None:
             batch, length = q.shape[0], q.shape[2]
             ids = values[ir.tensor_key(form.documents)]
-            segments = document_segments(ids.expand(batch, length))
+            # cumulative lengths need a host read, which a CUDA graph capture cannot make: there
+            # the fallback runs the documents (its block mask is built inside the graph)
+            segments = None if capturing(q.device) else document_segments(
+                ids.expand(batch, length))
             if segments is None:
                 if isinstance(call.fallback, BackendError):
                     raise call.fallback
