@@ -44,7 +44,7 @@ MODULES: dict[str, list[str]] = {
     "kernels/reference": ["tests/kernels/test_reference.py", "tests/lang/test_patterns.py"],
     "kernels/blocks": ["tests/kernels/test_blocks.py"],
     "kernels/block_tables": ["tests/kernels/test_blocks.py"],
-    "runtime/masks": ["tests/runtime/test_runtime.py"],
+    "runtime/masks": ["tests/runtime/test_masks.py"],
     "runtime/plan": ["tests/runtime/test_runtime.py", "tests/runtime/test_backends.py"],
     "runtime/attention": ["tests/runtime/test_runtime.py"],
     "runtime/backends/__init__": ["tests/runtime/test_backends.py"],

@@ -15,7 +15,7 @@ from torch.nn.attention.flex_attention import create_mask
 
 import flexspec
 from flexspec import BindingError, SpecError
-from flexspec.runtime import compiled, masks, notices
+from flexspec.runtime import compiled, notices
 from flexspec.lang.library import load_text
 from flexspec.kernels.lower import lower
 from flexspec.testing import Shape
@@ -199,41 +199,6 @@ def test_unknown_backend_and_bad_block_size():
 # --- block masks -------------------------------------------------------------------------
 
 
-def test_block_mask_cache_hits_for_the_same_binding(attn):
-    ids = doc_ids()
-    first = attn.block_mask(100, 150, batch=2, doc_ids=ids)
-    assert attn.block_mask(100, 150, batch=2, doc_ids=ids) is first
-    # Another tensor is another binding, even with equal values: built anew, equal content.
-    other = attn.block_mask(100, 150, batch=2, doc_ids=ids.clone())
-    assert other is not first
-    assert torch.equal(other.to_dense(), first.to_dense())
-
-
-def test_block_mask_cache_hits_for_a_broadcast_binding():
-    attn = flexspec.compile("causal & document")
-    ids = doc_ids()[0]
-    first = attn.block_mask(100, 150, batch=2, doc_ids=ids)
-    assert attn.block_mask(100, 150, batch=2, doc_ids=ids) is first
-
-
-
-def test_views_of_one_tensor_at_different_offsets_are_different_bindings(eager_kernels):
-    # ids[0] and ids[1] share storage, shape, strides and version: only the storage offset
-    # tells them apart, and a cache that missed it reused the first mask (mutation testing)
-    attn = flexspec.compile("causal & document")
-    ids = torch.stack([doc_ids(), doc_ids(((10, 60), (100,)))])
-    q, k, v = SHAPE._replace(Q_LEN=150).qkv(seed=3)
-    for _ in range(2):  # the second round is served from the cache
-        for row in ids:
-            block_mask = attn.block_mask(150, 150, batch=2, doc_ids=row)
-            assert torch.equal(create_mask(block_mask.mask_mod, 2, 1, 150, 150),
-                               attn.dense_mask(150, 150, batch=2, doc_ids=row))
-            with torch.no_grad():
-                torch.testing.assert_close(attn(q, k, v, doc_ids=row),
-                                           attn.reference(q, k, v, doc_ids=row),
-                                           rtol=1e-4, atol=1e-4)
-
-
 def test_a_dense_mask_that_reads_the_batch_and_head_counts():
     # B and H are sizes, not indices: the dense mask used to evaluate them at its extent of 1
     # (found by the generators of flexspec.testing.definitions)
@@ -244,70 +209,6 @@ def test_a_dense_mask_that_reads_the_batch_and_head_counts():
         dense = attn.dense_mask(1, 3, batch=2, heads=4)
         assert torch.equal(dense.expand(2, 4, 1, 3), create_mask(mask_mod, 2, 4, 1, 3))
         assert dense.sum() == visible * dense.numel() // 3
-
-def test_block_mask_cache_without_bindings():
-    attn = flexspec.compile("causal & window(20)")
-    first = attn.block_mask(300, 300)
-    assert attn.block_mask(300, 300) is first
-    assert attn.block_mask(300, 301) is not first
-    assert first.shape == (1, 1, 300, 300)
-
-
-def test_block_mask_cache_is_bounded():
-    attn = flexspec.compile("causal")
-    first = attn.block_mask(17, 17)
-    for length in range(18, 18 + masks.BLOCK_MASK_CACHE_SIZE):
-        attn.block_mask(length, length)
-    assert attn.block_mask(17, 17) is not first
-
-
-def test_block_mask_is_rebuilt_after_an_in_place_change(attn):
-    ids = doc_ids()
-    before = attn.block_mask(100, 150, batch=2, doc_ids=ids)
-    ids[0] = 0  # one document in row 0: now row 0 matches row 1's first block structure
-    after = attn.block_mask(100, 150, batch=2, doc_ids=ids)
-    assert after is not before
-    expected = attn.dense_mask(100, 150, batch=2, doc_ids=ids)
-    assert torch.equal(create_mask(after.mask_mod, 2, 1, 100, 150), expected)
-
-
-def test_per_batch_block_masks_for_per_batch_doc_ids():
-    attn = flexspec.compile("causal & document")
-    # Row 0: documents of 128 tokens; row 1: one document. Block (1, 0) is skipped in row 0
-    # and full in row 1.
-    ids = torch.stack([torch.arange(200) // 128, torch.zeros(200, dtype=torch.int64)])
-    block_mask = attn.block_mask(200, 200, batch=2, doc_ids=ids)
-    assert block_mask.kv_num_blocks.shape[0] == 2
-    assert block_mask.shape[0] == 2
-    dense = block_mask.to_dense()
-    assert not torch.equal(dense[0], dense[1])
-    assert dense[0, 0, 1, 0] == 0 and dense[1, 0, 1, 0] == 1
-    # Its mask_mod reads row b, never row 0 for every batch.
-    assert torch.equal(create_mask(block_mask.mask_mod, 2, 1, 200, 200),
-                       attn.dense_mask(200, 200, batch=2, doc_ids=ids))
-
-
-def test_shared_block_mask_for_broadcast_doc_ids():
-    attn = flexspec.compile("causal & document")
-    ids = torch.arange(200) // 64
-    block_mask = attn.block_mask(200, 200, batch=3, doc_ids=ids)
-    assert block_mask.kv_num_blocks.shape[0] == 1 and block_mask.shape[0] == 1
-    for same in (ids[None], ids[None].expand(3, -1)):
-        # [1, KV_LEN] broadcasts like [KV_LEN]; [B, KV_LEN] with equal rows is per batch.
-        mask = attn.block_mask(200, 200, batch=3, doc_ids=same)
-        assert torch.equal(mask.to_dense()[0], block_mask.to_dense()[0])
-
-
-def test_head_dependent_masks_get_a_head_dimension():
-    attn = flexspec.compile("causal & window(3) + alibi")
-    assert attn.block_mask(40, 40, batch=2, heads=4).shape[:2] == (1, 1)
-    assert attn.dense_mask(40, 40, batch=2, heads=4).shape == (1, 1, 40, 40)
-    library = load_text("mask per_head = kv <= q + 7 * h\n")
-    per_head = flexspec.compile("per_head", library=library)
-    block_mask = per_head.block_mask(300, 300, batch=2, heads=4)
-    assert block_mask.shape[:2] == (1, 4)
-    assert torch.equal(create_mask(block_mask.mask_mod, 1, 4, 300, 300),
-                       per_head.dense_mask(300, 300, batch=2, heads=4))
 
 
 # --- compiled calls (one spec, one shape, one dtype) ---------------------------------------
@@ -585,27 +486,6 @@ def test_a_head_dimension_of_zero_is_a_binding_error():
     q = torch.randn(1, 2, 200, 0)
     with pytest.raises(flexspec.BindingError, match="head dimension must be at least 1"):
         flexspec.compile("causal & window(3)")(q, q, q)
-
-
-def test_fresh_bindings_every_call_do_not_fill_the_block_mask_cache(monkeypatch):
-    """Red-team finding: fresh doc_ids every step filled all 32 entries (about 400 MB at B=8,
-    S=32K) although none was ever reused. New masks now wait in a small probation area; a mask
-    asked for twice enters the cache, which is bounded in bytes too."""
-    attn = flexspec.compile("causal & doc")
-    for step in range(40):
-        attn.block_mask(300, 300, doc_ids=torch.arange(300) * (step % 7 + 2) // 300)
-    assert attn._masks.cached_bytes() == 0 and len(attn._masks._probation) <= masks.PROBATION_SIZE
-    ids = torch.arange(300) // 100
-    first = attn.block_mask(300, 300, doc_ids=ids)
-    assert attn.block_mask(300, 300, doc_ids=ids) is first  # the second request keeps it
-    kept = attn._masks.cached_bytes()
-    assert kept > 0
-    # a byte budget smaller than two entries keeps one
-    monkeypatch.setattr(masks, "BLOCK_MASK_CACHE_BYTES", kept + kept // 2)
-    other = torch.arange(300) // 50
-    attn.block_mask(300, 300, doc_ids=other)
-    attn.block_mask(300, 300, doc_ids=other)
-    assert len(attn._masks._cache) == 1 and attn._masks.cached_bytes() <= kept + kept // 2
 
 
 def test_float64_inputs_say_which_backend_runs_them(attn):
