@@ -45,7 +45,7 @@ MODULES: dict[str, list[str]] = {
     "kernels/blocks": ["tests/kernels/test_blocks.py"],
     "kernels/block_tables": ["tests/kernels/test_blocks.py"],
     "runtime/masks": ["tests/runtime/test_masks.py"],
-    "runtime/plan": ["tests/runtime/test_runtime.py", "tests/runtime/test_backends.py"],
+    "runtime/plan": ["tests/runtime/test_plan.py"],
     "runtime/attention": ["tests/runtime/test_runtime.py"],
     "runtime/backends/__init__": ["tests/runtime/test_backends.py"],
     "lang/checker": ["tests/lang/test_checker.py"],
