@@ -46,6 +46,7 @@ MODULES: dict[str, list[str]] = {
     "kernels/block_tables": ["tests/kernels/test_blocks.py"],
     "runtime/masks": ["tests/runtime/test_masks.py"],
     "runtime/plan": ["tests/runtime/test_plan.py"],
+    "runtime/inputs": ["tests/runtime/test_inputs.py"],
     "runtime/attention": ["tests/runtime/test_runtime.py"],
     "runtime/backends/__init__": ["tests/runtime/test_backends.py"],
     "lang/checker": ["tests/lang/test_checker.py"],
