@@ -9,13 +9,16 @@ bounds" error. No kernel runs here: every call below fails its checks or runs on
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 import flexspec
-from flexspec import BindingError, limits
+from flexspec import BindingError, ir, limits
 from flexspec.lang.library import load_text
-from flexspec.runtime.inputs import _index_range
+from flexspec.runtime.inputs import (Tensors, _index_range, as_device, check_qkv, check_scale,
+                                     contiguous, given_sizes, identity, meta)
 from flexspec.testing import Shape
 
 LIBRARY = ("score pick(bias: float[4], ids: int[KV_LEN]) = score + bias[ids[q]]\n"
@@ -238,3 +241,231 @@ def test_float64_inputs_say_which_backend_runs_them(attn):
     assert "the kernels take float32, float16 or bfloat16" in str(error.value)
     assert attn.reference(q, q, q, doc_ids=torch.zeros(1, 8, dtype=torch.int64)).dtype \
         == torch.float64
+
+
+# --- q, k, v, the scale and the sizes, message by message -------------------------------------
+
+
+def Z(*shape, **options):
+    return torch.zeros(shape, **options)
+
+
+F64 = torch.float64
+QKV_ERRORS = [
+    ((Z(1, 2, 10, 8).tolist(), Z(1, 2, 10, 8), Z(1, 2, 10, 8)), False,
+     "q must be a torch.Tensor, got list"),
+    ((Z(1, 2, 10, 8), "k", Z(1, 2, 10, 8)), False, "k must be a torch.Tensor, got str"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 8), None), False, "v must be a torch.Tensor, got NoneType"),
+    ((Z(2, 10, 8), Z(1, 2, 10, 8), Z(1, 2, 10, 8)), False,
+     "q must have 4 dimensions (B, H, S, D), got shape [2, 10, 8]"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 8), Z(1, 2, 10)), False,
+     "v must have 4 dimensions (B, H, S, D), got shape [1, 2, 10]"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 8, dtype=F64), Z(1, 2, 10, 8)), False,
+     "k has dtype torch.float64, which only the reference backend runs (compile(..., "
+     "backend='reference'), or .reference(q, k, v)); the kernels take float32, float16 or "
+     "bfloat16"),
+    ((Z(1, 2, 10, 8, dtype=torch.int64),) * 3, False,
+     "q has dtype torch.int64; use float32, float16, bfloat16"),
+    ((Z(1, 2, 10, 8, dtype=torch.int64),) * 3, True,
+     "q has dtype torch.int64; use float32, float16, bfloat16, float64"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 8, dtype=torch.float16), Z(1, 2, 10, 8)), False,
+     "q, k, v must share one dtype, got torch.float32, torch.float16, torch.float32"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 8), Z(1, 2, 10, 8, dtype=F64)), True,
+     "q, k, v must share one dtype, got torch.float32, torch.float32, torch.float64"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 8), Z(1, 2, 10, 8, device="meta")), False,
+     "q, k, v must be on one device, got cpu, cpu, meta"),
+    ((Z(1, 2, 10, 8, device="meta"),) * 3, False,
+     "q, k and v are on the meta device, which holds shapes but no values; flexspec reads "
+     "values (block masks, checks of indices, tables), so run it on a real device (the "
+     "output's shape is [B, Hq, Q_LEN, Dv])"),
+    ((Z(2, 2, 10, 8), Z(1, 2, 10, 8), Z(1, 2, 10, 8)), False, "batch sizes differ: q 2, k 1, v 1"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 8), Z(2, 2, 10, 8)), False, "batch sizes differ: q 1, k 1, v 2"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 4), Z(1, 2, 10, 8)), False,
+     "q and k must have the same head dimension, got 8 and 4"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 8), Z(1, 1, 10, 8)), False,
+     "k [1, 2, 10, 8] and v [1, 1, 10, 8] must have the same heads and length"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 8), Z(1, 2, 11, 8)), False,
+     "k [1, 2, 10, 8] and v [1, 2, 11, 8] must have the same heads and length"),
+    ((Z(1, 2, 10, 8), Z(1, 0, 10, 8), Z(1, 0, 10, 8)), False,
+     "2 query heads must be a multiple of 0 key/value heads"),
+    ((Z(1, 3, 10, 8), Z(1, 2, 10, 8), Z(1, 2, 10, 8)), False,
+     "3 query heads must be a multiple of 2 key/value heads"),
+    ((Z(1, 2, 0, 8), Z(1, 2, 10, 8), Z(1, 2, 10, 8)), False,
+     "q and k must have at least one position"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 0, 8), Z(1, 2, 0, 8)), False,
+     "q and k must have at least one position"),
+    ((Z(1, 2, 10, 0), Z(1, 2, 10, 0), Z(1, 2, 10, 8)), False,
+     "the head dimension must be at least 1, got q/k 0 and v 8"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 8), Z(1, 2, 10, 0)), False,
+     "the head dimension must be at least 1, got q/k 8 and v 0"),
+]
+
+
+@pytest.mark.parametrize("args, allow_float64, message", QKV_ERRORS)
+def test_each_fault_of_q_k_v_has_its_message(args, allow_float64, message):
+    with pytest.raises(BindingError, match="^" + re.escape(message) + "$"):
+        check_qkv(*args, allow_float64=allow_float64)
+
+
+def test_the_sizes_of_a_call_are_read_off_q_and_k():
+    q, k, v = Z(2, 4, 24, 8), Z(2, 2, 40, 8), Z(2, 2, 40, 12)
+    assert check_qkv(q, k, v) == (2, 4, 24, 40)
+    assert check_qkv(q, k, v).as_dict() == {"B": 2, "H": 4, "Q_LEN": 24, "KV_LEN": 40}
+    assert check_qkv(q.double(), k.double(), v.double(), allow_float64=True) == (2, 4, 24, 40)
+    for dtype in (torch.float16, torch.bfloat16):
+        assert check_qkv(q.to(dtype), k.to(dtype), v.to(dtype)) == (2, 4, 24, 40)
+
+
+@pytest.mark.parametrize("scale", [True, False, "1", float("inf"), -float("inf"), float("nan"),
+                                   torch.tensor(0.5)])
+def test_a_scale_must_be_a_finite_number(scale):
+    with pytest.raises(BindingError, match="^" + re.escape(f"scale must be a finite number or "
+                                                           f"None, got {scale!r}") + "$"):
+        check_scale(scale)
+
+
+@pytest.mark.parametrize("scale", [None, 0, 2, 0.125, -1.5])
+def test_finite_scales_and_none_pass(scale):
+    check_scale(scale)
+
+
+@pytest.mark.parametrize("sizes, message", [
+    ((0, 5, None, None), "Q_LEN must be a positive int, got 0"),
+    ((5, -1, None, None), "KV_LEN must be a positive int, got -1"),
+    ((5, 5, 0, None), "B must be a positive int, got 0"),
+    ((5, 5, None, True), "H must be a positive int, got True"),
+    ((5, 5, 1.5, 2), "B must be a positive int, got 1.5"),
+    ((5, "5", 1, 2), "KV_LEN must be a positive int, got '5'"),
+])
+def test_given_sizes_must_be_positive_ints(sizes, message):
+    with pytest.raises(BindingError, match="^" + re.escape(message) + "$"):
+        given_sizes(*sizes)
+
+
+def test_given_sizes_default_to_one_batch_row_and_head():
+    assert given_sizes(3, 4, None, None) == (1, 1, 3, 4)
+    assert given_sizes(3, 4, 2, 5) == (2, 5, 3, 4)
+    assert given_sizes(1, 1, 1, 1) == (1, 1, 1, 1)
+
+
+def test_a_device_is_named_as_tensors_report_it():
+    assert as_device("cpu") == torch.device("cpu") and as_device(torch.device("cpu")).index is None
+    assert as_device("meta") == torch.device("meta")
+    with pytest.raises(BindingError, match=r"^cannot use device 'nope': .*nope$"):
+        as_device("nope")
+
+
+# --- identity and signatures ---------------------------------------------------------------
+
+
+def test_the_identity_of_a_tensor_is_its_memory_layout_and_version():
+    base = torch.arange(12).reshape(3, 4)
+    assert identity(base) == identity(base) == identity(base.view(3, 4))
+    assert identity(base) != identity(base.clone())           # other memory
+    assert identity(base[0]) != identity(base[1])             # other offset
+    assert identity(base[:2]) != identity(base[:1])           # other shape
+    square = torch.zeros(3, 3)
+    assert identity(square) != identity(square.t())           # other strides
+    before = identity(base)
+    base.add_(1)                                              # in place: a new version
+    assert identity(base) != before
+    assert identity(base) == identity(base)
+
+
+def test_meta_is_what_guards_see_of_an_argument():
+    t = torch.zeros(2, 3)
+    assert meta(t) == meta(torch.ones(2, 3))
+    others = [torch.zeros(3, 2), t.double(), t.to("meta"), torch.zeros(3, 2).t(),
+              t.clone().requires_grad_()]
+    assert all(meta(other) != meta(t) for other in others)
+    assert meta(3) == meta(4) == (int,) and meta(3.0) == (float,) and meta(None) == (type(None),)
+
+
+def test_contiguous_copies_only_strided_views():
+    t = torch.arange(10)
+    assert contiguous(t) is t
+    strided = t[::2]
+    copy = contiguous(strided)
+    assert copy.is_contiguous() and torch.equal(copy, torch.tensor([0, 2, 4, 6, 8]))
+
+
+# --- bindings and the tensors a spec reads -------------------------------------------------
+
+BINDINGS = load_text("""
+mask behind(t: float[KV_LEN]) = t[q - 1] > 0.0
+mask fixed4(t: int[4, KV_LEN]) = t[0, kv] >= 0
+mask flags(f: bool[KV_LEN]) = f[kv]
+score biased(u: float[KV_LEN]) = score + u[kv]
+spec doc_and_bias = causal & document + biased
+""")
+
+
+def test_a_lookup_before_the_first_entry_is_refused():
+    attn = flexspec.compile("behind", library=BINDINGS, backend="reference")
+    q = torch.zeros(1, 1, 16, 8)
+    with pytest.raises(BindingError, match="^" + re.escape(
+            "'t' is indexed by q - 1 in dimension 0, which reaches -1..14 for Q_LEN=16, "
+            "KV_LEN=16, but that dimension has 16 entries") + "$"):
+        attn(q, q, q, t=torch.ones(16))
+
+
+def test_a_missing_leading_dimension_that_cannot_broadcast_is_named():
+    attn = flexspec.compile("fixed4", library=BINDINGS, backend="reference")
+    q = torch.zeros(1, 1, 16, 8)
+    with pytest.raises(BindingError, match="^" + re.escape(
+            "binding 't' has shape [16], expected int[4, KV_LEN] = [4, 16] (a leading dimension "
+            "of size 4 is missing)") + "$"):
+        attn(q, q, q, t=torch.zeros(16, dtype=torch.int64))
+    attn(q, q, q, t=torch.zeros(4, 16, dtype=torch.int32))  # any integer dtype
+
+
+@pytest.mark.parametrize("text, name, dtype, declared", [
+    ("fixed4", "t", torch.float32, "int[4, KV_LEN] = [4, 16]"),
+    ("fixed4", "t", torch.bool, "int[4, KV_LEN] = [4, 16]"),
+    ("fixed4", "t", torch.complex64, "int[4, KV_LEN] = [4, 16]"),
+    ("flags", "f", torch.int64, "bool[KV_LEN] = [16]"),
+    ("behind", "t", torch.int64, "float[KV_LEN] = [16]"),
+])
+def test_a_binding_of_another_element_type_is_refused(text, name, dtype, declared):
+    attn = flexspec.compile(text, library=BINDINGS, backend="reference")
+    q = torch.zeros(1, 1, 16, 8)
+    shape = (4, 16) if text == "fixed4" else (16,)
+    with pytest.raises(BindingError, match="^" + re.escape(
+            f"binding '{name}' has dtype {dtype}, but {declared.split('[')[0]} elements are "
+            f"declared ({declared})") + "$"):
+        attn(q, q, q, **{name: torch.zeros(shape, dtype=dtype)})
+
+
+def test_a_block_mask_needs_only_the_bindings_of_the_mask():
+    attn = flexspec.compile("doc_and_bias", library=BINDINGS)
+    ids = torch.zeros(16, dtype=torch.int64)
+    first = attn.block_mask(16, 16, doc_ids=ids)
+    # the score's binding may be given, and is not checked there
+    assert attn.block_mask(16, 16, doc_ids=ids, u=torch.zeros(3, dtype=torch.bool)) is first
+    with pytest.raises(BindingError, match="^unexpected binding 'uu'. This spec takes doc_ids$"):
+        attn.block_mask(16, 16, doc_ids=ids, uu=torch.zeros(16))
+    with pytest.raises(BindingError, match="^" + re.escape(
+            "missing binding 'doc_ids': int[B, KV_LEN] = [1, 16]; pass doc_ids=... to the "
+            "call") + "$"):
+        attn.block_mask(16, 16, u=torch.zeros(16))
+    # a call needs both
+    with pytest.raises(BindingError, match="^missing binding 'u': float"):
+        attn.mods(q_len=16, kv_len=16, doc_ids=ids)
+
+
+def test_an_unused_learnable_table_is_made_once_per_shape_and_device():
+    spec = flexspec.parse("causal + rel_bias(max_distance=2)").ir
+    tensors = Tensors(spec)
+    key = next(ir.tensor_key(t) for t in spec.tensors() if t.origin == "learnable")
+    sizes = {"B": 1, "H": 2, "Q_LEN": 8, "KV_LEN": 8}
+    first, _ = tensors.gather(sizes, {}, torch.device("cpu"))
+    again, _ = tensors.gather(dict(sizes), {}, torch.device("cpu"))
+    assert again[key] is first[key] and torch.equal(first[key], torch.zeros(2, 5))
+    other, _ = tensors.gather({**sizes, "H": 3}, {}, torch.device("cpu"))
+    assert other[key].shape == (3, 5)
+    assert tensors.gather(sizes, {}, torch.device("cpu"))[0][key] is first[key]
+    # given by the caller (a module's parameter) or by name, it is the caller's
+    table = torch.randn(2, 5)
+    assert tensors.gather(sizes, {}, torch.device("cpu"), {key: table})[0][key] is table
+    by_name = tensors.gather(sizes, {"rel_bias_table": table}, torch.device("cpu"))[0][key]
+    assert torch.equal(by_name, table)
