@@ -27,6 +27,7 @@ mask per_row(r: int[B, KV_LEN]) = r[b, kv] <= r[b, q]
 mask both(r: int[B, KV_LEN], f: bool[H]) = r[b, kv] <= r[b, q] & f[h]
 mask two(a: int[KV_LEN], z: int[KV_LEN]) = a[kv] == a[q] & z[kv] <= z[q]
 mask parity = (q + kv) % 2 == 0 | (q + kv) % 2 == 1
+mask tail = kv >= KV_LEN - 8 | q >= kv
 """)
 
 
@@ -162,6 +163,26 @@ def test_every_mode_builds_the_reference_mask(mode):
                             exact=mode != "intervals")
 
 
+@pytest.mark.parametrize("mode", ["exact", "intervals", "dense"])
+def test_a_mask_that_reads_the_lengths_gets_them(mode):
+    # the last 8 keys are seen by every query: the mask_mod must be made for these lengths
+    attn = compile_mask("tail", block_masks=mode, block_size=16)
+    for kv_len in (50, 64):
+        assert_is_the_reference(attn.block_mask(40, kv_len), attn, 40, kv_len,
+                                exact=mode != "intervals")
+
+
+def test_a_given_key_finds_the_mask_built_without_one():
+    # a call passes its plan's key; Attention.block_mask passes none: both find one entry
+    block_masks = BlockMasks("exact", (16, 16))
+    spec, cpu = spec_of("per_row"), torch.device("cpu")
+    sizes = {"B": 2, "H": 1, "Q_LEN": 40, "KV_LEN": 50}
+    values = {ir.tensor_key(t): doc_ids(((10,), (30,)), 50) for t in spec.tensors()}
+    first = block_masks.get(spec, sizes, values, cpu)
+    assert block_masks.get(spec, sizes, values, cpu, block_masks.key(spec, sizes, cpu)) is first
+    assert block_masks.get(spec, sizes, values, cpu) is first
+
+
 def test_intervals_mode_leaves_undecided_tiles_partial_and_exact_mode_refines_them():
     # (q + kv) % 2 is 0 or 1 at every cell, which intervals cannot prove: every tile is FULL
     exact = compile_mask("parity", block_size=16).block_mask(48, 64)
@@ -238,6 +259,7 @@ def test_masks_that_read_tensors_take_the_fused_builder_on_its_devices(monkeypat
     # a mask that reads no tensor is built once, exactly, by the eager builder
     attn = compile_mask("per_head", block_size=16)
     assert_is_the_reference(attn.block_mask(60, 70, heads=3), attn, 60, 70, heads=3)
+    assert len(fused.calls) == 1
     # ... but by the fused one in intervals mode
     attn = compile_mask("per_head", block_size=16, block_masks="intervals")
     block_mask = attn.block_mask(60, 70, heads=3)
@@ -452,6 +474,10 @@ def test_the_byte_budget_counts_every_entry_and_refuses_one_larger_than_itself(m
     for _ in range(3):
         attn.block_mask(64, 64)
     assert attn._masks.cached_bytes() == 0 and not attn._masks._cache
+    monkeypatch.setattr(masks, "BLOCK_MASK_CACHE_BYTES", size)  # room for exactly one
+    attn.block_mask(64, 64)
+    assert attn._masks.cached_bytes() == size and len(attn._masks._cache) == 1
+    attn._masks = BlockMasks("exact", (16, 16))
     monkeypatch.setattr(masks, "BLOCK_MASK_CACHE_BYTES", 2 * size)  # room for exactly two
     for length in (64, 64, 63, 63):  # 63 has as many tiles and tables as 64
         attn.block_mask(length, length)
