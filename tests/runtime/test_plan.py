@@ -139,6 +139,22 @@ def test_the_choice_is_the_backend_rules_choice():
     plan = plan_for("causal & window(3)", q, k, v)
     assert plan.choice.backend == "flex" and plan.backend.name == "flex"
     assert plan.prepared.block_mask is not None
+    # the backend prepares with the call's values: the slopes the score reads
+    plan = plan_for("causal & window(3) + alibi", q, k, v)
+    assert plan.choice.backend == "flex" and not plan.prepared.score_varies
+    # ALiBi's slope of head 1 of 4 is 2 ** -4; query 5 is 3 positions after key 2
+    score = plan.prepared.score_mod(torch.tensor(1.5), torch.tensor(0), torch.tensor(1),
+                                    torch.tensor(5), torch.tensor(2))
+    assert score.item() == 1.5 - 2 ** -4 * 3
+
+
+def test_a_plan_made_without_the_optional_arguments_asks_for_no_lse():
+    spec = flexspec.parse("causal")
+    q, k, v = qkv()
+    plan = make_plan(text="causal", asked="auto", tensors=Tensors(spec.ir),
+                     masks=BlockMasks("exact", (16, 32)), block_size=(16, 32), q=q, k=k, v=v,
+                     scale=None, bindings={}, learnables=None)
+    assert not plan.request.lse
 
 
 @pytest.mark.parametrize("return_lse", [1, None, "yes"])
@@ -191,6 +207,17 @@ def test_bindings_are_slots_and_everything_else_is_fixed():
     assert set(plan.fixed) == {slopes}
     assert plan.score_keys == frozenset({t, slopes})
     assert plan.mask == plan.mask.__class__(plan.mask.token, 1, 1, (doc,))
+
+
+def test_the_plan_s_mask_key_is_its_spec_s_on_its_device():
+    text = "causal & document"
+    q, k, v = qkv(Q_LEN=40)
+    spec = flexspec.parse(text)
+    masks = BlockMasks("exact", (16, 32))
+    plan = make_plan(text=text, asked="auto", tensors=Tensors(spec.ir), masks=masks,
+                     block_size=(16, 32), q=q, k=k, v=v, scale=None,
+                     bindings={"doc_ids": torch.zeros(40, dtype=torch.int64)}, learnables=None)
+    assert plan.mask == masks.key(plan.spec, plan.sizes, torch.device("cpu"))
 
 
 def test_a_learnable_table_is_a_slot_only_when_passed_by_name():
@@ -248,6 +275,13 @@ def test_lookups_are_checked_again_only_when_their_tensors_change(monkeypatch):
     with pytest.raises(BindingError, match=r"'group' is indexed by group\[q\]"):
         plan.check_lookups(plan.values({"group": other}))
     assert len(checks) == 2
+    # a kernel plan whose score reads no binding gathers values only for such lookups
+    q, k, v = qkv(B=1, Hq=1, Hkv=1, Q_LEN=128, KV_LEN=128, Dv=8)
+    group = torch.zeros(128, dtype=torch.int64)
+    plan = plan_for("same_group", q, k, v, group=group)
+    assert plan.choice.backend == "flex" and plan.unproven and plan.needs_values
+    plan = plan_for("causal & document", q, k, v, doc_ids=group)
+    assert plan.choice.backend == "flex" and not plan.unproven and not plan.needs_values
     # proven lookups are never evaluated
     plan = plan_for("causal & document", q, k, v, doc_ids=group)
     assert plan.unproven == () and plan.lookup_identity({}) == ()
@@ -289,3 +323,5 @@ def test_the_call_key_is_the_signature_of_the_inputs():
     assert call_key(q, k, v, None, {}, {"t": table.clone()}) != with_table
     assert call_key(q, k, v, None, {}, {"t": torch.zeros(2, 6)}) != with_table
     assert call_key(q, k, v, None, {}, {"u": table}) != with_table
+    table.requires_grad_()  # the same table, frozen no more: gradients change the plan
+    assert call_key(q, k, v, None, {}, {"t": table}) != with_table
