@@ -9,6 +9,7 @@ bounds" error. No kernel runs here: every call below fails its checks or runs on
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -44,10 +45,38 @@ def test_an_index_beyond_one_chunk_is_still_checked_exactly(monkeypatch):
     assert torch.equal(out, _call("s", ids))
 
 
+@pytest.mark.parametrize("limit, dims, parts", [(3, [1, 1, 13, 1], 5), (1, [1, 1, 13, 1], 13),
+                                               (6, [1, 1, 13, 2], 5), (4, [2, 1, 1, 7], 4),
+                                               (100, [1, 1, 13, 1], 1)])
+def test_the_range_of_an_index_is_evaluated_in_slices_of_bounded_size(monkeypatch, limit, dims,
+                                                                      parts):
+    from flexspec.runtime import inputs
+
+    sizes = []
+    real = inputs.evaluate
+
+    def evaluate(index, grid, values):
+        sizes.append(math.prod(torch.broadcast_shapes(*(t.shape for t in grid.values()
+                                                        if isinstance(t, torch.Tensor)))))
+        return real(index, grid, values)
+
+    monkeypatch.setattr(limits, "EXACT_INDEX_CHECK_LIMIT", limit)
+    monkeypatch.setattr(inputs, "evaluate", evaluate)
+    index = ir.Binary("+", ir.Binary("+", ir.Var("q"), ir.Var("kv")), ir.Var("b"))
+    assert _index_range(index, dims, {}, "cpu") == (0, (dims[0] - 1) + (dims[2] - 1)
+                                                    + (dims[3] - 1))
+    assert len(sizes) == parts and sum(sizes) == math.prod(dims)
+    assert max(sizes) <= max(limit, math.prod(dims) // max(dims))
+
+
 def test_too_many_points_to_check_is_refused_with_the_fix(monkeypatch):
     monkeypatch.setattr(limits, "MAX_INDEX_CHECK_POINTS", 32)
-    with pytest.raises(flexspec.BindingError, match=r"evaluating it at 64 points .* "
-                                                    r"clamp\(ids\[q\], 0, 3\)"):
+    with pytest.raises(flexspec.BindingError, match="^" + re.escape(
+            "cannot check that 'bias' stays in range in dimension 0: its index ids[q] is not "
+            "bounded by the sizes, and checking it means evaluating it at 64 points for "
+            "Q_LEN=64, KV_LEN=64 (flexspec evaluates at most 32); clamp the index into the "
+            "tensor, as in clamp(ids[q], 0, 3), so it is proven in range, or use shorter "
+            "sequences") + "$"):
         _call("s", torch.zeros(64, dtype=torch.long))
     # the fix works: a clamped index is proven in range and needs no evaluation
     assert _call("clamped", torch.full((64,), 9)).isfinite().all()
@@ -122,7 +151,13 @@ def test_unexpected_binding_suggests_the_right_name(attn, qkv):
 
 def test_binding_for_a_spec_without_tensors(qkv):
     message = binding_error(flexspec.compile("causal"), qkv, doc_ids=doc_ids())
-    assert "unexpected binding 'doc_ids'" in message and "no tensors" in message
+    assert message == "unexpected binding 'doc_ids'. This spec takes no tensors"
+
+
+def test_an_unexpected_binding_lists_what_the_spec_takes(qkv):
+    attn = flexspec.compile("causal & document + biased", library=BINDINGS)
+    message = binding_error(attn, qkv, doc_ids=doc_ids(), u=torch.zeros(150), zz=1)
+    assert message == "unexpected binding 'zz'. This spec takes doc_ids, u"
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -148,7 +183,8 @@ def test_binding_with_the_wrong_dtype(attn, qkv, dtype):
 
 def test_binding_that_is_not_a_tensor(attn, qkv):
     message = binding_error(attn, qkv, doc_ids=[[0] * 150] * 2)
-    assert "'doc_ids' must be a torch.Tensor of int[B, KV_LEN] = [2, 150]" in message
+    assert message == ("binding 'doc_ids' must be a torch.Tensor of int[B, KV_LEN] = [2, 150], "
+                       "got list")
 
 
 def test_binding_on_another_device(attn, qkv):
@@ -307,6 +343,12 @@ def test_each_fault_of_q_k_v_has_its_message(args, allow_float64, message):
         check_qkv(*args, allow_float64=allow_float64)
 
 
+def test_float64_is_refused_unless_allowed():
+    q = Z(1, 2, 10, 8, dtype=F64)
+    with pytest.raises(BindingError, match="^q has dtype torch.float64, which only the reference"):
+        check_qkv(q, q, q)
+
+
 def test_the_sizes_of_a_call_are_read_off_q_and_k():
     q, k, v = Z(2, 4, 24, 8), Z(2, 2, 40, 8), Z(2, 2, 40, 12)
     assert check_qkv(q, k, v) == (2, 4, 24, 40)
@@ -453,6 +495,14 @@ def test_a_block_mask_needs_only_the_bindings_of_the_mask():
         attn.mods(q_len=16, kv_len=16, doc_ids=ids)
 
 
+def test_a_block_mask_refuses_a_binding_named_like_a_builtin_tensor():
+    # alibi_slopes is computed by flexspec, never passed: it is not a binding of the score
+    attn = flexspec.compile("causal & document + alibi")
+    with pytest.raises(BindingError, match="^unexpected binding 'alibi_slopes'"):
+        attn.block_mask(16, 16, doc_ids=torch.zeros(16, dtype=torch.int64),
+                        alibi_slopes=torch.ones(1))
+
+
 def test_an_unused_learnable_table_is_made_once_per_shape_and_device():
     spec = flexspec.parse("causal + rel_bias(max_distance=2)").ir
     tensors = Tensors(spec)
@@ -469,3 +519,39 @@ def test_an_unused_learnable_table_is_made_once_per_shape_and_device():
     assert tensors.gather(sizes, {}, torch.device("cpu"), {key: table})[0][key] is table
     by_name = tensors.gather(sizes, {"rel_bias_table": table}, torch.device("cpu"))[0][key]
     assert torch.equal(by_name, table)
+
+
+@pytest.mark.parametrize("index, sizes, reach", [("q + b", dict(batch=9), "0..15"),
+                                                 ("q + h", dict(heads=9), "0..15"),
+                                                 ("kv + 1", {}, "1..8")])
+def test_a_lookup_is_checked_over_every_batch_row_head_and_key(index, sizes, reach):
+    # each index leaves the tensor only beyond b = 0, h = 0 or kv = 0; the longest axis (9
+    # batch rows, 9 heads, 8 keys) is the one the check slices
+    library = load_text(f"mask m(t: int[KV_LEN]) = t[{index}] >= 0\n")
+    attn = flexspec.compile("m", library=library)
+    with pytest.raises(BindingError, match="^" + re.escape(
+            f"'t' is indexed by {index} in dimension 0, which reaches {reach} for Q_LEN=8, "
+            "KV_LEN=8, but that dimension has 8 entries") + "$"):
+        attn.block_mask(8, 8, t=torch.zeros(8, dtype=torch.int64), **sizes)
+
+
+def test_a_mask_only_gather_keeps_the_spec_s_alignment():
+    # the dense mask of an end-aligned spec places its last row on the last key
+    for text, offset in (("causal", 0), ("causal_bottom_right", 2)):
+        spec = flexspec.parse(text).ir
+        _, gathered = Tensors(spec).gather({"B": 1, "H": 1, "Q_LEN": 3, "KV_LEN": 5}, {},
+                                           torch.device("cpu"), mask_only=True)
+        assert gathered.align == spec.align
+        expected = torch.tensor([[kv <= q + offset for kv in range(5)] for q in range(3)])
+        assert torch.equal(flexspec.compile(text).dense_mask(3, 5)[0, 0], expected)
+
+
+def test_a_binding_s_batch_of_one_keeps_its_batch_index():
+    # doc_ids[b, kv] reads row 0 of a broadcast [1, KV_LEN] binding, except at B = 1, where
+    # the declared size is 1 too and the index stays b (FLASH could not compile the constant)
+    spec = flexspec.parse("causal & document").ir
+    ids = torch.zeros(1, 8, dtype=torch.int64)
+    for batch, index in ((1, "doc_ids[b, "), (2, "doc_ids[0, ")):
+        sizes = {"B": batch, "H": 1, "Q_LEN": 8, "KV_LEN": 8}
+        _, specialized = Tensors(spec).gather(sizes, {"doc_ids": ids}, torch.device("cpu"))
+        assert index in ir.to_text(specialized.mask)
