@@ -1,0 +1,524 @@
+"""runtime.masks: the extents a mask needs, the key standing for a mask at given sizes, the
+builder each mode and device takes, and the bounded cache of block masks (probation, least
+recently used out first, a byte budget, keyed by the identity of the tensors the mask reads).
+
+Every block mask is checked against the dense float64 reference (``Attention.dense_mask``): its
+``mask_mod`` cell by cell, and its tables tile by tile (a tile is EMPTY when no cell is visible,
+FULL when every cell is, PARTIAL otherwise; ``intervals`` mode may call a decidable tile
+PARTIAL). Rebuilds are counted by wrapping the builders the module calls.
+"""
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_mask
+
+import flexspec
+from flexspec import BindingError, ir, limits
+from flexspec.kernels import fused_blocks
+from flexspec.kernels.block_tables import EMPTY, FULL, PARTIAL, tile_classes
+from flexspec.lang.library import load_text
+from flexspec.runtime import masks
+from flexspec.runtime.masks import BlockMasks, mask_extent
+from flexspec.testing import Shape
+
+LIBRARY = load_text("""
+mask per_head = kv <= q + 7 * h
+mask per_row(r: int[B, KV_LEN]) = r[b, kv] <= r[b, q]
+mask both(r: int[B, KV_LEN], f: bool[H]) = r[b, kv] <= r[b, q] & f[h]
+mask two(a: int[KV_LEN], z: int[KV_LEN]) = a[kv] == a[q] & z[kv] <= z[q]
+mask parity = (q + kv) % 2 == 0 | (q + kv) % 2 == 1
+mask tail = kv >= KV_LEN - 8 | q >= kv
+""")
+
+
+def compile_mask(text, **options):
+    return flexspec.compile(text, library=LIBRARY, **options)
+
+
+def doc_ids(bounds=((40, 90), (20,)), length=150):
+    """Document ids per batch row: a new document starts at each bound."""
+    rows = []
+    for row in bounds:
+        ids = torch.zeros(length, dtype=torch.int64)
+        for start in row:
+            ids[start:] += 1
+        rows.append(ids)
+    return torch.stack(rows)
+
+
+def reference_classes(dense: torch.Tensor, block: tuple) -> torch.Tensor:
+    """Tile classes worked out from the reference's dense mask, one tile at a time; the padding
+    of a tile that runs past the end counts as masked (as in torch's create_block_mask)."""
+    b, h, q_len, kv_len = dense.shape
+    nq, nk = -(-q_len // block[0]), -(-kv_len // block[1])
+    padded = torch.zeros(b, h, nq * block[0], nk * block[1], dtype=torch.bool)
+    padded[:, :, :q_len, :kv_len] = dense
+    classes = torch.empty(b, h, nq, nk, dtype=torch.int8)
+    for i in range(nq):
+        for j in range(nk):
+            tile = padded[:, :, i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+            for bb in range(b):
+                for hh in range(h):
+                    cells = tile[bb, hh]
+                    classes[bb, hh, i, j] = (FULL if cells.all() else
+                                             PARTIAL if cells.any() else EMPTY)
+    return classes
+
+
+def assert_is_the_reference(block_mask, attn, q_len, kv_len, *, batch=None, heads=None,
+                            exact=True, **bindings):
+    """``block_mask`` means what the reference computes: its mask_mod cell by cell, its tables
+    tile by tile (exactly, or soundly in intervals mode: decided tiles right, the rest
+    PARTIAL)."""
+    dense = attn.dense_mask(q_len, kv_len, batch=batch, heads=heads, **bindings)
+    b, h = block_mask.kv_num_blocks.shape[:2]
+    assert dense.shape[:2] == (b, h)
+    assert block_mask.shape == (b, h, q_len, kv_len)
+    assert torch.equal(create_mask(block_mask.mask_mod, b, h, q_len, kv_len), dense)
+    classes, expected = tile_classes(block_mask), reference_classes(dense, block_mask.BLOCK_SIZE)
+    if exact:
+        assert torch.equal(classes, expected)
+    else:
+        assert torch.equal(classes == EMPTY, expected == EMPTY)  # no visible tile skipped
+        assert not ((classes == FULL) & (expected != FULL)).any()
+
+
+class Builds:
+    """Counts the calls of a builder of the masks module while passing them on."""
+
+    def __init__(self, monkeypatch, name):
+        self.calls = []
+        original = getattr(masks, name)
+
+        def build(*args, **kwargs):
+            self.calls.append(kwargs)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(masks, name, build)
+
+    def __len__(self):
+        return len(self.calls)
+
+
+def spec_of(text):
+    return flexspec.parse(text, library=LIBRARY).ir
+
+
+SIZES = {"B": 2, "H": 3, "Q_LEN": 40, "KV_LEN": 50}
+
+
+# --- extents and keys ------------------------------------------------------------------------
+
+
+def test_a_mask_needs_the_batch_and_head_extents_it_reads_and_no_others():
+    key_r = next(ir.tensor_key(t) for t in spec_of("per_row").tensors())
+    assert mask_extent(spec_of("causal").mask, SIZES) == (1, 1, frozenset())
+    assert mask_extent(spec_of("per_head").mask, SIZES) == (1, 3, frozenset())
+    assert mask_extent(spec_of("per_row").mask, SIZES) == (2, 1, frozenset({key_r}))
+    both = spec_of("both")
+    assert mask_extent(both.mask, SIZES) == (2, 3, frozenset(ir.tensor_key(t)
+                                                             for t in both.tensors()))
+
+
+def test_a_key_stands_for_the_mask_its_extents_lengths_and_device():
+    block_masks = BlockMasks("exact", (16, 16))
+    cpu = torch.device("cpu")
+    per_row = spec_of("per_row")
+    first = block_masks.key(per_row, SIZES, cpu)
+    assert block_masks.key(per_row, dict(SIZES), cpu) == first
+    assert (first.batch, first.heads) == (2, 1)
+    assert first.reads == tuple(ir.tensor_key(t) for t in per_row.tensors())
+    others = [block_masks.key(per_row, {**SIZES, "Q_LEN": 41}, cpu),
+              block_masks.key(per_row, {**SIZES, "KV_LEN": 51}, cpu),
+              block_masks.key(per_row, {**SIZES, "B": 3}, cpu),
+              block_masks.key(per_row, SIZES, torch.device("meta")),
+              block_masks.key(spec_of("causal"), SIZES, cpu),
+              block_masks.key(spec_of("per_head"), SIZES, cpu),
+              block_masks.key(spec_of("per_head"), {**SIZES, "H": 4}, cpu)]
+    tokens = [first.token] + [key.token for key in others]
+    assert len(set(tokens)) == len(tokens)
+    # extents a mask does not read do not make another mask
+    assert block_masks.key(per_row, {**SIZES, "H": 7}, cpu) == first
+    assert block_masks.key(spec_of("causal"), {**SIZES, "B": 5, "H": 1}, cpu) == others[4]
+
+
+def test_a_key_lists_the_tensors_read_in_sorted_order():
+    spec = spec_of("two")
+    key = BlockMasks("exact", (16, 16)).key(spec, SIZES, torch.device("cpu"))
+    assert key.reads == tuple(sorted(ir.tensor_key(t) for t in spec.tensors()))
+    assert len(key.reads) == 2 and (key.batch, key.heads) == (1, 1)
+
+
+# --- the builders ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["exact", "intervals", "dense"])
+def test_every_mode_builds_the_reference_mask(mode):
+    attn = compile_mask("both", block_masks=mode, block_size=(16, 32))
+    r = doc_ids(((10, 30), (25,)), 70)
+    f = torch.tensor([True, False, True])
+    block_mask = attn.block_mask(60, 70, batch=2, heads=3, r=r, f=f)
+    assert block_mask.BLOCK_SIZE == (16, 32)
+    assert_is_the_reference(block_mask, attn, 60, 70, batch=2, heads=3, r=r, f=f,
+                            exact=mode != "intervals")
+
+
+@pytest.mark.parametrize("mode", ["exact", "intervals", "dense"])
+def test_a_mask_that_reads_the_lengths_gets_them(mode):
+    # the last 8 keys are seen by every query: the mask_mod must be made for these lengths
+    attn = compile_mask("tail", block_masks=mode, block_size=16)
+    for kv_len in (50, 64):
+        assert_is_the_reference(attn.block_mask(40, kv_len), attn, 40, kv_len,
+                                exact=mode != "intervals")
+
+
+def test_a_given_key_finds_the_mask_built_without_one():
+    # a call passes its plan's key; Attention.block_mask passes none: both find one entry
+    block_masks = BlockMasks("exact", (16, 16))
+    spec, cpu = spec_of("per_row"), torch.device("cpu")
+    sizes = {"B": 2, "H": 1, "Q_LEN": 40, "KV_LEN": 50}
+    values = {ir.tensor_key(t): doc_ids(((10,), (30,)), 50) for t in spec.tensors()}
+    first = block_masks.get(spec, sizes, values, cpu)
+    assert block_masks.get(spec, sizes, values, cpu, block_masks.key(spec, sizes, cpu)) is first
+    assert block_masks.get(spec, sizes, values, cpu) is first
+
+
+def test_intervals_mode_leaves_undecided_tiles_partial_and_exact_mode_refines_them():
+    # (q + kv) % 2 is 0 or 1 at every cell, which intervals cannot prove: every tile is FULL
+    exact = compile_mask("parity", block_size=16).block_mask(48, 64)
+    loose = compile_mask("parity", block_size=16, block_masks="intervals").block_mask(48, 64)
+    dense = compile_mask("parity", block_size=16, block_masks="dense").block_mask(48, 64)
+    assert (tile_classes(exact) == FULL).all() and (tile_classes(dense) == FULL).all()
+    assert (tile_classes(loose) == PARTIAL).all()
+
+
+def test_the_dense_mode_builds_with_torch_and_the_others_with_the_analysis(monkeypatch):
+    torch_builds = Builds(monkeypatch, "create_block_mask")
+    analysis = Builds(monkeypatch, "build_block_mask")
+    compile_mask("per_head", block_masks="dense").block_mask(40, 40, heads=2)
+    assert (len(torch_builds), len(analysis)) == (1, 0)
+    compile_mask("per_head", block_masks="exact").block_mask(40, 40, heads=2)
+    compile_mask("per_head", block_masks="intervals").block_mask(40, 40, heads=2)
+    assert len(torch_builds) == 1
+    assert [call["exact"] for call in analysis.calls] == [True, False]
+
+
+def test_a_spec_without_a_mask_gets_an_all_full_block_mask_in_every_mode():
+    for mode in ("exact", "intervals", "dense"):
+        attn = flexspec.compile("full + alibi", block_masks=mode, block_size=16)
+        block_mask = attn.block_mask(48, 32, heads=4)
+        assert block_mask.shape == (1, 1, 48, 32)
+        assert (tile_classes(block_mask) == FULL).all()
+        assert create_mask(block_mask.mask_mod, 1, 1, 48, 32).all()
+
+
+def test_a_block_mask_too_large_to_build_is_a_binding_error(monkeypatch):
+    attn = compile_mask("both", block_size=(16, 32))
+    # 2 x 3 (batch x heads) rows of 13 x 10 tiles
+    monkeypatch.setattr(limits, "MAX_BLOCK_MASK_BYTES",
+                        2 * 3 * 13 * 10 * limits.BLOCK_MASK_BYTES_PER_TILE - 1)
+    builds = Builds(monkeypatch, "build_block_mask")
+    r, f = torch.zeros(2, 300, dtype=torch.int64), torch.ones(3, dtype=torch.bool)
+    with pytest.raises(BindingError, match=r"^a block mask for Q_LEN = 200 and KV_LEN = 300 in "
+                                           r"blocks of 16x32 has 13 x 10 tiles per row of 2 x 3 "
+                                           r"\(batch x heads\)"):
+        attn.block_mask(200, 300, batch=2, heads=3, r=r, f=f)
+    assert len(builds) == 0
+    monkeypatch.setattr(limits, "MAX_BLOCK_MASK_BYTES",
+                        2 * 3 * 13 * 10 * limits.BLOCK_MASK_BYTES_PER_TILE)
+    attn.block_mask(200, 300, batch=2, heads=3, r=r, f=f)  # exactly at the limit
+    assert len(builds) == 1
+
+
+class FusedProgram:
+    """A stand-in for the compiled fused builder (about 20 s to compile on the CPU): the
+    interval-only eager builder, with the arguments of each call recorded; ``fail`` raises
+    Untraceable instead."""
+
+    def __init__(self, monkeypatch, fail=False):
+        self.calls, self.fail = [], fail
+        monkeypatch.setattr(masks, "FUSED_DEVICES", frozenset({"cpu"}))
+        monkeypatch.setattr(fused_blocks, "fused_block_mask", self)
+
+    def __call__(self, mask, sizes, block, tensors, device, *, batch, heads, mask_mod):
+        self.calls.append(mask)
+        if self.fail:
+            raise fused_blocks.Untraceable("cannot trace")
+        return masks.build_block_mask(mask, sizes, block, tensors, device, batch=batch,
+                                      heads=heads, mask_mod=mask_mod, exact=False)
+
+
+def test_masks_that_read_tensors_take_the_fused_builder_on_its_devices(monkeypatch):
+    fused = FusedProgram(monkeypatch)
+    r = doc_ids(((10, 30), (25,)), 70)
+    f = torch.tensor([True, False, True])
+    attn = compile_mask("both", block_size=16)
+    block_mask = attn.block_mask(60, 70, batch=2, heads=3, r=r, f=f)
+    assert fused.calls == [attn.ir.mask]
+    assert_is_the_reference(block_mask, attn, 60, 70, batch=2, heads=3, r=r, f=f, exact=False)
+    # a mask that reads no tensor is built once, exactly, by the eager builder
+    attn = compile_mask("per_head", block_size=16)
+    assert_is_the_reference(attn.block_mask(60, 70, heads=3), attn, 60, 70, heads=3)
+    assert len(fused.calls) == 1
+    # ... but by the fused one in intervals mode
+    attn = compile_mask("per_head", block_size=16, block_masks="intervals")
+    block_mask = attn.block_mask(60, 70, heads=3)
+    assert len(fused.calls) == 2
+    assert_is_the_reference(block_mask, attn, 60, 70, heads=3, exact=False)
+    # never in dense mode
+    compile_mask("both", block_masks="dense").block_mask(60, 70, batch=2, heads=3, r=r, f=f)
+    assert len(fused.calls) == 2
+
+
+def test_grids_too_large_for_the_fused_builder_take_the_eager_one(monkeypatch):
+    fused = FusedProgram(monkeypatch)
+    monkeypatch.setattr(fused_blocks, "MAX_FUSED_TILES", 2 * 3 * 4 * 5)  # B x H x NQ x NK
+    attn = compile_mask("both", block_size=16)
+    f = torch.tensor([True, False, True])
+    attn.block_mask(64, 80, batch=2, heads=3, r=doc_ids(((10,), (30,)), 80), f=f)
+    assert len(fused.calls) == 1
+    r = doc_ids(((10,), (30,)), 81)
+    assert_is_the_reference(attn.block_mask(64, 81, batch=2, heads=3, r=r, f=f), attn, 64, 81,
+                            batch=2, heads=3, r=r, f=f)
+    assert len(fused.calls) == 1
+
+
+def test_a_mask_the_fused_builder_cannot_trace_is_built_eagerly_from_then_on(monkeypatch):
+    fused = FusedProgram(monkeypatch, fail=True)
+    attn = compile_mask("per_row", block_size=16)
+    for bounds in (((10,), (30,)), ((20,), (5,))):
+        r = doc_ids(bounds, 50)
+        assert_is_the_reference(attn.block_mask(40, 50, batch=2, r=r), attn, 40, 50, batch=2,
+                                r=r)
+    assert len(fused.calls) == 1  # the second binding went straight to the eager builder
+    # another mask on the same cache is still tried
+    attn._masks.get(spec_of("two"), {"B": 1, "H": 1, "Q_LEN": 40, "KV_LEN": 50},
+                    {ir.tensor_key(t): torch.zeros(50, dtype=torch.int64)
+                     for t in spec_of("two").tensors()}, torch.device("cpu"))
+    assert len(fused.calls) == 2
+
+
+# --- the cache ---------------------------------------------------------------------------------
+
+
+def test_a_mask_is_cached_when_asked_for_a_second_time(monkeypatch):
+    builds = Builds(monkeypatch, "build_block_mask")
+    attn = flexspec.compile("causal & document")
+    ids = doc_ids()
+    first = attn.block_mask(100, 150, batch=2, doc_ids=ids)
+    assert attn._masks.cached_bytes() == 0  # on probation
+    assert attn.block_mask(100, 150, batch=2, doc_ids=ids) is first
+    expected = sum(t.numel() * t.element_size() for t in (
+        first.kv_num_blocks, first.kv_indices, first.full_kv_num_blocks, first.full_kv_indices,
+        first.q_num_blocks, first.q_indices, first.full_q_num_blocks, first.full_q_indices, ids))
+    assert attn._masks.cached_bytes() == expected
+    assert attn.block_mask(100, 150, batch=2, doc_ids=ids) is first  # from the cache
+    assert attn._masks.cached_bytes() == expected
+    assert len(builds) == 1
+    # another tensor is another binding, even with equal values: built anew, equal content
+    other = attn.block_mask(100, 150, batch=2, doc_ids=ids.clone())
+    assert other is not first and len(builds) == 2
+    assert torch.equal(other.to_dense(), first.to_dense())
+
+
+def test_block_mask_cache_hits_for_a_broadcast_binding():
+    attn = flexspec.compile("causal & document")
+    ids = doc_ids()[0]
+    first = attn.block_mask(100, 150, batch=2, doc_ids=ids)
+    assert attn.block_mask(100, 150, batch=2, doc_ids=ids) is first
+
+
+def test_views_of_one_tensor_at_different_offsets_are_different_bindings(eager_kernels):
+    # ids[0] and ids[1] share storage, shape, strides and version: only the storage offset
+    # tells them apart, and a cache that missed it reused the first mask (mutation testing)
+    attn = flexspec.compile("causal & document")
+    ids = torch.stack([doc_ids(), doc_ids(((10, 60), (100,)))])
+    q, k, v = Shape(2, 4, 2, 150, 150, 16).qkv(seed=3)
+    for _ in range(2):  # the second round is served from the cache
+        for row in ids:
+            block_mask = attn.block_mask(150, 150, batch=2, doc_ids=row)
+            assert torch.equal(create_mask(block_mask.mask_mod, 2, 1, 150, 150),
+                               attn.dense_mask(150, 150, batch=2, doc_ids=row))
+            with torch.no_grad():
+                torch.testing.assert_close(attn(q, k, v, doc_ids=row),
+                                           attn.reference(q, k, v, doc_ids=row),
+                                           rtol=1e-4, atol=1e-4)
+
+
+def test_block_mask_cache_without_bindings():
+    attn = flexspec.compile("causal & window(20)")
+    first = attn.block_mask(300, 300)
+    assert attn.block_mask(300, 300) is first
+    assert attn.block_mask(300, 301) is not first
+    assert first.shape == (1, 1, 300, 300)
+
+
+def test_block_mask_cache_is_bounded():
+    attn = flexspec.compile("causal")
+    first = attn.block_mask(17, 17)
+    for length in range(18, 18 + masks.BLOCK_MASK_CACHE_SIZE):
+        attn.block_mask(length, length)
+    assert attn.block_mask(17, 17) is not first
+
+
+def test_the_least_recently_used_mask_leaves_the_cache_first(monkeypatch):
+    monkeypatch.setattr(masks, "BLOCK_MASK_CACHE_SIZE", 2)
+    builds = Builds(monkeypatch, "build_block_mask")
+    attn = flexspec.compile("causal", block_size=16)
+    for length in (20, 21, 20, 21):  # both asked twice: cached
+        attn.block_mask(length, length)
+    assert len(builds) == 2
+    attn.block_mask(20, 20)  # 20 is now the most recently used
+    for _ in range(2):
+        attn.block_mask(22, 22)  # 22 enters the cache, 21 leaves it
+    assert len(builds) == 3
+    attn.block_mask(20, 20)
+    assert len(builds) == 3
+    attn.block_mask(21, 21)
+    assert len(builds) == 4
+
+
+def test_new_masks_wait_on_probation_where_the_oldest_leaves_first(monkeypatch):
+    builds = Builds(monkeypatch, "build_block_mask")
+    attn = flexspec.compile("causal", block_size=16)
+    a = attn.block_mask(20, 20)
+    attn.block_mask(21, 21)
+    assert attn.block_mask(20, 20) is a and len(builds) == 2  # two fit on probation
+    attn._masks = BlockMasks("exact", (16, 16))
+    for length in (20, 21, 22):
+        attn.block_mask(length, length)
+    assert len(attn._masks._probation) == masks.PROBATION_SIZE == 2
+    attn.block_mask(22, 22)
+    attn.block_mask(21, 21)
+    assert len(builds) == 5  # 21 and 22 were waiting
+    attn.block_mask(20, 20)
+    assert len(builds) == 6  # 20, the oldest, had left
+    assert attn._masks.cached_bytes() > 0
+
+
+def test_block_mask_is_rebuilt_after_an_in_place_change():
+    attn = flexspec.compile("causal & document")
+    ids = doc_ids()
+    before = attn.block_mask(100, 150, batch=2, doc_ids=ids)
+    attn.block_mask(100, 150, batch=2, doc_ids=ids)  # cached
+    ids[0] = 0  # one document in row 0: now row 0 matches row 1's first block structure
+    after = attn.block_mask(100, 150, batch=2, doc_ids=ids)
+    assert after is not before
+    assert_is_the_reference(after, attn, 100, 150, batch=2, doc_ids=ids)
+
+
+def test_per_batch_block_masks_for_per_batch_doc_ids():
+    attn = flexspec.compile("causal & document")
+    # Row 0: documents of 128 tokens; row 1: one document. Block (1, 0) is skipped in row 0
+    # and full in row 1.
+    ids = torch.stack([torch.arange(200) // 128, torch.zeros(200, dtype=torch.int64)])
+    block_mask = attn.block_mask(200, 200, batch=2, doc_ids=ids)
+    assert block_mask.kv_num_blocks.shape[0] == 2
+    assert block_mask.shape[0] == 2
+    dense = block_mask.to_dense()
+    assert not torch.equal(dense[0], dense[1])
+    assert dense[0, 0, 1, 0] == 0 and dense[1, 0, 1, 0] == 1
+    # Its mask_mod reads row b, never row 0 for every batch.
+    assert_is_the_reference(block_mask, attn, 200, 200, batch=2, doc_ids=ids)
+
+
+def test_shared_block_mask_for_broadcast_doc_ids():
+    attn = flexspec.compile("causal & document")
+    ids = torch.arange(200) // 64
+    block_mask = attn.block_mask(200, 200, batch=3, doc_ids=ids)
+    assert block_mask.kv_num_blocks.shape[0] == 1 and block_mask.shape[0] == 1
+    for same in (ids[None], ids[None].expand(3, -1)):
+        # [1, KV_LEN] broadcasts like [KV_LEN]; [B, KV_LEN] with equal rows is per batch.
+        mask = attn.block_mask(200, 200, batch=3, doc_ids=same)
+        assert torch.equal(mask.to_dense()[0], block_mask.to_dense()[0])
+
+
+def test_head_dependent_masks_get_a_head_dimension():
+    attn = flexspec.compile("causal & window(3) + alibi")
+    assert attn.block_mask(40, 40, batch=2, heads=4).shape[:2] == (1, 1)
+    assert attn.dense_mask(40, 40, batch=2, heads=4).shape == (1, 1, 40, 40)
+    per_head = compile_mask("per_head")
+    block_mask = per_head.block_mask(300, 300, batch=2, heads=4)
+    assert block_mask.shape[:2] == (1, 4)
+    assert_is_the_reference(block_mask, per_head, 300, 300, batch=2, heads=4)
+
+
+def test_fresh_bindings_every_call_do_not_fill_the_block_mask_cache(monkeypatch):
+    """Red-team finding: fresh doc_ids every step filled all 32 entries (about 400 MB at B=8,
+    S=32K) although none was ever reused. New masks now wait in a small probation area; a mask
+    asked for twice enters the cache, which is bounded in bytes too."""
+    attn = flexspec.compile("causal & doc")
+    for step in range(40):
+        attn.block_mask(300, 300, doc_ids=torch.arange(300) * (step % 7 + 2) // 300)
+    assert attn._masks.cached_bytes() == 0 and len(attn._masks._probation) <= masks.PROBATION_SIZE
+    ids = torch.arange(300) // 100
+    first = attn.block_mask(300, 300, doc_ids=ids)
+    assert attn.block_mask(300, 300, doc_ids=ids) is first  # the second request keeps it
+    kept = attn._masks.cached_bytes()
+    assert kept > 0
+    # a byte budget smaller than two entries keeps one
+    monkeypatch.setattr(masks, "BLOCK_MASK_CACHE_BYTES", kept + kept // 2)
+    other = torch.arange(300) // 50
+    attn.block_mask(300, 300, doc_ids=other)
+    attn.block_mask(300, 300, doc_ids=other)
+    assert len(attn._masks._cache) == 1 and attn._masks.cached_bytes() <= kept + kept // 2
+
+
+def test_the_byte_budget_counts_every_entry_and_refuses_one_larger_than_itself(monkeypatch):
+    attn = flexspec.compile("causal", block_size=16)
+    attn.block_mask(64, 64)
+    attn.block_mask(64, 64)
+    size = attn._masks.cached_bytes()
+    attn._masks = BlockMasks("exact", (16, 16))
+    monkeypatch.setattr(masks, "BLOCK_MASK_CACHE_BYTES", size - 1)  # too small for one
+    for _ in range(3):
+        attn.block_mask(64, 64)
+    assert attn._masks.cached_bytes() == 0 and not attn._masks._cache
+    monkeypatch.setattr(masks, "BLOCK_MASK_CACHE_BYTES", size)  # room for exactly one
+    attn.block_mask(64, 64)
+    assert attn._masks.cached_bytes() == size and len(attn._masks._cache) == 1
+    attn._masks = BlockMasks("exact", (16, 16))
+    monkeypatch.setattr(masks, "BLOCK_MASK_CACHE_BYTES", 2 * size)  # room for exactly two
+    for length in (64, 64, 63, 63):  # 63 has as many tiles and tables as 64
+        attn.block_mask(length, length)
+    assert attn._masks.cached_bytes() == 2 * size and len(attn._masks._cache) == 2
+    attn.block_mask(62, 62)
+    attn.block_mask(62, 62)
+    assert attn._masks.cached_bytes() == 2 * size and len(attn._masks._cache) == 2
+
+
+def test_inside_a_cuda_graph_capture_a_mask_that_reads_tensors_is_built_every_time(monkeypatch):
+    """A captured graph replays the block mask's build with whatever its tensors hold at each
+    replay; a mask served from the cache would be replayed as it was at capture (a stale mask
+    for the next step's doc_ids). Masks that read no tensor are still served from the cache."""
+    built = FusedProgram(monkeypatch).calls
+    attn = flexspec.compile("causal & doc")
+    ids = torch.arange(300) // 100
+    first = attn.block_mask(300, 300, doc_ids=ids)
+    assert attn.block_mask(300, 300, doc_ids=ids) is first and len(built) == 1
+    monkeypatch.setattr(masks, "capturing", lambda device: True)
+    inside = attn.block_mask(300, 300, doc_ids=ids)
+    assert inside is not first and len(built) == 2
+    assert torch.equal(inside.to_dense(), first.to_dense())
+    plain = flexspec.compile("causal & window(50)")
+    monkeypatch.setattr(masks, "capturing", lambda device: False)
+    kept = plain.block_mask(300, 300)
+    monkeypatch.setattr(masks, "capturing", lambda device: True)
+    assert plain.block_mask(300, 300) is kept
+    # a build inside a capture is not kept: after it the cache serves what it held before
+    monkeypatch.setattr(masks, "capturing", lambda device: False)
+    assert attn.block_mask(300, 300, doc_ids=ids) is first and len(built) == 2
+
+
+def test_a_mask_too_large_for_its_program_cannot_be_built_inside_a_capture(monkeypatch):
+    FusedProgram(monkeypatch)
+    monkeypatch.setattr(fused_blocks, "MAX_FUSED_TILES", 4)
+    monkeypatch.setattr(masks, "MAX_FUSED_TILES", 4)
+    monkeypatch.setattr(masks, "capturing", lambda device: True)
+    attn = flexspec.compile("causal & doc")
+    with pytest.raises(BindingError, match=r"^flexspec cannot build this block mask inside a "
+                       r"CUDA graph capture: its grid of 9 tiles \(B x H x query blocks x key "
+                       r"blocks\) is larger than the 4 the compiled block-mask program takes, "
+                       r"and the eager builder reads counts on the host. Run this step outside "
+                       r"the graph, or capture a smaller one$"):
+        attn.block_mask(300, 300, doc_ids=torch.arange(300) // 100)

@@ -1,0 +1,327 @@
+"""runtime.plan: what a call decides once per input signature (the Request the backend choice
+reads, the tensors passed by name, the checks of sizes, scale, dtypes and integer ranges), the
+signature plans are cached under, and the per-call steps a plan keeps cheap (its values, the
+lookups it checks only when their tensors change).
+
+Plans are made with :func:`make_plan` directly; the facts it records are compared with values
+worked out by hand. No kernel runs here (the backend runs are tested in test_backends.py).
+"""
+
+import pytest
+import torch
+
+import flexspec
+from flexspec import BindingError, SpecError, ir, limits
+from flexspec.lang.library import load_text
+from flexspec.runtime import plan as planning
+from flexspec.runtime.backends import Choice, Request, sdpa_form
+from flexspec.runtime.inputs import Tensors
+from flexspec.runtime.masks import BlockMasks
+from flexspec.runtime.plan import Slot, call_key, check_ranges, make_plan
+from flexspec.testing import Shape
+
+LIBRARY = load_text(f"""
+score first(t: float[4]) = score + t[0]
+score biased(t: float[KV_LEN]) = score + t[kv]
+mask same_group(group: int[KV_LEN]) = group[group[q]] == group[kv]
+mask big32 = q * {(2**31 - 1) // 7} >= kv
+mask big64 = q * {2**61} >= kv
+""")
+
+
+def plan_for(text, q, k, v, *, asked="auto", scale=None, learnables=None, return_lse=False,
+             block_size=(16, 32), written=None, **bindings):
+    spec = flexspec.parse(text, library=LIBRARY)
+    masks = BlockMasks("exact", block_size)
+    return make_plan(text=text, asked=asked, tensors=Tensors(spec.ir), masks=masks,
+                     block_size=block_size, q=q, k=k, v=v, scale=scale, bindings=bindings,
+                     learnables=learnables, return_lse=return_lse, written=written)
+
+
+def key_of(text, name):
+    spec = flexspec.parse(text, library=LIBRARY).ir
+    return next(ir.tensor_key(t) for t in spec.tensors() if t.name == name)
+
+
+def qkv(B=2, Hq=4, Hkv=2, Q_LEN=24, KV_LEN=40, D=8, Dv=12, dtype=torch.float32):
+    q, k, _ = Shape(B, Hq, Hkv, Q_LEN, KV_LEN, D).qkv(seed=0, dtype=dtype)
+    v = torch.randn(B, Hkv, KV_LEN, Dv, dtype=dtype)
+    return q, k, v
+
+
+# --- the request -------------------------------------------------------------------------------
+
+
+def test_the_request_holds_the_facts_of_the_call():
+    q, k, v = qkv()
+    plan = plan_for("causal + first", q, k, v, asked="reference", scale=0.5, return_lse=True,
+                    t=torch.arange(4.0))
+    assert plan.request == Request(
+        device_type="cpu", capability=None, dtype=torch.float32, batch=2, heads=4, kv_heads=2,
+        q_len=24, kv_len=40, head_dim=8, v_head_dim=12, grads=False, table_grads=False,
+        score_tensors=True, block_size=(16, 32), reference_fits=True, flash_installed=False,
+        flash_failed=None, constant_lookup="t[0]", nested_lookup=None, float_rounding=None,
+        lse=True, scale=0.5)
+    assert (plan.sizes, plan.device, plan.text, plan.asked, plan.scale) == (
+        {"B": 2, "H": 4, "Q_LEN": 24, "KV_LEN": 40}, torch.device("cpu"), "causal + first",
+        "reference", 0.5)
+    assert plan.gqa  # 4 query heads share 2 key/value heads
+    assert not plan_for("causal", *qkv(Hkv=4)).gqa
+
+
+def test_the_score_reads_tensors_when_it_reads_a_table_or_a_scale_is_given():
+    q, k, v = qkv()
+    assert not plan_for("causal", q, k, v).request.score_tensors
+    assert plan_for("causal", q, k, v, scale=0.5).request.score_tensors
+    assert plan_for("causal + alibi", q, k, v).request.score_tensors
+    # the mask's tensors are not the score's
+    assert not plan_for("causal & document", q, k, v,
+                        doc_ids=torch.zeros(40, dtype=torch.int64)).request.score_tensors
+
+
+def test_the_request_says_whether_the_dense_reference_fits(monkeypatch):
+    q, k, v = qkv()  # B x Hq x Q_LEN x KV_LEN float64 scores
+    monkeypatch.setattr(limits, "MAX_DENSE_ARRAY_BYTES", 2 * 4 * 24 * 40 * 8)
+    assert plan_for("full", q, k, v).request.reference_fits
+    monkeypatch.setattr(limits, "MAX_DENSE_ARRAY_BYTES", 2 * 4 * 24 * 40 * 8 - 1)
+    assert not plan_for("full", q, k, v).request.reference_fits  # SDPA runs it
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_any_of_q_k_v_requiring_gradients_asks_for_gradients(which):
+    tensors = list(qkv())
+    tensors[which].requires_grad_()
+    request = plan_for("causal", *tensors, asked="reference").request
+    assert request.grads and not request.table_grads
+    with torch.no_grad():
+        plan = plan_for("causal", *tensors, asked="reference")
+    assert not plan.request.grads and plan.detach
+    assert not plan_for("causal", *qkv(), asked="reference").request.grads
+
+
+def test_a_score_table_requiring_gradients_asks_for_table_gradients():
+    q, k, v = qkv()
+    table = torch.zeros(40, requires_grad=True)
+    plan = plan_for("causal + biased", q, k, v, asked="reference", t=table)
+    assert plan.request.grads and plan.request.table_grads and not plan.detach
+    assert plan.values({"t": table})[key_of("causal + biased", "t")].requires_grad
+    with torch.no_grad():
+        plan = plan_for("causal + biased", q, k, v, asked="reference", t=table)
+    assert not plan.request.grads and not plan.request.table_grads and plan.detach
+    # under no_grad, the values handed to the backend are detached
+    assert not plan.values({"t": table})[key_of("causal + biased", "t")].requires_grad
+    plan = plan_for("causal + biased", q, k, v, asked="reference", t=torch.zeros(40))
+    assert not plan.request.table_grads and not plan.request.grads
+
+
+# --- the choice and the checks -----------------------------------------------------------------
+
+
+def test_float64_runs_only_where_the_reference_was_asked_for(monkeypatch):
+    q, k, v = qkv(dtype=torch.float64)
+    with pytest.raises(BindingError, match="torch.float64, which only the reference backend"):
+        plan_for("causal", q, k, v)
+    plan = plan_for("causal", q, k, v, asked="reference")
+    assert plan.choice == Choice("reference", "backend='reference' was asked for")
+    assert plan.backend.name == "reference"
+    # float64 runs on the reference even where its memory budget says no: nothing else can
+    monkeypatch.setattr(limits, "MAX_DENSE_ARRAY_BYTES", 8)
+    assert plan_for("causal", q, k, v, asked="reference").choice.backend == "reference"
+    with pytest.raises(flexspec.BackendError, match="memory budget"):
+        plan_for("causal", *qkv(), asked="reference")
+
+
+def test_the_choice_is_the_backend_rules_choice():
+    q, k, v = qkv(Q_LEN=128, KV_LEN=128, Dv=8)
+    plan = plan_for("causal", q, k, v)
+    assert plan.choice.backend == "sdpa" and plan.backend.name == "sdpa"
+    assert plan.prepared == sdpa_form(plan.spec)  # prepared by the backend chosen
+    plan = plan_for("causal & window(3)", q, k, v)
+    assert plan.choice.backend == "flex" and plan.backend.name == "flex"
+    assert plan.prepared.block_mask is not None
+    # the backend prepares with the call's values: the slopes the score reads
+    plan = plan_for("causal & window(3) + alibi", q, k, v)
+    assert plan.choice.backend == "flex" and not plan.prepared.score_varies
+    # ALiBi's slope of head 1 of 4 is 2 ** -4; query 5 is 3 positions after key 2
+    score = plan.prepared.score_mod(torch.tensor(1.5), torch.tensor(0), torch.tensor(1),
+                                    torch.tensor(5), torch.tensor(2))
+    assert score.item() == 1.5 - 2 ** -4 * 3
+
+
+def test_a_plan_made_without_the_optional_arguments_asks_for_no_lse():
+    spec = flexspec.parse("causal")
+    q, k, v = qkv()
+    plan = make_plan(text="causal", asked="auto", tensors=Tensors(spec.ir),
+                     masks=BlockMasks("exact", (16, 32)), block_size=(16, 32), q=q, k=k, v=v,
+                     scale=None, bindings={}, learnables=None)
+    assert not plan.request.lse
+
+
+@pytest.mark.parametrize("return_lse", [1, None, "yes"])
+def test_return_lse_must_be_a_bool(return_lse):
+    with pytest.raises(BindingError, match=f"^return_lse must be True or False, got "
+                                           f"{return_lse!r}$"):
+        plan_for("causal", *qkv(), return_lse=return_lse)
+
+
+def test_the_scale_is_checked():
+    with pytest.raises(BindingError, match="scale must be a finite number or None"):
+        plan_for("causal", *qkv(), scale=float("inf"))
+
+
+def test_integer_ranges_are_checked_over_every_position_a_plan_serves():
+    # q * 306783378 fits int32 up to q = 7; queries may stand anywhere up to max(Q_LEN, KV_LEN)
+    spec = flexspec.parse("big32", library=LIBRARY).ir
+    check_ranges(spec, {"B": 1, "H": 1, "Q_LEN": 4, "KV_LEN": 8}, "int32")
+    check_ranges(spec, {"B": 1, "H": 1, "Q_LEN": 8, "KV_LEN": 4}, "int32")
+    check_ranges(spec, {"B": 1, "H": 1, "Q_LEN": 9, "KV_LEN": 9}, "int64")
+    for q_len, kv_len in ((4, 9), (9, 4)):
+        with pytest.raises(SpecError, match=f"reaches 0..2454267024 for Q_LEN={q_len}, "
+                                            f"KV_LEN={kv_len} on a GPU, beyond the 32-bit"):
+            check_ranges(spec, {"B": 1, "H": 1, "Q_LEN": q_len, "KV_LEN": kv_len}, "int32")
+    with pytest.raises(SpecError, match=r"for Q_LEN=9, KV_LEN=9, beyond the 64-bit"):
+        check_ranges(flexspec.parse("big64", library=LIBRARY).ir,
+                     {"B": 1, "H": 1, "Q_LEN": 9, "KV_LEN": 9}, "int64")
+
+
+def test_a_plan_checks_the_ranges_of_the_spec_as_written():
+    q, k, v = qkv(B=1, Hq=1, Hkv=1, Q_LEN=9, KV_LEN=9)
+    with pytest.raises(SpecError, match="for Q_LEN=9, KV_LEN=9, beyond the 64-bit"):
+        plan_for("big64", q, k, v)
+    written = flexspec.parse("big64", library=LIBRARY).ir
+    with pytest.raises(SpecError, match="for Q_LEN=9, KV_LEN=9, beyond the 64-bit"):
+        plan_for("causal", q, k, v, written=written)
+    plan_for("causal", q, k, v, written=flexspec.parse("causal").ir)
+
+
+# --- tensors passed by name --------------------------------------------------------------------
+
+
+def test_bindings_are_slots_and_everything_else_is_fixed():
+    text = "causal & document + alibi + biased"
+    q, k, v = qkv()
+    plan = plan_for(text, q, k, v, doc_ids=torch.zeros(40, dtype=torch.int64),
+                    t=torch.zeros(40))
+    doc, t, slopes = (key_of(text, name) for name in ("doc_ids", "t", "alibi_slopes"))
+    assert plan.slots == (Slot("doc_ids", doc, 2), Slot("t", t, 1))
+    assert set(plan.fixed) == {slopes}
+    assert plan.score_keys == frozenset({t, slopes})
+    assert plan.mask == plan.mask.__class__(plan.mask.token, 1, 1, (doc,))
+
+
+def test_the_plan_s_mask_key_is_its_spec_s_on_its_device():
+    text = "causal & document"
+    q, k, v = qkv(Q_LEN=40)
+    spec = flexspec.parse(text)
+    masks = BlockMasks("exact", (16, 32))
+    plan = make_plan(text=text, asked="auto", tensors=Tensors(spec.ir), masks=masks,
+                     block_size=(16, 32), q=q, k=k, v=v, scale=None,
+                     bindings={"doc_ids": torch.zeros(40, dtype=torch.int64)}, learnables=None)
+    assert plan.mask == masks.key(plan.spec, plan.sizes, torch.device("cpu"))
+
+
+def test_a_learnable_table_is_a_slot_only_when_passed_by_name():
+    text = "causal + rel_bias(max_distance=2)"
+    key = key_of(text, "rel_bias_table")
+    q, k, v = qkv(Hq=2, Hkv=2)
+    plan = plan_for(text, q, k, v, asked="reference")
+    assert plan.slots == () and set(plan.fixed) == {key}
+    assert torch.equal(plan.fixed[key], torch.zeros(2, 5))
+    table = torch.randn(2, 5)
+    plan = plan_for(text, q, k, v, asked="reference", rel_bias_table=table)
+    assert plan.slots == (Slot("rel_bias_table", key, 2),) and plan.fixed == {}
+    given = torch.randn(2, 5)
+    plan = plan_for(text, q, k, v, asked="reference", learnables={key: given})
+    assert plan.slots == () and plan.fixed[key] is given
+
+
+def test_a_call_s_values_are_its_bindings_contiguous_with_their_declared_dimensions():
+    text = "causal & document + biased"
+    q, k, v = qkv()
+    ids = torch.zeros(2, 80, dtype=torch.int64)
+    plan = plan_for(text, q, k, v, doc_ids=ids[:, ::2], t=torch.zeros(40))
+    table = torch.arange(40.0)
+    values = plan.values({"doc_ids": ids[0, ::2], "t": table})
+    doc = values[key_of(text, "doc_ids")]
+    assert doc.shape == (1, 40) and doc.is_contiguous()
+    assert values[key_of(text, "t")] is table
+    assert plan.fixed == {}
+    # without slots the values are the fixed ones themselves
+    plan = plan_for("causal + alibi", q, k, v)
+    assert plan.values({}) is plan.fixed and len(plan.fixed) == 1
+
+
+# --- lookups checked by value ------------------------------------------------------------------
+
+
+def test_lookups_are_checked_again_only_when_their_tensors_change(monkeypatch):
+    q, k, v = qkv(B=1, Hq=1, Hkv=1, Q_LEN=8, KV_LEN=8, Dv=8)
+    group = torch.zeros(8, dtype=torch.int64)
+    plan = plan_for("same_group", q, k, v, group=group)
+    key = key_of("same_group", "group")
+    assert [str(index) for _, _, index in plan.unproven] == ["group[q]"]
+    assert plan.needs_values  # the lookups read the call's values
+    checks = []
+    original = planning.check_lookups
+    monkeypatch.setattr(planning, "check_lookups",
+                        lambda *args: checks.append(args[2][key]) or original(*args))
+    plan.check_lookups(plan.values({"group": group}))
+    assert checks == []  # checked when the plan was made
+    other = torch.ones(8, dtype=torch.int64)
+    plan.check_lookups(plan.values({"group": other}))
+    plan.check_lookups(plan.values({"group": other}))
+    assert len(checks) == 1
+    other[0] = 9  # in place: checked again, and refused
+    with pytest.raises(BindingError, match=r"'group' is indexed by group\[q\]"):
+        plan.check_lookups(plan.values({"group": other}))
+    assert len(checks) == 2
+    # a kernel plan whose score reads no binding gathers values only for such lookups
+    q, k, v = qkv(B=1, Hq=1, Hkv=1, Q_LEN=128, KV_LEN=128, Dv=8)
+    group = torch.zeros(128, dtype=torch.int64)
+    plan = plan_for("same_group", q, k, v, group=group)
+    assert plan.choice.backend == "flex" and plan.unproven and plan.needs_values
+    plan = plan_for("causal & document", q, k, v, doc_ids=group)
+    assert plan.choice.backend == "flex" and not plan.unproven and not plan.needs_values
+    # proven lookups are never evaluated
+    plan = plan_for("causal & document", q, k, v, doc_ids=group)
+    assert plan.unproven == () and plan.lookup_identity({}) == ()
+    assert not plan.needs_values or plan.backend.name == "reference"
+
+
+# --- the signature plans are cached under ------------------------------------------------------
+
+
+def test_the_call_key_is_the_signature_of_the_inputs():
+    q, k, v = qkv()
+    ids = torch.zeros(40, dtype=torch.int64)
+    base = call_key(q, k, v, None, {"doc_ids": ids}, None)
+    # another call with equal shapes, dtypes, devices and strides has the same signature
+    assert call_key(q.clone(), k.clone(), v.clone(), None, {"doc_ids": ids.clone()}, None) == base
+    changed = [
+        call_key(q[:1], k, v, None, {"doc_ids": ids}, None),
+        call_key(q, k.double(), v, None, {"doc_ids": ids}, None),
+        call_key(q, k, v[..., :4], None, {"doc_ids": ids}, None),
+        call_key(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, None, {"doc_ids": ids},
+                 None),
+        call_key(q.requires_grad_(False).clone().requires_grad_(), k, v, None,
+                 {"doc_ids": ids}, None),
+        call_key(q, k, v, 0.5, {"doc_ids": ids}, None),
+        call_key(q, k, v, None, {"doc_ids": ids}, None, return_lse=True),
+        call_key(q, k, v, None, {"ids": ids}, None),
+        call_key(q, k, v, None, {"doc_ids": ids[None]}, None),
+        call_key(q, k, v, None, {"doc_ids": 3}, None),
+        call_key(q, k, v, None, {"doc_ids": ids}, {}),
+    ]
+    with torch.no_grad():
+        changed.append(call_key(q, k, v, None, {"doc_ids": ids}, None))
+    assert all(key != base for key in changed)
+    assert len(set(changed)) == len(changed)
+    # learnable tables by identity: another table is another signature
+    table = torch.zeros(2, 5)
+    with_table = call_key(q, k, v, None, {}, {"t": table})
+    assert call_key(q, k, v, None, {}, {"t": table}) == with_table
+    assert call_key(q, k, v, None, {}, {"t": table.clone()}) != with_table
+    assert call_key(q, k, v, None, {}, {"t": torch.zeros(2, 6)}) != with_table
+    assert call_key(q, k, v, None, {}, {"u": table}) != with_table
+    table.requires_grad_()  # the same table, frozen no more: gradients change the plan
+    assert call_key(q, k, v, None, {}, {"t": table}) != with_table
