@@ -155,7 +155,7 @@ class BlockMasks:
         """Why a mask that reads tensors cannot be built inside a CUDA graph capture: only the
         compiled program (fused_blocks) builds without reading the device from the host."""
         if key.token in self._untraceable:
-            why = "torch.compile could not trace its block-mask program (see the earlier warning)"
+            why = "torch.compile could not trace its block-mask program"
         else:
             nq, nk = tile_grid(sizes, self.block_size)
             why = (f"its grid of {key.batch * key.heads * nq * nk} tiles (B x H x query blocks "

@@ -522,3 +522,16 @@ def test_a_mask_too_large_for_its_program_cannot_be_built_inside_a_capture(monke
                        r"and the eager builder reads counts on the host. Run this step outside "
                        r"the graph, or capture a smaller one$"):
         attn.block_mask(300, 300, doc_ids=torch.arange(300) // 100)
+
+
+def test_a_mask_its_program_cannot_trace_cannot_be_built_inside_a_capture(monkeypatch):
+    FusedProgram(monkeypatch, fail=True)
+    attn = flexspec.compile("causal & doc")
+    ids = torch.arange(300) // 100
+    attn.block_mask(300, 300, doc_ids=ids)  # outside a capture: the eager builder takes it
+    monkeypatch.setattr(masks, "capturing", lambda device: True)
+    with pytest.raises(BindingError, match=r"^flexspec cannot build this block mask inside a "
+                       r"CUDA graph capture: torch.compile could not trace its block-mask "
+                       r"program, and the eager builder reads counts on the host. Run this "
+                       r"step outside the graph, or capture a smaller one$"):
+        attn.block_mask(300, 300, doc_ids=ids.clone())
