@@ -54,7 +54,8 @@ from flexspec.testing.shapes import Shape, lookups_fit, shapes
 from flexspec.testing.specs import DEFAULT_KINDS, KINDS, pattern_kind, spec_texts, specs
 from flexspec.testing.definitions import (definition_specs, definition_texts, mask_bodies,
                                           score_bodies)
-from flexspec.testing.values import Case, binding_calls, bindings, cases, tensor_values
+from flexspec.testing.values import (Case, binding_calls, bindings, cases, document_ids,
+                                     tensor_values)
 
 
 def slow_examples(count: int) -> int:
@@ -65,5 +66,5 @@ def slow_examples(count: int) -> int:
 
 
 __all__ = ["DEFAULT_KINDS", "KINDS", "Case", "Shape", "binding_calls", "bindings", "cases",
-           "definition_specs", "definition_texts", "lookups_fit", "mask_bodies", "pattern_kind",
+           "definition_specs", "document_ids", "definition_texts", "lookups_fit", "mask_bodies", "pattern_kind",
            "score_bodies", "shapes", "slow_examples", "spec_texts", "specs", "tensor_values"]

@@ -154,3 +154,20 @@ def cases(draw, max_len: int = 300, *, learnables: bool | None = None, broadcast
         learnables = "learnable" in spec_options.get("kinds", DEFAULT_KINDS)
     values = draw(bindings(spec, shape, broadcast=broadcast, learnables=learnables))
     return Case(spec, shape, values)
+
+
+def document_ids(starts, length: int):
+    """Document ids per batch row (an int64 ``[len(starts), length]`` tensor): each row counts
+    from 0 and a new document begins at each of its ``starts``.
+
+    >>> document_ids(((2, 4), (1,)), 5).tolist()
+    [[0, 0, 1, 1, 2], [0, 1, 1, 1, 1]]
+    """
+    import torch
+    rows = []
+    for row in starts:
+        ids = torch.zeros(length, dtype=torch.int64)
+        for start in row:
+            ids[start:] += 1
+        rows.append(ids)
+    return torch.stack(rows)

@@ -20,7 +20,7 @@ from flexspec import BindingError, ir, limits
 from flexspec.lang.library import load_text
 from flexspec.runtime.inputs import (Tensors, _index_range, as_device, check_qkv, check_scale,
                                      contiguous, given_sizes, identity, meta)
-from flexspec.testing import Shape
+from flexspec.testing import Shape, document_ids
 
 LIBRARY = ("score pick(bias: float[4], ids: int[KV_LEN]) = score + bias[ids[q]]\n"
            "score safe(bias: float[4], ids: int[KV_LEN]) = score + bias[clamp(ids[q], 0, 3)]\n"
@@ -109,13 +109,7 @@ SHAPE = Shape(B=2, Hq=4, Hkv=2, Q_LEN=140, KV_LEN=150, D=16)
 
 
 def doc_ids(bounds=((40, 90), (20,)), length=SHAPE.KV_LEN):
-    rows = []
-    for row in bounds:
-        ids = torch.zeros(length, dtype=torch.int64)
-        for start in row:
-            ids[start:] += 1
-        rows.append(ids)
-    return torch.stack(rows)
+    return document_ids(bounds, length)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from flexspec.kernels.block_tables import EMPTY, FULL, PARTIAL, tile_classes
 from flexspec.lang.library import load_text
 from flexspec.runtime import masks
 from flexspec.runtime.masks import BlockMasks, mask_extent
-from flexspec.testing import Shape
+from flexspec.testing import Shape, document_ids
 
 LIBRARY = load_text("""
 mask per_head = kv <= q + 7 * h
@@ -37,13 +37,7 @@ def compile_mask(text, **options):
 
 def doc_ids(bounds=((40, 90), (20,)), length=150):
     """Document ids per batch row: a new document starts at each bound."""
-    rows = []
-    for row in bounds:
-        ids = torch.zeros(length, dtype=torch.int64)
-        for start in row:
-            ids[start:] += 1
-        rows.append(ids)
-    return torch.stack(rows)
+    return document_ids(bounds, length)
 
 
 def reference_classes(dense: torch.Tensor, block: tuple) -> torch.Tensor:

@@ -295,13 +295,14 @@ def test_the_call_path_lays_out_inputs_and_documents_as_fa4_reads_them(text, fa4
         assert fa4_interface == [("dense", (2, 150, 4, 16))]
 
 
-def test_ids_that_are_not_runs_are_handed_to_the_fallback_plan(fa4_interface):
+def _handed_to_the_fallback(ids):
+    """Runs ``causal & doc`` on the fa4 backend with a stand-in fallback plan; returns the
+    output, the fallback and what was handed to it, the plan and its values."""
     import dataclasses
     from types import SimpleNamespace
     from flexspec.runtime.backends import REGISTRY
     attn = flexspec.compile("causal & doc")
     q = k = v = torch.randn(1, 2, 150, 16)
-    ids = (torch.arange(150) // 30) % 2  # document 0 comes back
     handed = []
     fallback = SimpleNamespace(backend=SimpleNamespace(
         run=lambda plan, *args: handed.append(plan) or "fallback's output"))
@@ -309,32 +310,25 @@ def test_ids_that_are_not_runs_are_handed_to_the_fallback_plan(fa4_interface):
     plan = dataclasses.replace(plan, backend=REGISTRY["fa4"],
                                prepared=NativeCall(native_form(plan.spec), fallback))
     values = plan.values({"doc_ids": ids})
-    assert REGISTRY["fa4"].run(plan, q, k, v, None, {"doc_ids": ids}, values) == \
-        "fallback's output"
-    assert handed == [fallback] and fa4_interface == []
+    out = REGISTRY["fa4"].run(plan, q, k, v, None, {"doc_ids": ids}, values)
+    return out, fallback, handed, (plan, q, values)
+
+
+def test_ids_that_are_not_runs_are_handed_to_the_fallback_plan(fa4_interface):
+    from flexspec.runtime.backends import REGISTRY
+    ids = (torch.arange(150) // 30) % 2  # document 0 comes back
+    out, fallback, handed, (plan, q, values) = _handed_to_the_fallback(ids)
+    assert out == "fallback's output" and handed == [fallback] and fa4_interface == []
     plan.prepared.fallback = flexspec.BackendError("nothing else")
     with pytest.raises(flexspec.BackendError, match="nothing else"):
-        REGISTRY["fa4"].run(plan, q, k, v, None, {"doc_ids": ids}, values)
+        REGISTRY["fa4"].run(plan, q, q, q, None, {"doc_ids": ids}, values)
 
 
 def test_inside_a_cuda_graph_capture_documents_are_handed_to_the_fallback_plan(fa4_interface,
                                                                                monkeypatch):
     """Cumulative lengths need a host read, which a capture cannot make: contiguous ids too go
     to the fallback (a block-mask backend, whose mask is built inside the graph)."""
-    import dataclasses
-    from types import SimpleNamespace
-    from flexspec.runtime.backends import REGISTRY, native
+    from flexspec.runtime.backends import native
     monkeypatch.setattr(native, "capturing", lambda device: True)
-    attn = flexspec.compile("causal & doc")
-    q = k = v = torch.randn(1, 2, 150, 16)
-    ids = torch.arange(150) // 30
-    handed = []
-    fallback = SimpleNamespace(backend=SimpleNamespace(
-        run=lambda plan, *args: handed.append(plan) or "fallback's output"))
-    plan = attn._plan(q, k, v, None, {"doc_ids": ids}, None)
-    plan = dataclasses.replace(plan, backend=REGISTRY["fa4"],
-                               prepared=NativeCall(native_form(plan.spec), fallback))
-    values = plan.values({"doc_ids": ids})
-    assert REGISTRY["fa4"].run(plan, q, k, v, None, {"doc_ids": ids}, values) == \
-        "fallback's output"
-    assert handed == [fallback] and fa4_interface == []
+    out, fallback, handed, _ = _handed_to_the_fallback(torch.arange(150) // 30)
+    assert out == "fallback's output" and handed == [fallback] and fa4_interface == []

@@ -18,7 +18,7 @@ from flexspec import BindingError, SpecError
 from flexspec.runtime import compiled, notices
 from flexspec.lang.library import load_text
 from flexspec.kernels.lower import lower
-from flexspec.testing import Shape
+from flexspec.testing import Shape, document_ids
 
 # A document mask with ~causal: every query sees the later keys of its own document, so the last
 # query of each document sees nothing (a fully masked row). Plus a per-head bias and a cap.
@@ -29,13 +29,7 @@ BOUNDS = ((40, 90), (20,))
 
 
 def doc_ids(bounds=BOUNDS, length=SHAPE.KV_LEN):
-    rows = []
-    for row in bounds:
-        ids = torch.zeros(length, dtype=torch.int64)
-        for start in row:
-            ids[start:] += 1
-        rows.append(ids)
-    return torch.stack(rows)
+    return document_ids(bounds, length)
 
 
 def random_doc_ids(seed, shape=(SHAPE.B, SHAPE.KV_LEN), docs=4):
