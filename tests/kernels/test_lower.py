@@ -238,11 +238,13 @@ def test_broadcast_document_ids_give_a_mask_without_b():
     # where of two Python bools under a tensor condition
     call("where", op(">", kv, q), op(">", Q_LEN, C(3)), C(False)),
     call("where", op(">", kv, q), C(False), op(">", Q_LEN, C(3))),
+    ir.And((call("where", op(">", kv, q), op(">", Q_LEN, C(3)), C(False)), op(">=", q, C(1)))),
 ])
 @pytest.mark.parametrize("cute", [False, True], ids=["torch", "cute"])
 def test_scalar_and_mixed_expressions_lower_correctly(mask, cute):
-    assert torch.equal(lowered_mask(spec(mask), 2, 2, 24, 37, cute=cute),
-                       dense_mask(spec(mask), 2, 2, 24, 37))
+    got = lowered_mask(spec(mask), 2, 2, 24, 37, cute=cute)
+    assert got.dtype == torch.bool
+    assert torch.equal(got, dense_mask(spec(mask), 2, 2, 24, 37))
 
 
 # Random integer expressions: precedence, floor division and modulo signs, scalar/tensor mixes.
@@ -393,6 +395,8 @@ def test_a_score_of_sizes_only_matches_the_reference():
     op("+", SCORE, call("where", op(">", kv, q), C(-2), KV_LEN)),
     op("+", SCORE, call("where", op(">=", kv, q), C(0.0), C(float("-inf")))),
     op("+", SCORE, call("where", op(">=", kv, q), C(float("inf")), C(2))),
+    op("+", SCORE, call("where", op(">=", kv, q), C(2), C(float("-inf")))),
+    op("+", SCORE, call("where", op(">", kv, q), op("-", KV_LEN, C(3)), op("-", Q_LEN, C(2)))),
 ])
 @pytest.mark.parametrize("cute", [False, True], ids=["torch", "cute"])
 def test_score_mods_match_the_reference(score, cute):

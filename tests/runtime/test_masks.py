@@ -502,6 +502,11 @@ def test_inside_a_cuda_graph_capture_a_mask_that_reads_tensors_is_built_every_ti
     # a build inside a capture is not kept: after it the cache serves what it held before
     monkeypatch.setattr(masks, "capturing", lambda device: False)
     assert attn.block_mask(300, 300, doc_ids=ids) is first and len(built) == 2
+    # nor is a mask waiting in probation (asked for once) served to a capture
+    other = torch.arange(300) // 60
+    waiting = attn.block_mask(300, 300, doc_ids=other)
+    monkeypatch.setattr(masks, "capturing", lambda device: True)
+    assert attn.block_mask(300, 300, doc_ids=other) is not waiting and len(built) == 4
 
 
 def test_a_mask_too_large_for_its_program_cannot_be_built_inside_a_capture(monkeypatch):
