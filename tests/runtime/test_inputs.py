@@ -394,6 +394,16 @@ def test_a_device_is_named_as_tensors_report_it():
 # --- identity and signatures ---------------------------------------------------------------
 
 
+def test_only_a_cuda_device_is_captured_while_its_stream_captures(monkeypatch):
+    from flexspec.runtime.inputs import capturing
+    assert not capturing(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert capturing(torch.device("cuda")) and capturing(torch.device("cuda", 1))
+    assert not capturing(torch.device("cpu")) and not capturing(torch.device("meta"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert not capturing(torch.device("cuda"))
+
+
 def test_the_identity_of_a_tensor_is_its_memory_layout_and_version():
     base = torch.arange(12).reshape(3, 4)
     assert identity(base) == identity(base) == identity(base.view(3, 4))
