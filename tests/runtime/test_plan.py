@@ -60,7 +60,7 @@ def test_the_request_holds_the_facts_of_the_call():
         device_type="cpu", capability=None, dtype=torch.float32, batch=2, heads=4, kv_heads=2,
         q_len=24, kv_len=40, head_dim=8, v_head_dim=12, grads=False, table_grads=False,
         score_tensors=True, block_size=(16, 32), reference_fits=True, flash_installed=False,
-        flash_failed=None, constant_lookup="t[0]", nested_lookup=None, float_rounding=None,
+        flash_failed=None, constant_lookup="t[0]", nested_lookup=None,
         lse=True, scale=0.5)
     assert (plan.sizes, plan.device, plan.text, plan.asked, plan.scale) == (
         {"B": 2, "H": 4, "Q_LEN": 24, "KV_LEN": 40}, torch.device("cpu"), "causal + first",
