@@ -985,3 +985,21 @@ def test_a_tensor_with_fewer_dimensions_broadcasts_like_the_reference():
     classes = classify(ir_mask, sizes, (32, 32), {"t": flags}, CPU, batch=1, heads=2)
     expected = torch.tensor([[EMPTY, FULL], [EMPTY, FULL]], dtype=torch.int8)
     assert torch.equal(classes, expected.expand(1, 2, 2, 2)), classes
+
+
+# sqrt(5) rounded to float32 is above sqrt(5) in float64, and equal to the next float64 up once
+# that is rounded to float32 too: with an index range in float32 (or int64, whose sqrt torch
+# takes in float32) the fifth batch, head, row or column would be proven to pass
+# `sqrt(x) >= nextafter(sqrt(5))`, which the float64 reference says it does not.
+ROOTS = load_text("".join(
+    f"mask root_{name} = sqrt({name}) >= {math.nextafter(math.sqrt(5), 3)!r}\n"
+    for name in ("b", "h", "q", "kv")), "test_blocks_roots.attn")
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("b", Shape(7, 1, 1, 10, 10, 16)), ("h", Shape(1, 7, 7, 10, 10, 16)),
+    ("q", Shape(1, 1, 1, 10, 10, 16)), ("kv", Shape(1, 1, 1, 10, 10, 16))])
+def test_index_ranges_are_float64(name, shape):
+    case = Case(flexspec.parse(f"root_{name}", library=ROOTS), shape, {}, (5, 5))
+    check_classes_sound(case)
+    check_refine_exact(case)
