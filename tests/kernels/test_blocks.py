@@ -1003,3 +1003,41 @@ def test_index_ranges_are_float64(name, shape):
     case = Case(flexspec.parse(f"root_{name}", library=ROOTS), shape, {}, (5, 5))
     check_classes_sound(case)
     check_refine_exact(case)
+
+
+EDGES = load_text("""
+mask q_from_16 = q >= 16
+mask q_from_15 = q >= 15
+mask q_from_39 = q >= 39
+mask q_to_39 = q <= 39
+mask kv_from_16 = kv >= 16
+mask kv_from_15 = kv >= 15
+mask kv_from_39 = kv >= 39
+mask kv_to_39 = kv <= 39
+""", "test_blocks_edges.attn")
+
+
+@pytest.mark.parametrize("name", list(EDGES.definitions))
+def test_interval_classes_of_thresholds_at_tile_edges(name):
+    """Each tile is bounded by its own rows and columns, the last ones ending at the end of the
+    sequence (40 = 2 * 16 + 8): a threshold at a tile's edge gives each tile its exact class, a
+    ragged tile all of whose pairs inside the sequence are visible included (FULL here;
+    refine and build_block_mask turn it PARTIAL)."""
+    case = Case(flexspec.parse(name, library=EDGES), Shape(1, 1, 1, 40, 40, 16), {}, (16, 16))
+    any_visible, all_inside, _ = case.truth()
+    expected = torch.where(all_inside, FULL, torch.where(any_visible, PARTIAL, EMPTY))
+    assert torch.equal(case.classes(), expected.to(torch.int8)), case.classes()
+
+
+@pytest.mark.parametrize("make", [FIXED[i].values[0] for i in (0, 2, 4)],
+                         ids=[FIXED[i].id for i in (0, 2, 4)])
+def test_tile_rows_classified_in_chunks_equal_the_whole_grid(make, monkeypatch):
+    """A grid of more than TILES_PER_CHUNK tiles (over every batch and head row) is classified a
+    few q-block rows at a time: one row, then three (16 and 19 rows leave a short last chunk),
+    with per-batch lookups and head-dependent masks."""
+    case = make((16, 32))
+    whole = case.classes()
+    nk = whole.shape[-1]
+    for rows in (1, 3):
+        monkeypatch.setattr(blocks, "TILES_PER_CHUNK", rows * case.batch * case.heads * nk)
+        assert torch.equal(case.classes(), whole), rows
