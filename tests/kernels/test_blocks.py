@@ -789,6 +789,16 @@ def test_count_visible_counts_the_reference_mask(make, block, monkeypatch):
     assert torch.equal(refine(case.classes(), *args), exact)
 
 
+def test_count_visible_evaluates_the_cells_of_partial_tiles_only(monkeypatch):
+    """causal at 512 x 512 in 128 x 128 tiles: the four diagonal tiles are PARTIAL, the six
+    below them FULL (counted by area), the rest EMPTY."""
+    case = Case(flexspec.parse("causal"), Shape(1, 1, 1, 512, 512, 16), {}, (128, 128))
+    calls = evaluated_cells(monkeypatch)
+    assert blocks.count_visible(case.ir.mask, case.sizes, case.block, case.values, CPU,
+                                batch=1, heads=1) == 512 * 513 // 2
+    assert calls == [4]
+
+
 def test_visible_counts_are_int64():
     # a float32 count is inexact past 2**24 pairs
     case = FIXED[3].values[0]((128, 128))
@@ -808,6 +818,7 @@ mask columns_always = (kv // 16) % 2 == 0 | (kv // 16) % 2 == 1
 mask columns_never = (kv // 16) % 2 == 0 & (kv // 16) % 2 == 1
 mask stripes = (q // 16) % 2 == 0 | (kv // 16) % 3 == 1
 mask row_17 = (q * q) % 7 == 3 | q % 16 == 1 & q >= 16 & kv % 2 == 0
+mask corner_or_never = q >= 112 & kv < 112 | (q // 16) % 2 == 0 & (q // 16) % 2 == 1 & kv >= 128
 """, "test_blocks_stripes.attn")
 
 
