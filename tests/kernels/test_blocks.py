@@ -287,6 +287,7 @@ def check_classes_sound(case: Case) -> None:
     nq = -(-case.shape.Q_LEN // case.block[0])
     nk = -(-case.shape.KV_LEN // case.block[1])
     assert classes.shape == (case.batch, case.heads, nq, nk)
+    assert classes.dtype == torch.int8  # as the block tables' builder takes them
     any_visible, all_inside, _ = case.truth()
     assert not ((classes == EMPTY) & any_visible).any(), f"{case}: an EMPTY tile has a visible pair"
     assert not ((classes == FULL) & ~all_inside).any(), f"{case}: a FULL tile has a hidden pair"
@@ -846,6 +847,23 @@ def test_coarse_to_fine_classes_equal_the_flat_ones(make, side, monkeypatch):
     monkeypatch.setattr(blocks, "HIERARCHY_TILES", 1)
     monkeypatch.setattr(blocks, "COARSE_SIDE", side)
     assert torch.equal(case.classes(), flat)
+
+
+def test_grids_of_more_than_hierarchy_tiles_are_classified_coarse_to_fine(monkeypatch):
+    """HIERARCHY_TILES is the largest grid classified flat (here 3 x 9 = 27 tiles)."""
+    case = FIXED[3].values[0]((128, 32))  # 383 x 257
+    super_tiles = []
+    tiles_inside = blocks._tiles_inside
+    monkeypatch.setattr(blocks, "_tiles_inside",
+                        lambda coords, *args: super_tiles.append(len(coords))
+                        or tiles_inside(coords, *args))
+    flat = case.classes()
+    assert flat.shape[-2:] == (3, 9)
+    for limit, coarse in ((27, False), (26, True)):
+        super_tiles.clear()
+        monkeypatch.setattr(blocks, "HIERARCHY_TILES", limit)
+        assert torch.equal(case.classes(), flat)
+        assert bool(super_tiles) == coarse, limit
 
 
 def one_dim_lookup_mask(relation, value):
