@@ -1034,25 +1034,28 @@ def test_index_ranges_are_float64(name, shape):
     check_refine_exact(case)
 
 
-EDGES = load_text("""
-mask q_from_16 = q >= 16
-mask q_from_15 = q >= 15
-mask q_from_39 = q >= 39
-mask q_to_39 = q <= 39
-mask kv_from_16 = kv >= 16
-mask kv_from_15 = kv >= 15
-mask kv_from_39 = kv >= 39
-mask kv_to_39 = kv <= 39
-""", "test_blocks_edges.attn")
+# Thresholds at tile edges on one axis, and `>= 16` on the other, which leaves the first
+# column (row) of 32 x 32 super-tiles PARTIAL: the coarse-to-fine pass bounds the tiles inside it.
+TILE_EDGES = load_text("".join(
+    f"mask {x}_{name} = {x} {relation} & {y} >= 16\n"
+    for x, y in (("q", "kv"), ("kv", "q"))
+    for name, relation in (("from_16", ">= 16"), ("from_15", ">= 15"), ("from_39", ">= 39"),
+                           ("to_39", "<= 39"))), "test_blocks_tile_edges.attn")
 
 
-@pytest.mark.parametrize("name", list(EDGES.definitions))
-def test_interval_classes_of_thresholds_at_tile_edges(name):
+@pytest.mark.parametrize("name", list(TILE_EDGES.definitions))
+@pytest.mark.parametrize("coarse", [False, True], ids=["flat", "coarse"])
+def test_interval_classes_of_thresholds_at_tile_edges(name, coarse, monkeypatch):
     """Each tile is bounded by its own rows and columns, the last ones ending at the end of the
     sequence (40 = 2 * 16 + 8): a threshold at a tile's edge gives each tile its exact class, a
     ragged tile all of whose pairs inside the sequence are visible included (FULL here;
-    refine and build_block_mask turn it PARTIAL)."""
-    case = Case(flexspec.parse(name, library=EDGES), Shape(1, 1, 1, 40, 40, 16), {}, (16, 16))
+    refine and build_block_mask turn it PARTIAL). The same for the tiles inside PARTIAL
+    super-tiles."""
+    if coarse:
+        monkeypatch.setattr(blocks, "HIERARCHY_TILES", 1)
+        monkeypatch.setattr(blocks, "COARSE_SIDE", 2)
+    case = Case(flexspec.parse(name, library=TILE_EDGES), Shape(1, 1, 1, 40, 40, 16), {},
+                (16, 16))
     any_visible, all_inside, _ = case.truth()
     expected = torch.where(all_inside, FULL, torch.where(any_visible, PARTIAL, EMPTY))
     assert torch.equal(case.classes(), expected.to(torch.int8)), case.classes()
