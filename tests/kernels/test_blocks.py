@@ -847,6 +847,9 @@ def test_coarse_to_fine_classes_equal_the_flat_ones(make, side, monkeypatch):
     monkeypatch.setattr(blocks, "HIERARCHY_TILES", 1)
     monkeypatch.setattr(blocks, "COARSE_SIDE", side)
     assert torch.equal(case.classes(), flat)
+    # one PARTIAL super-tile per chunk (and one q-block row per chunk of the coarse grid)
+    monkeypatch.setattr(blocks, "TILES_PER_CHUNK", 1)
+    assert torch.equal(case.classes(), flat)
 
 
 def test_grids_of_more_than_hierarchy_tiles_are_classified_coarse_to_fine(monkeypatch):
@@ -864,6 +867,9 @@ def test_grids_of_more_than_hierarchy_tiles_are_classified_coarse_to_fine(monkey
         monkeypatch.setattr(blocks, "HIERARCHY_TILES", limit)
         assert torch.equal(case.classes(), flat)
         assert bool(super_tiles) == coarse, limit
+    # 9 tiles a side make super-tiles of one tile (factor 1): only the PARTIAL ones are
+    # classified again, tile by tile
+    assert sum(super_tiles) == int((flat == PARTIAL).sum()) < flat.numel()
 
 
 def one_dim_lookup_mask(relation, value):
@@ -918,7 +924,8 @@ def test_sampled_rows_stay_inside_their_tile():
 
 
 @pytest.mark.parametrize("q_len, kv_len, block", [(256, 256, (128, 128)), (300, 250, (128, 128)),
-                                                  (48, 80, (16, 32)), (64, 96, (32, 16))])
+                                                  (48, 80, (16, 32)), (64, 96, (32, 16)),
+                                                  (300, 128, (128, 128))])
 def test_interval_block_masks_turn_only_ragged_full_tiles_partial(q_len, kv_len, block):
     """exact=False: the interval classes, except that a FULL tile running past the end of the
     sequence is PARTIAL."""
