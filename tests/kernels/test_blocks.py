@@ -287,6 +287,7 @@ def check_classes_sound(case: Case) -> None:
     nq = -(-case.shape.Q_LEN // case.block[0])
     nk = -(-case.shape.KV_LEN // case.block[1])
     assert classes.shape == (case.batch, case.heads, nq, nk)
+    assert classes.dtype == torch.int8  # as the block tables' builder takes them
     any_visible, all_inside, _ = case.truth()
     assert not ((classes == EMPTY) & any_visible).any(), f"{case}: an EMPTY tile has a visible pair"
     assert not ((classes == FULL) & ~all_inside).any(), f"{case}: a FULL tile has a hidden pair"
@@ -789,6 +790,16 @@ def test_count_visible_counts_the_reference_mask(make, block, monkeypatch):
     assert torch.equal(refine(case.classes(), *args), exact)
 
 
+def test_count_visible_evaluates_the_cells_of_partial_tiles_only(monkeypatch):
+    """causal at 512 x 512 in 128 x 128 tiles: the four diagonal tiles are PARTIAL, the six
+    below them FULL (counted by area), the rest EMPTY."""
+    case = Case(flexspec.parse("causal"), Shape(1, 1, 1, 512, 512, 16), {}, (128, 128))
+    calls = evaluated_cells(monkeypatch)
+    assert blocks.count_visible(case.ir.mask, case.sizes, case.block, case.values, CPU,
+                                batch=1, heads=1) == 512 * 513 // 2
+    assert calls == [4]
+
+
 def test_visible_counts_are_int64():
     # a float32 count is inexact past 2**24 pairs
     case = FIXED[3].values[0]((128, 128))
@@ -808,6 +819,7 @@ mask columns_always = (kv // 16) % 2 == 0 | (kv // 16) % 2 == 1
 mask columns_never = (kv // 16) % 2 == 0 & (kv // 16) % 2 == 1
 mask stripes = (q // 16) % 2 == 0 | (kv // 16) % 3 == 1
 mask row_17 = (q * q) % 7 == 3 | q % 16 == 1 & q >= 16 & kv % 2 == 0
+mask corner_or_never = q >= 112 & kv < 112 | (q // 16) % 2 == 0 & (q // 16) % 2 == 1 & kv >= 128
 """, "test_blocks_stripes.attn")
 
 
@@ -835,6 +847,29 @@ def test_coarse_to_fine_classes_equal_the_flat_ones(make, side, monkeypatch):
     monkeypatch.setattr(blocks, "HIERARCHY_TILES", 1)
     monkeypatch.setattr(blocks, "COARSE_SIDE", side)
     assert torch.equal(case.classes(), flat)
+    # one PARTIAL super-tile per chunk (and one q-block row per chunk of the coarse grid)
+    monkeypatch.setattr(blocks, "TILES_PER_CHUNK", 1)
+    assert torch.equal(case.classes(), flat)
+
+
+def test_grids_of_more_than_hierarchy_tiles_are_classified_coarse_to_fine(monkeypatch):
+    """HIERARCHY_TILES is the largest grid classified flat (here 3 x 9 = 27 tiles)."""
+    case = FIXED[3].values[0]((128, 32))  # 383 x 257
+    super_tiles = []
+    tiles_inside = blocks._tiles_inside
+    monkeypatch.setattr(blocks, "_tiles_inside",
+                        lambda coords, *args: super_tiles.append(len(coords))
+                        or tiles_inside(coords, *args))
+    flat = case.classes()
+    assert flat.shape[-2:] == (3, 9)
+    for limit, coarse in ((27, False), (26, True)):
+        super_tiles.clear()
+        monkeypatch.setattr(blocks, "HIERARCHY_TILES", limit)
+        assert torch.equal(case.classes(), flat)
+        assert bool(super_tiles) == coarse, limit
+    # 9 tiles a side make super-tiles of one tile (factor 1): only the PARTIAL ones are
+    # classified again, tile by tile
+    assert sum(super_tiles) == int((flat == PARTIAL).sum()) < flat.numel()
 
 
 def one_dim_lookup_mask(relation, value):
@@ -889,7 +924,8 @@ def test_sampled_rows_stay_inside_their_tile():
 
 
 @pytest.mark.parametrize("q_len, kv_len, block", [(256, 256, (128, 128)), (300, 250, (128, 128)),
-                                                  (48, 80, (16, 32)), (64, 96, (32, 16))])
+                                                  (48, 80, (16, 32)), (64, 96, (32, 16)),
+                                                  (300, 128, (128, 128))])
 def test_interval_block_masks_turn_only_ragged_full_tiles_partial(q_len, kv_len, block):
     """exact=False: the interval classes, except that a FULL tile running past the end of the
     sequence is PARTIAL."""
@@ -985,3 +1021,62 @@ def test_a_tensor_with_fewer_dimensions_broadcasts_like_the_reference():
     classes = classify(ir_mask, sizes, (32, 32), {"t": flags}, CPU, batch=1, heads=2)
     expected = torch.tensor([[EMPTY, FULL], [EMPTY, FULL]], dtype=torch.int8)
     assert torch.equal(classes, expected.expand(1, 2, 2, 2)), classes
+
+
+# sqrt(5) rounded to float32 is above sqrt(5) in float64, and equal to the next float64 up once
+# that is rounded to float32 too: with an index range in float32 (or int64, whose sqrt torch
+# takes in float32) the fifth batch, head, row or column would be proven to pass
+# `sqrt(x) >= nextafter(sqrt(5))`, which the float64 reference says it does not.
+ROOTS = load_text("".join(
+    f"mask root_{name} = sqrt({name}) >= {math.nextafter(math.sqrt(5), 3)!r}\n"
+    for name in ("b", "h", "q", "kv")), "test_blocks_roots.attn")
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("b", Shape(7, 1, 1, 10, 10, 16)), ("h", Shape(1, 7, 7, 10, 10, 16)),
+    ("q", Shape(1, 1, 1, 10, 10, 16)), ("kv", Shape(1, 1, 1, 10, 10, 16))])
+def test_index_ranges_are_float64(name, shape):
+    case = Case(flexspec.parse(f"root_{name}", library=ROOTS), shape, {}, (5, 5))
+    check_classes_sound(case)
+    check_refine_exact(case)
+
+
+# Thresholds at tile edges on one axis, and `>= 16` on the other, which leaves the first
+# column (row) of 32 x 32 super-tiles PARTIAL: the coarse-to-fine pass bounds the tiles inside it.
+TILE_EDGES = load_text("".join(
+    f"mask {x}_{name} = {x} {relation} & {y} >= 16\n"
+    for x, y in (("q", "kv"), ("kv", "q"))
+    for name, relation in (("from_16", ">= 16"), ("from_15", ">= 15"), ("from_39", ">= 39"),
+                           ("to_39", "<= 39"))), "test_blocks_tile_edges.attn")
+
+
+@pytest.mark.parametrize("name", list(TILE_EDGES.definitions))
+@pytest.mark.parametrize("coarse", [False, True], ids=["flat", "coarse"])
+def test_interval_classes_of_thresholds_at_tile_edges(name, coarse, monkeypatch):
+    """Each tile is bounded by its own rows and columns, the last ones ending at the end of the
+    sequence (40 = 2 * 16 + 8): a threshold at a tile's edge gives each tile its exact class, a
+    ragged tile all of whose pairs inside the sequence are visible included (FULL here;
+    refine and build_block_mask turn it PARTIAL). The same for the tiles inside PARTIAL
+    super-tiles."""
+    if coarse:
+        monkeypatch.setattr(blocks, "HIERARCHY_TILES", 1)
+        monkeypatch.setattr(blocks, "COARSE_SIDE", 2)
+    case = Case(flexspec.parse(name, library=TILE_EDGES), Shape(1, 1, 1, 40, 40, 16), {},
+                (16, 16))
+    any_visible, all_inside, _ = case.truth()
+    expected = torch.where(all_inside, FULL, torch.where(any_visible, PARTIAL, EMPTY))
+    assert torch.equal(case.classes(), expected.to(torch.int8)), case.classes()
+
+
+@pytest.mark.parametrize("make", [FIXED[i].values[0] for i in (0, 2, 4)],
+                         ids=[FIXED[i].id for i in (0, 2, 4)])
+def test_tile_rows_classified_in_chunks_equal_the_whole_grid(make, monkeypatch):
+    """A grid of more than TILES_PER_CHUNK tiles (over every batch and head row) is classified a
+    few q-block rows at a time: one row, then three (16 and 19 rows leave a short last chunk),
+    with per-batch lookups and head-dependent masks."""
+    case = make((16, 32))
+    whole = case.classes()
+    nk = whole.shape[-1]
+    for rows in (1, 3):
+        monkeypatch.setattr(blocks, "TILES_PER_CHUNK", rows * case.batch * case.heads * nk)
+        assert torch.equal(case.classes(), whole), rows
