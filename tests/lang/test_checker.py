@@ -1018,3 +1018,61 @@ def test_the_depth_limit_is_the_most_levels_allowed(monkeypatch, lib):
     assert (err.message, err.column) == (
         "the expression is nested too deeply (or its definitions inline each other too deeply) "
         f"to check ({levels} levels of operators after inlining; at most {levels - 1})", 1)
+
+
+def _spec_error(text: str, *definitions) -> flexspec.SpecCheckError:
+    """check_spec of ``text`` in a scope with these definitions, not checked on their own (a
+    scope handed to the checker directly), in front of the helpers."""
+    scope = Scope(definitions, parent=load_text(HELPERS, "helpers.attn").scope)
+    with pytest.raises(flexspec.SpecCheckError) as info:
+        checker.check_spec(parse_spec(text), scope)
+    return info.value
+
+
+_READS = ("can read only the sizes B, H, Q_LEN, KV_LEN and parameters, but {} reads {}")
+
+
+def test_a_constraint_that_reads_an_index_or_the_score_is_refused():
+    # a constraint is decided when a call binds the parameters; an index or the score (here
+    # through the score pattern add1) has no value then, so the constraint could never fail
+    through_add1 = _definition("s", "score", "score * n",
+                               ParamSpec("n", "int", constraint=_expr("floor(add1) > n", 4)))
+    err = _checked_on_its_own(through_add1)
+    assert (err.message, err.line, err.column) == (
+        "the constraint of 'n' " + _READS.format("it", "'score'"), 5, 1)
+    index = _definition("m", "mask", "q - kv <= n",
+                        ParamSpec("n", "int", constraint=_expr("n <= q & kv >= 0", 2)))
+    err = _checked_on_its_own(index)
+    assert (err.message, err.line) == ("the constraint of 'n' " + _READS.format("it", "'kv', 'q'"), 3)
+    # when the definition was not checked on its own, the call refuses it just the same
+    err = _spec_error("lower + s(3)", through_add1)
+    assert err.message == "the constraint of 'n' " + _READS.format("it", "'score'")
+    err = _spec_error("lower & m(3)", index)
+    assert err.message == "the constraint of 'n' " + _READS.format("it", "'kv', 'q'")
+
+
+def test_a_constraint_may_read_the_sizes_and_the_parameters():
+    sized = _definition("m", "mask", "q - kv <= n",
+                        ParamSpec("n", "int", default=_expr("2"), constraint=_expr("n <= KV_LEN + k")),
+                        ParamSpec("k", "int", default=_expr("1")))
+    assert _checked_on_its_own(sized) is None
+    scope = Scope((sized,), parent=load_text(HELPERS, "helpers.attn").scope)
+    result = checker.check_spec(parse_spec("m(5)"), scope)
+    assert ir.to_text(result.mask) == "q - kv <= 5"
+
+
+def test_tensor_dimensions_read_the_score_through_a_pattern_at_every_use():
+    # the shape of a binding, of a learnable default and of alibi_slopes' heads, each checked
+    # in its score definition (where add1 inlines): the score has no value when shapes are fixed
+    dims = _READS.format("this one", "'score'") + "; write the shape with sizes, e.g. float[KV_LEN]"
+    message = "a tensor dimension " + dims
+    bound = _definition("s", "score", "score + t[0]", ParamSpec("t", "float", dims=(_expr("floor(add1)"),)))
+    assert _spec_error("lower + s", bound).message == message
+    learned = _definition("s", "score", "score + t[0]", ParamSpec(
+        "t", "float", dims=(_expr("floor(add1)"),), default=_expr("learnable(1)")))
+    assert _spec_error("lower + s", learned).message == message
+    text = "score add1 = score + 1.0\nscore a(t: float[H] = {}(floor(add1))) = score + t[h]\n"
+    assert [(e.message, e.line, e.column) for e in file_errors(text.format("alibi_slopes"))] == \
+        [(message, 2, 36)]
+    assert [(e.message, e.line, e.column) for e in file_errors(text.format("learnable"))] == \
+        [(message, 2, 33)]
