@@ -754,6 +754,9 @@ def test_spec_errors_whole(text, message, column):
     ("mask a(t: int[q]) = t[0] > kv\n",
      [("a tensor dimension can read only the sizes B, H, Q_LEN, KV_LEN and parameters, but "
        "this one reads 'q'; write the shape with sizes, e.g. float[KV_LEN]", 1, 15)]),
+    ("mask a(t: int[KV_LEN - kv + h]) = t[0] > kv\n",
+     [("a tensor dimension can read only the sizes B, H, Q_LEN, KV_LEN and parameters, but "
+       "this one reads 'h', 'kv'; write the shape with sizes, e.g. float[KV_LEN]", 1, 15)]),
     ("score add1 = score + 1.0\nscore a(t: float[floor(add1)]) = score + t[0]\n",
      [("a tensor dimension can read only the sizes B, H, Q_LEN, KV_LEN and parameters, but "
        "this one reads 'score'; write the shape with sizes, e.g. float[KV_LEN]", 2, 18)]),
@@ -1076,3 +1079,12 @@ def test_tensor_dimensions_read_the_score_through_a_pattern_at_every_use():
         [(message, 2, 36)]
     assert [(e.message, e.line, e.column) for e in file_errors(text.format("learnable"))] == \
         [(message, 2, 33)]
+
+
+def test_an_expression_no_kernel_can_run_is_refused_at_the_whole_spec():
+    # check_runnable's errors (here a constant zero divisor, which a definition checked on its
+    # own does not see) point at the spec that inlined it
+    library = load_text(HELPERS + "mask m = q // 0 == kv\n")
+    err = check_error("lower & m", library)
+    assert (err.message, err.line, err.column) == ("'q // 0' divides by zero", 1, 1)
+    assert str(err).splitlines()[2] == "    " + "^" * len("lower & m")
