@@ -889,6 +889,19 @@ def test_learnable_and_builtin_tensors_exactly(lib):
      [("learnable() can only be the default of a tensor parameter", 1, 17)]),
     ("mask w(n: int) = q - kv <= n\nmask a = w() & q > 0\n",
      [("'w' needs a value for 'n' (int): write w(n: int)", 2, 10)]),
+    # a default of the wrong type, named and pointed at
+    ("mask a(n: int = 1.5) = q < n\n", [("'n' of 'a' expects an int, got a float (1.5)", 1, 17)]),
+    ("mask a(n: bool = 1) = q < kv\n", [("'n' of 'a' expects a bool, got an int (1)", 1, 18)]),
+    ("score a(c: float = true) = score * 2\n",
+     [("'c' of 'a' expects a float, got a bool (true)", 1, 20)]),
+    # a cycle closed inside a definition body points at the use that closes it
+    ("mask x = y\nmask y = x\n",
+     [("definitions refer to each other in a cycle: y -> x -> y", 1, 10),
+      ("definitions refer to each other in a cycle: x -> y -> x", 2, 10)]),
+    ("score s1 = s2 + 1\nscore s2 = s1 * 2\n",
+     [("definitions refer to each other in a cycle: s2 -> s1 -> s2", 1, 12),
+      ("definitions refer to each other in a cycle: s1 -> s2 -> s1", 2, 12)]),
+    ("mask a = q > kv | a\n", [("definitions refer to each other in a cycle: a -> a", 1, 19)]),
 ])
 def test_definition_errors_whole_more(text, errors):
     test_definition_errors_whole(text, errors)
@@ -1088,3 +1101,22 @@ def test_an_expression_no_kernel_can_run_is_refused_at_the_whole_spec():
     err = check_error("lower & m", library)
     assert (err.message, err.line, err.column) == ("'q // 0' divides by zero", 1, 1)
     assert str(err).splitlines()[2] == "    " + "^" * len("lower & m")
+
+
+def test_literal_arguments_of_each_type(lib):
+    # a bool literal is the bool (where(false, ...) keeps every position), an int and a float
+    # their numbers
+    assert flexspec.parse("flag(false)", library=lib).ir.mask == ir.TRUE
+    assert ir.to_text(flexspec.parse("flag(true)", library=lib).ir.mask) == "q >= kv"
+    assert ir.to_text(flexspec.parse("local(2)", library=lib).ir.mask) == "abs(q - kv) <= 2"
+    assert ir.to_text(flexspec.parse("cap(2.5)", library=lib).ir.score) == "2.5 * tanh(score / 2.5)"
+
+
+def test_an_argument_inside_a_definition_reads_the_outer_parameters(lib):
+    # wide's k reaches local's n as k + 1, given or defaulted
+    library = load_text(HELPERS + "mask wide(k: int = 3) = local(k + 1)\n"
+                        "score scaled(f: float = 2.0) = cap(f * 10)\n")
+    assert ir.to_text(flexspec.parse("wide(5)", library=library).ir.mask) == "abs(q - kv) <= 6"
+    assert ir.to_text(flexspec.parse("wide", library=library).ir.mask) == "abs(q - kv) <= 4"
+    assert ir.to_text(flexspec.parse("scaled(0.5)", library=library).ir.score) == \
+        "5.0 * tanh(score / 5.0)"
