@@ -205,7 +205,7 @@ class Checker(ExpressionChecker):
         # constraints see every parameter, as they do when a call is checked
         for param in definition.params:
             if param.constraint is not None:
-                constraint = self.expr(param.constraint, env, definition)
+                constraint = self._constraint(param, env, definition)
                 if constraint.type != "bool":
                     raise SpecCheckError(f"the constraint of '{param.name}' must be a boolean "
                                          "expression", param.constraint.span)
@@ -225,7 +225,7 @@ class Checker(ExpressionChecker):
             if param.constraint is None or param.name not in env or param.default is None \
                     or isinstance(env[param.name], ir.Param):
                 continue
-            if simplify(self.expr(param.constraint, dict(env), definition)) == ir.FALSE:
+            if simplify(self._constraint(param, dict(env), definition)) == ir.FALSE:
                 raise SpecCheckError(
                     f"the default of '{param.name}' ({format_node(param.default)}) breaks its "
                     f"constraint {format_node(param.constraint)}; change one of them",
@@ -333,11 +333,24 @@ class Checker(ExpressionChecker):
 
     def _check_constraint(self, definition: Definition, param: ParamSpec, bound: dict,
                           node: ast.Node) -> None:
-        constraint = simplify(self.expr(param.constraint, dict(bound), definition))
+        constraint = simplify(self._constraint(param, dict(bound), definition))
         if constraint == ir.FALSE:
             value = simplify(bound[param.name])
             raise SpecCheckError(f"'{definition.name}' requires {format_node(param.constraint)}, "
                                  f"but {param.name} = {value}", node.span)
+
+    def _constraint(self, param: ParamSpec, env: dict, definition: Definition) -> ir.Expr:
+        """A parameter's constraint, a condition on the parameters decided when a call binds
+        them: an index (q, kv, b, h) or the score, read directly or through a pattern, has no
+        value then, so such a constraint could never fail and is refused."""
+        constraint = self.expr(param.constraint, env, definition)
+        read = sorted(ir.free_vars(constraint) - set(ir.SIZE_VARS))
+        if read:
+            raise SpecCheckError(
+                f"the constraint of '{param.name}' can read only the sizes "
+                f"{', '.join(ir.SIZE_VARS)} and parameters, but it reads "
+                f"{', '.join(repr(n) for n in read)}", param.constraint.span)
+        return constraint
 
     def _default(self, definition: Definition, param: ParamSpec, bound: dict) -> ir.Expr:
         node = param.default

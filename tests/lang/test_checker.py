@@ -754,6 +754,9 @@ def test_spec_errors_whole(text, message, column):
     ("mask a(t: int[q]) = t[0] > kv\n",
      [("a tensor dimension can read only the sizes B, H, Q_LEN, KV_LEN and parameters, but "
        "this one reads 'q'; write the shape with sizes, e.g. float[KV_LEN]", 1, 15)]),
+    ("mask a(t: int[KV_LEN - kv + h]) = t[0] > kv\n",
+     [("a tensor dimension can read only the sizes B, H, Q_LEN, KV_LEN and parameters, but "
+       "this one reads 'h', 'kv'; write the shape with sizes, e.g. float[KV_LEN]", 1, 15)]),
     ("score add1 = score + 1.0\nscore a(t: float[floor(add1)]) = score + t[0]\n",
      [("a tensor dimension can read only the sizes B, H, Q_LEN, KV_LEN and parameters, but "
        "this one reads 'score'; write the shape with sizes, e.g. float[KV_LEN]", 2, 18)]),
@@ -886,6 +889,19 @@ def test_learnable_and_builtin_tensors_exactly(lib):
      [("learnable() can only be the default of a tensor parameter", 1, 17)]),
     ("mask w(n: int) = q - kv <= n\nmask a = w() & q > 0\n",
      [("'w' needs a value for 'n' (int): write w(n: int)", 2, 10)]),
+    # a default of the wrong type, named and pointed at
+    ("mask a(n: int = 1.5) = q < n\n", [("'n' of 'a' expects an int, got a float (1.5)", 1, 17)]),
+    ("mask a(n: bool = 1) = q < kv\n", [("'n' of 'a' expects a bool, got an int (1)", 1, 18)]),
+    ("score a(c: float = true) = score * 2\n",
+     [("'c' of 'a' expects a float, got a bool (true)", 1, 20)]),
+    # a cycle closed inside a definition body points at the use that closes it
+    ("mask x = y\nmask y = x\n",
+     [("definitions refer to each other in a cycle: y -> x -> y", 1, 10),
+      ("definitions refer to each other in a cycle: x -> y -> x", 2, 10)]),
+    ("score s1 = s2 + 1\nscore s2 = s1 * 2\n",
+     [("definitions refer to each other in a cycle: s2 -> s1 -> s2", 1, 12),
+      ("definitions refer to each other in a cycle: s1 -> s2 -> s1", 2, 12)]),
+    ("mask a = q > kv | a\n", [("definitions refer to each other in a cycle: a -> a", 1, 19)]),
 ])
 def test_definition_errors_whole_more(text, errors):
     test_definition_errors_whole(text, errors)
@@ -1018,3 +1034,89 @@ def test_the_depth_limit_is_the_most_levels_allowed(monkeypatch, lib):
     assert (err.message, err.column) == (
         "the expression is nested too deeply (or its definitions inline each other too deeply) "
         f"to check ({levels} levels of operators after inlining; at most {levels - 1})", 1)
+
+
+def _spec_error(text: str, *definitions) -> flexspec.SpecCheckError:
+    """check_spec of ``text`` in a scope with these definitions, not checked on their own (a
+    scope handed to the checker directly), in front of the helpers."""
+    scope = Scope(definitions, parent=load_text(HELPERS, "helpers.attn").scope)
+    with pytest.raises(flexspec.SpecCheckError) as info:
+        checker.check_spec(parse_spec(text), scope)
+    return info.value
+
+
+_READS = ("can read only the sizes B, H, Q_LEN, KV_LEN and parameters, but {} reads {}")
+
+
+def test_a_constraint_that_reads_an_index_or_the_score_is_refused():
+    # a constraint is decided when a call binds the parameters; an index or the score (here
+    # through the score pattern add1) has no value then, so the constraint could never fail
+    through_add1 = _definition("s", "score", "score * n",
+                               ParamSpec("n", "int", constraint=_expr("floor(add1) > n", 4)))
+    err = _checked_on_its_own(through_add1)
+    assert (err.message, err.line, err.column) == (
+        "the constraint of 'n' " + _READS.format("it", "'score'"), 5, 1)
+    index = _definition("m", "mask", "q - kv <= n",
+                        ParamSpec("n", "int", constraint=_expr("n <= q & kv >= 0", 2)))
+    err = _checked_on_its_own(index)
+    assert (err.message, err.line) == ("the constraint of 'n' " + _READS.format("it", "'kv', 'q'"), 3)
+    # when the definition was not checked on its own, the call refuses it just the same
+    err = _spec_error("lower + s(3)", through_add1)
+    assert err.message == "the constraint of 'n' " + _READS.format("it", "'score'")
+    err = _spec_error("lower & m(3)", index)
+    assert err.message == "the constraint of 'n' " + _READS.format("it", "'kv', 'q'")
+
+
+def test_a_constraint_may_read_the_sizes_and_the_parameters():
+    sized = _definition("m", "mask", "q - kv <= n",
+                        ParamSpec("n", "int", default=_expr("2"), constraint=_expr("n <= KV_LEN + k")),
+                        ParamSpec("k", "int", default=_expr("1")))
+    assert _checked_on_its_own(sized) is None
+    scope = Scope((sized,), parent=load_text(HELPERS, "helpers.attn").scope)
+    result = checker.check_spec(parse_spec("m(5)"), scope)
+    assert ir.to_text(result.mask) == "q - kv <= 5"
+
+
+def test_tensor_dimensions_read_the_score_through_a_pattern_at_every_use():
+    # the shape of a binding, of a learnable default and of alibi_slopes' heads, each checked
+    # in its score definition (where add1 inlines): the score has no value when shapes are fixed
+    dims = _READS.format("this one", "'score'") + "; write the shape with sizes, e.g. float[KV_LEN]"
+    message = "a tensor dimension " + dims
+    bound = _definition("s", "score", "score + t[0]", ParamSpec("t", "float", dims=(_expr("floor(add1)"),)))
+    assert _spec_error("lower + s", bound).message == message
+    learned = _definition("s", "score", "score + t[0]", ParamSpec(
+        "t", "float", dims=(_expr("floor(add1)"),), default=_expr("learnable(1)")))
+    assert _spec_error("lower + s", learned).message == message
+    text = "score add1 = score + 1.0\nscore a(t: float[H] = {}(floor(add1))) = score + t[h]\n"
+    assert [(e.message, e.line, e.column) for e in file_errors(text.format("alibi_slopes"))] == \
+        [(message, 2, 36)]
+    assert [(e.message, e.line, e.column) for e in file_errors(text.format("learnable"))] == \
+        [(message, 2, 33)]
+
+
+def test_an_expression_no_kernel_can_run_is_refused_at_the_whole_spec():
+    # check_runnable's errors (here a constant zero divisor, which a definition checked on its
+    # own does not see) point at the spec that inlined it
+    library = load_text(HELPERS + "mask m = q // 0 == kv\n")
+    err = check_error("lower & m", library)
+    assert (err.message, err.line, err.column) == ("'q // 0' divides by zero", 1, 1)
+    assert str(err).splitlines()[2] == "    " + "^" * len("lower & m")
+
+
+def test_literal_arguments_of_each_type(lib):
+    # a bool literal is the bool (where(false, ...) keeps every position), an int and a float
+    # their numbers
+    assert flexspec.parse("flag(false)", library=lib).ir.mask == ir.TRUE
+    assert ir.to_text(flexspec.parse("flag(true)", library=lib).ir.mask) == "q >= kv"
+    assert ir.to_text(flexspec.parse("local(2)", library=lib).ir.mask) == "abs(q - kv) <= 2"
+    assert ir.to_text(flexspec.parse("cap(2.5)", library=lib).ir.score) == "2.5 * tanh(score / 2.5)"
+
+
+def test_an_argument_inside_a_definition_reads_the_outer_parameters(lib):
+    # wide's k reaches local's n as k + 1, given or defaulted
+    library = load_text(HELPERS + "mask wide(k: int = 3) = local(k + 1)\n"
+                        "score scaled(f: float = 2.0) = cap(f * 10)\n")
+    assert ir.to_text(flexspec.parse("wide(5)", library=library).ir.mask) == "abs(q - kv) <= 6"
+    assert ir.to_text(flexspec.parse("wide", library=library).ir.mask) == "abs(q - kv) <= 4"
+    assert ir.to_text(flexspec.parse("scaled(0.5)", library=library).ir.score) == \
+        "5.0 * tanh(score / 5.0)"
