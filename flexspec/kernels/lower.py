@@ -116,9 +116,10 @@ class _Emitter:
         if self.cute and node.op == "/" and tensor and ir.type_of(node.left) == "int" \
                 and ir.type_of(node.right) == "int":
             # torch divides ints as floats. CuTeDSL 4.8.1 divides two int32 vectors in float32
-            # too, but labels the result Int32 (TensorSSA._apply_op keeps the operands' type),
-            # so later conversions misread it; t5_bias's buckets were wrong on FLASH (torch
-            # 2.11). A float tensor operand makes the division a float one throughout.
+            # too, but labels the result Int32 (TensorSSA._apply_op keeps the operands' type,
+            # read in its source), so later conversions could misread it. A float tensor
+            # operand makes the division a float one throughout (verified on FLASH with a
+            # scalar dividend; t5_bias's error turned out to be the where of constants).
             if left.tensor:
                 left = _Code(f"{left.at(_ATOM)}.to(torch.float32)", _ATOM, True)
             else:
