@@ -74,10 +74,10 @@ def median_ms(fn, device, steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def graph_ms(step, steps: int) -> float:
+def graph_ms(step, steps: int, feed=None) -> float:
     """Per-step time of ``step(i)`` (after a warm-up) captured once in a CUDA graph and replayed
-    ``steps`` times back to back, each replay after ``step``'s inputs for the next index were
-    copied in (``step.feed(i)``): mean over the replays, one synchronisation at the end."""
+    ``steps`` times back to back, each replay after the inputs of step ``i`` were copied in by
+    ``feed(i)``: mean over the replays, one synchronisation at the end."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -90,7 +90,8 @@ def graph_ms(step, steps: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for i in range(steps):
-        step.feed(i)
+        if feed is not None:
+            feed(i)
         graph.replay()
     end.record()
     torch.cuda.synchronize()
@@ -176,10 +177,9 @@ def measure(batch, heads, length, dim, device, dtype, steps, warmup, layout,
 
         def flexspec_step(i):
             return run(attn(q, k, v, doc_ids=static_ids))
-        kernel_step.feed = lambda i: None
-        flexspec_step.feed = lambda i: static_ids.copy_(pool[i % POOL])
         row["kernel alone graph"] = graph_ms(kernel_step, steps)
-        row["step flexspec graph"] = graph_ms(flexspec_step, steps)
+        row["step flexspec graph"] = graph_ms(
+            flexspec_step, steps, feed=lambda i: static_ids.copy_(pool[i % POOL]))
         row["graph flexspec / kernel"] = row["step flexspec graph"] / row["kernel alone graph"]
     with torch.no_grad():
         ours = attn(q, k, v, doc_ids=pool[1])

@@ -36,9 +36,10 @@ def _shard(config, items) -> None:
         raise pytest.UsageError(f"--shard wants I/N such as 1/3, got {text!r}") from None
     if not 1 <= index <= count:
         raise pytest.UsageError(f"--shard {text}: I must be between 1 and N")
-    kept = items[index - 1::count]
-    config.hook.pytest_deselected(items=[item for n, item in enumerate(items)
-                                         if n % count != index - 1])
+    kept, dropped = [], []
+    for n, item in enumerate(items):
+        (kept if n % count == index - 1 else dropped).append(item)
+    config.hook.pytest_deselected(items=dropped)
     items[:] = kept
 
 
