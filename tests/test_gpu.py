@@ -393,6 +393,28 @@ def test_fa4_matches_reference_forward_and_backward(text, dim):
                                              _bindings(attn, 2, 8, length, length, device))
 
 
+@pytest.mark.parametrize("text", ["causal", "sliding_window(100)", "causal & doc"])
+def test_fa4_returns_the_log_sum_exp_of_the_reference(text):
+    """``return_lse`` on FA4's own kernels, dense and variable-length (documents), with GQA:
+    the lse in the reference's (B, H, S) layout; a backward through the output still runs."""
+    _needs("fa4")
+    attn = flexspec.compile(text, backend="fa4")
+    length, device = 1000, "cuda"
+    q = torch.randn(2, length, 8, 64, device=device, dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(2, length, 2, 64, device=device, dtype=torch.bfloat16).transpose(1, 2)
+            for _ in range(2))
+    values = _bindings(attn, 2, 8, length, length, device)
+    ref_out, ref_lse = attn.reference(q, k, v, return_lse=True, **values)
+    with torch.no_grad():
+        out, lse = attn(q, k, v, return_lse=True, **values)
+    assert _relative_error(out, ref_out) < TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(lse.double(), ref_lse.double(), rtol=2e-2, atol=2e-2)
+    q.requires_grad_()
+    out, lse = attn(q, k, v, return_lse=True, **values)
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
 def test_fa4_runs_ids_that_are_not_contiguous_runs_elsewhere(monkeypatch):
     """Document 0 comes back after document 1: valid flexspec documents that FA4's variable
     lengths cannot express; the call runs on the backend auto would take without FA4."""

@@ -216,7 +216,8 @@ def test_documents_beyond_int32_positions_run_elsewhere():
 
 
 def _emulated_attention(q, k, v, softmax_scale, causal, window_size, softcap):
-    """One sequence as FA4 defines it: q (S, H, D), k and v (S, Hkv, D); float64, dense."""
+    """One sequence as FA4 defines it: q (S, H, D), k and v (S, Hkv, D); float64, dense.
+    Returns the output (S, H, D) and the log-sum-exp of the scores (H, S), float32 as FA4's."""
     heads, kv_heads = q.shape[1], k.shape[1]
     k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
     logits = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * softmax_scale
@@ -230,8 +231,10 @@ def _emulated_attention(q, k, v, softmax_scale, causal, window_size, softcap):
         visible &= cols >= rows - left
     if right is not None:
         visible &= cols <= rows + right
-    weights = torch.softmax(logits.masked_fill(~visible, -math.inf), -1).nan_to_num(0.0)
-    return torch.einsum("hqk,khd->qhd", weights, v.double()).to(q.dtype)
+    logits = logits.masked_fill(~visible, -math.inf)
+    weights = torch.softmax(logits, -1).nan_to_num(0.0)
+    return (torch.einsum("hqk,khd->qhd", weights, v.double()).to(q.dtype),
+            torch.logsumexp(logits, -1).float())
 
 
 @pytest.fixture
@@ -242,22 +245,26 @@ def fa4_interface(monkeypatch):
     import types
     calls = []
 
-    def flash_attn_func(q, k, v, *, softmax_scale, causal, window_size, softcap):
+    def flash_attn_func(q, k, v, *, softmax_scale, causal, window_size, softcap,
+                        return_lse=False):
         calls.append(("dense", q.shape))
-        out = torch.stack([_emulated_attention(q[b], k[b], v[b], softmax_scale, causal,
-                                               window_size, softcap) for b in range(q.shape[0])])
-        return out, None
+        rows = [_emulated_attention(q[b], k[b], v[b], softmax_scale, causal, window_size,
+                                    softcap) for b in range(q.shape[0])]
+        # FA4 returns the lse whenever it computed one: with return_lse or gradients
+        return (torch.stack([out for out, _ in rows]),
+                torch.stack([lse for _, lse in rows]) if return_lse else None)
 
     def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                               max_seqlen_k, softmax_scale, causal, window_size, softcap):
+                               max_seqlen_k, softmax_scale, causal, window_size, softcap,
+                               return_lse=False):
         calls.append(("varlen", cu_seqlens_q.tolist(), max_seqlen_q))
         assert torch.equal(cu_seqlens_q, cu_seqlens_k) and max_seqlen_q == max_seqlen_k
         bounds = cu_seqlens_q.tolist()
         assert max_seqlen_q == max(b - a for a, b in zip(bounds, bounds[1:]))
-        out = torch.cat([_emulated_attention(q[a:b], k[a:b], v[a:b], softmax_scale, causal,
-                                             window_size, softcap)
-                         for a, b in zip(bounds, bounds[1:])])
-        return out, None
+        rows = [_emulated_attention(q[a:b], k[a:b], v[a:b], softmax_scale, causal, window_size,
+                                    softcap) for a, b in zip(bounds, bounds[1:])]
+        return (torch.cat([out for out, _ in rows]),
+                torch.cat([lse for _, lse in rows], 1) if return_lse else None)
 
     cute = types.ModuleType("flash_attn.cute")
     cute.flash_attn_func, cute.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
@@ -293,6 +300,28 @@ def test_the_call_path_lays_out_inputs_and_documents_as_fa4_reads_them(text, fa4
         assert fa4_interface == [("varlen", [0, 40, 80, 120, 150, 220, 290, 300], 70)]
     else:
         assert fa4_interface == [("dense", (2, 150, 4, 16))]
+
+
+@pytest.mark.parametrize("text", ["causal & doc", "sliding_window(5) + scale(0.5)"])
+def test_the_log_sum_exp_comes_back_in_the_layout_of_the_reference(text, fa4_interface):
+    """FA4's lse is (B, H, S) for the dense call and (H, B * S) for the variable-length one:
+    both come back as (B, H, S), equal to the reference's."""
+    import dataclasses
+    from flexspec.runtime.backends import REGISTRY
+    attn = flexspec.compile(text)
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 130, 3, 8, generator=generator).transpose(1, 2) for _ in range(3))
+    ids = torch.stack([torch.arange(130) // 50, torch.arange(130) // 20])
+    bindings = {"doc_ids": ids} if "doc" in text else {}
+    plan = attn._plan(q, k, v, None, bindings, None, return_lse=True)
+    plan = dataclasses.replace(plan, backend=REGISTRY["fa4"],
+                               prepared=NativeCall(native_form(plan.spec)))
+    out, lse = REGISTRY["fa4"].run(plan, q, k, v, None, bindings, plan.values(bindings))
+    expected, expected_lse = attn.reference(q.double(), k.double(), v.double(), return_lse=True,
+                                            **bindings)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+    assert lse.shape == (2, 3, 130)
+    torch.testing.assert_close(lse.double(), expected_lse, rtol=1e-5, atol=1e-5)
 
 
 def _handed_to_the_fallback(ids):

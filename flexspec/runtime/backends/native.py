@@ -255,8 +255,6 @@ class NativeBackend(Backend):
             return ("FA4 aligns causal masks and windows at the bottom right, flexspec at the "
                     f"top left: they agree only when Q_LEN == KV_LEN, got {request.q_len} and "
                     f"{request.kv_len}")
-        if request.lse:
-            return "return_lse=True is not wired to FA4's own kernels yet"
         return None
 
     def rank(self, request: Request) -> Rank | None:
@@ -309,15 +307,22 @@ class NativeBackend(Backend):
                    "window_size": form.window, "softcap": form.softcap or 0.0}
         # FA4 takes (batch, sequence, heads, dim): a transposed view, free when q, k and v are
         # themselves views of such tensors (the usual layout after the projections)
+        if plan.request.lse:
+            options["return_lse"] = True
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if segments is None:
-            out, _ = flash_attn_func(q, k, v, **options)
-            return out.transpose(1, 2)
-        cumulative, longest = segments
-        flat = [t.reshape(batch * length, *t.shape[2:]) for t in (q, k, v)]
-        out, _ = flash_attn_varlen_func(*flat, cu_seqlens_q=cumulative, cu_seqlens_k=cumulative,
-                                        max_seqlen_q=longest, max_seqlen_k=longest, **options)
-        return out.reshape(batch, length, *out.shape[1:]).transpose(1, 2)
+            out, lse = flash_attn_func(q, k, v, **options)
+            out = out.transpose(1, 2)  # lse is (batch, heads, sequence) already
+        else:
+            cumulative, longest = segments
+            flat = [t.reshape(batch * length, *t.shape[2:]) for t in (q, k, v)]
+            out, lse = flash_attn_varlen_func(*flat, cu_seqlens_q=cumulative,
+                                              cu_seqlens_k=cumulative, max_seqlen_q=longest,
+                                              max_seqlen_k=longest, **options)
+            out = out.reshape(batch, length, *out.shape[1:]).transpose(1, 2)
+            # the variable-length lse is (heads, rows laid end to end)
+            lse = None if lse is None else lse.unflatten(1, (batch, length)).transpose(0, 1)
+        return (out, lse) if plan.request.lse else out
 
 
 def _fallback_plan(plan, values, masks):
