@@ -55,6 +55,11 @@ def fused_block_mask(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, de
     program = _program(mask, tuple(block), batch, heads, str(device), compiler)
     reads = {key: tensors[key] for key in _reads(mask)}
     lengths = {name: int(sizes[name]) for name in ir.SIZE_VARS}
+    # B and H where the mask does not name them are the program's own extents: a call with 16
+    # heads and Attention.block_mask with 1 would otherwise be two signatures, the second a
+    # recompile (which inside a CUDA graph capture fails)
+    lengths.update((name, extent) for name, extent in (("B", batch), ("H", heads))
+                   if name not in _sizes_named(mask))
     return from_tables(program(reads, lengths), sizes, block, mask_mod)
 
 
@@ -66,6 +71,11 @@ class Untraceable(Exception):
 @functools.lru_cache(maxsize=None)
 def _reads(mask: ir.Expr) -> tuple:
     return tuple(sorted({ir.tensor_key(n) for n in ir.walk(mask) if isinstance(n, ir.Tensor)}))
+
+
+@functools.lru_cache(maxsize=None)
+def _sizes_named(mask: ir.Expr) -> frozenset:
+    return ir.free_vars(mask) & set(ir.SIZE_VARS)
 
 
 @functools.lru_cache(maxsize=256)
@@ -93,7 +103,10 @@ def _program(mask: ir.Expr, block: tuple, batch: int, heads: int, device: str, c
 
     def run(tensors: dict, sizes: dict) -> tuple:
         try:
-            return compiled(tensors, sizes)
+            # a mask has no gradient; and dynamo guards on the grad mode, so a program called
+            # with and without it would compile twice
+            with torch.no_grad():
+                return compiled(tensors, sizes)
         except Exception as error:  # noqa: BLE001 - narrowed below
             if not _compile_error(error):
                 raise

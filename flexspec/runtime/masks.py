@@ -132,7 +132,11 @@ class BlockMasks:
                 block_mask = fused_blocks.fused_block_mask(
                     spec.mask, sizes, self.block_size, values, device, batch=key.batch,
                     heads=key.heads, mask_mod=mask_mod)
-            except fused_blocks.Untraceable:
+            except fused_blocks.Untraceable as error:
+                if captured:
+                    # compiling inside a capture can fail where it works outside (inductor
+                    # runs kernels while it compiles): not a reason to give up the program
+                    raise BindingError(self._compiled_in_capture(error)) from error
                 # the eager builder runs every mask; this one will not be traced again
                 self._untraceable.add(key.token)
                 return self.get(spec, sizes, values, device, key)
@@ -164,6 +168,15 @@ class BlockMasks:
         return ("flexspec cannot build this block mask inside a CUDA graph capture: " + why +
                 ", and the eager builder reads counts on the host. Run this step outside the "
                 "graph, or capture a smaller one")
+
+    @staticmethod
+    def _compiled_in_capture(error: Exception) -> str:
+        return ("flexspec could not compile this block mask's program inside a CUDA graph "
+                f"capture ({error}): its first build for these batch and head extents came "
+                "during the capture. Run the step once outside the graph before capturing it "
+                "(a warm-up on a side stream, as torch.cuda.graphs asks), or build the mask "
+                "once with Attention.block_mask(Q_LEN, KV_LEN, batch=..., device=..., "
+                "<bindings>)")
 
     def _check_size(self, key: MaskKey, sizes: dict) -> None:
         nq, nk = tile_grid(sizes, self.block_size)

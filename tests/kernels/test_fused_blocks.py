@@ -93,3 +93,31 @@ def test_grids_beyond_the_limit_are_left_to_the_eager_builder():
     assert fused_blocks.fits({"Q_LEN": 131072, "KV_LEN": 131072}, (128, 128), batch=8, heads=1)
     assert not fused_blocks.fits({"Q_LEN": 131072, "KV_LEN": 131072}, (128, 128), batch=32,
                                  heads=1)
+
+
+@pytest.mark.parametrize("text", ["causal & doc", "causal & few_heads"])
+def test_a_call_and_attention_block_mask_share_one_program(text):
+    """A training step (16 heads, gradients on) and ``Attention.block_mask`` (1 head, often
+    without gradients) ask for the same mask: one trace, where the mask names neither the head
+    count nor anything the grad mode changes. A second trace inside a CUDA graph capture would
+    fail. A mask that names H gets the call's H (its tables differ)."""
+    torch._dynamo.reset()
+    library = flexspec.loads("mask few_heads = q < H * 100")
+    spec = flexspec.compile(text, library=library)
+    ids = (torch.arange(300) // 97).expand(2, -1)
+    before = counters["stats"]["unique_graphs"]
+    built = []
+    for heads, grads in ((16, True), (1, False), (16, False)):
+        with torch.set_grad_enabled(grads):
+            sizes = {"B": 2, "H": heads, "Q_LEN": 300, "KV_LEN": 300}
+            built.append(fused_blocks.fused_block_mask(spec.ir.mask, sizes, (64, 64),
+                                                       {"doc_ids": ids}, CPU, batch=2, heads=1,
+                                                       compiler="eager"))
+    graphs = counters["stats"]["unique_graphs"] - before
+    if "heads" in text:
+        # q < 1600 sees every query; q < 100 hides queries from 100 on
+        assert built[0].kv_num_blocks.sum() + built[0].full_kv_num_blocks.sum() > \
+            built[1].kv_num_blocks.sum() + built[1].full_kv_num_blocks.sum()
+    else:
+        assert_same_block_mask(built[0], built[1], text)
+        assert graphs == 1

@@ -534,3 +534,25 @@ def test_a_mask_its_program_cannot_trace_cannot_be_built_inside_a_capture(monkey
                        r"program, and the eager builder reads counts on the host. Run this "
                        r"step outside the graph, or capture a smaller one$"):
         attn.block_mask(300, 300, doc_ids=ids.clone())
+
+
+def test_a_program_that_fails_to_compile_inside_a_capture_is_tried_again_outside(monkeypatch):
+    """Compiling inside a CUDA graph capture can fail where it works outside: the capture gets
+    an error that says to build once before capturing, and the program is not given up."""
+    fused = FusedProgram(monkeypatch, fail=True)
+    attn = flexspec.compile("causal & doc")
+    ids = torch.arange(300) // 100
+    monkeypatch.setattr(masks, "capturing", lambda device: True)
+    with pytest.raises(BindingError, match=r"^flexspec could not compile this block mask's "
+                       r"program inside a CUDA graph capture \(cannot trace\): its first build "
+                       r"for these batch and head extents came during the capture. Run the step "
+                       r"once outside the graph before capturing it \(a warm-up on a side "
+                       r"stream, as torch.cuda.graphs asks\), or build the mask once with "
+                       r"Attention.block_mask\(Q_LEN, KV_LEN, batch=..., device=..., "
+                       r"<bindings>\)$"):
+        attn.block_mask(300, 300, doc_ids=ids)
+    monkeypatch.setattr(masks, "capturing", lambda device: False)
+    fused.fail = False
+    assert_is_the_reference(attn.block_mask(300, 300, doc_ids=ids), attn, 300, 300,
+                            doc_ids=ids, exact=False)
+    assert len(fused.calls) == 2

@@ -361,3 +361,31 @@ def test_inside_a_cuda_graph_capture_documents_are_handed_to_the_fallback_plan(f
     monkeypatch.setattr(native, "capturing", lambda device: True)
     out, fallback, handed, _ = _handed_to_the_fallback(torch.arange(150) // 30)
     assert out == "fallback's output" and handed == [fallback] and fa4_interface == []
+
+
+def test_the_first_documents_call_on_fa4_builds_the_fallbacks_block_mask_once(fa4_interface):
+    """A capture after a warm-up hands the documents to the fallback: its block mask is built
+    once by the warm-up (FA4's own kernel needs none), so that its program does not compile
+    for the first time inside the capture."""
+    import dataclasses
+    from types import SimpleNamespace
+    from flexspec.runtime.backends import REGISTRY
+    attn = flexspec.compile("causal & doc")
+    q = k = v = torch.randn(1, 2, 150, 16)
+    ids = torch.arange(150) // 30
+    built = []
+    masks = SimpleNamespace(get=lambda *args: built.append(args))
+    fallback = SimpleNamespace(spec="fallback spec", sizes={"Q_LEN": 150}, mask="fallback key")
+    plan = attn._plan(q, k, v, None, {"doc_ids": ids}, None)
+    plan = dataclasses.replace(plan, backend=REGISTRY["fa4"], prepared=NativeCall(
+        native_form(plan.spec), fallback, masks=masks))
+    values = plan.values({"doc_ids": ids})
+    for _ in range(3):
+        REGISTRY["fa4"].run(plan, q, k, v, None, {"doc_ids": ids}, values)
+    assert [call[0] for call in fa4_interface] == ["varlen"] * 3
+    assert built == [("fallback spec", {"Q_LEN": 150}, values, q.device, "fallback key")]
+    # no fallback (nothing else runs the call): nothing to build
+    plan.prepared = NativeCall(native_form(plan.spec), flexspec.BackendError("none"),
+                               masks=masks)
+    REGISTRY["fa4"].run(plan, q, k, v, None, {"doc_ids": ids}, values)
+    assert len(built) == 1

@@ -233,6 +233,8 @@ class NativeCall:
 
     form: NativeForm
     fallback: object = None  # a Plan, or the BackendError that says why there is none
+    masks: object = None     # the plan's BlockMasks, which build the fallback's block masks
+    fallback_warm: bool = False  # the fallback's block mask was built once outside a capture
 
 
 class NativeBackend(Backend):
@@ -277,7 +279,7 @@ class NativeBackend(Backend):
 
     def prepare(self, plan, values, masks):
         form = native_form(plan.spec)
-        call = NativeCall(form)
+        call = NativeCall(form, masks=masks)
         if form.documents is not None:
             call.fallback = _fallback_plan(plan, values, masks)
             plan.needs_values = True
@@ -300,6 +302,9 @@ class NativeBackend(Backend):
                 if isinstance(call.fallback, BackendError):
                     raise call.fallback
                 return call.fallback.backend.run(call.fallback, q, k, v, scale, bindings, values)
+            if not call.fallback_warm:
+                call.fallback_warm = True
+                _warm_fallback_mask(call, values, q.device)
         if plan.detach:
             q, k, v = q.detach(), k.detach(), v.detach()
         base = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -323,6 +328,15 @@ class NativeBackend(Backend):
             # the variable-length lse is (heads, rows laid end to end)
             lse = None if lse is None else lse.unflatten(1, (batch, length)).transpose(0, 1)
         return (out, lse) if plan.request.lse else out
+
+
+def _warm_fallback_mask(call: NativeCall, values: dict, device) -> None:
+    """Builds the fallback's block mask once, outside any capture. A CUDA graph captured after a
+    warm-up runs the documents on the fallback (see ``run``), whose block-mask program would
+    otherwise compile for the first time inside the capture, which can fail."""
+    fallback = call.fallback
+    if call.masks is not None and not isinstance(fallback, BackendError):
+        call.masks.get(fallback.spec, fallback.sizes, values, device, fallback.mask)
 
 
 def _fallback_plan(plan, values, masks):
