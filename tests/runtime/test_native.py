@@ -389,3 +389,22 @@ def test_the_first_documents_call_on_fa4_builds_the_fallbacks_block_mask_once(fa
                                masks=masks)
     REGISTRY["fa4"].run(plan, q, k, v, None, {"doc_ids": ids}, values)
     assert len(built) == 1
+
+
+def test_a_fallback_mask_too_large_to_build_does_not_stop_fa4s_own_call(fa4_interface):
+    import dataclasses
+    from types import SimpleNamespace
+    from flexspec.runtime.backends import REGISTRY
+    attn = flexspec.compile("causal & doc")
+    q = k = v = torch.randn(1, 2, 150, 16)
+    ids = torch.arange(150) // 30
+
+    def too_large(*args):
+        raise flexspec.BindingError("the block mask would take too much memory")
+    fallback = SimpleNamespace(spec=None, sizes=None, mask=None)
+    plan = attn._plan(q, k, v, None, {"doc_ids": ids}, None)
+    plan = dataclasses.replace(plan, backend=REGISTRY["fa4"], prepared=NativeCall(
+        native_form(plan.spec), fallback, masks=SimpleNamespace(get=too_large)))
+    out = REGISTRY["fa4"].run(plan, q, k, v, None, {"doc_ids": ids}, plan.values({"doc_ids": ids}))
+    expected = attn.reference(q.double(), k.double(), v.double(), doc_ids=ids)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)

@@ -24,6 +24,7 @@ import torch
 
 from flexspec import ir
 from flexspec.ir.forms import logit_factor
+from flexspec.errors import BindingError
 from flexspec.limits import fits_int
 from flexspec.runtime.backends.base import (REGISTRY, Backend, BackendError, Choice, Rank,
                                             Request, auto_order)
@@ -335,8 +336,14 @@ def _warm_fallback_mask(call: NativeCall, values: dict, device) -> None:
     warm-up runs the documents on the fallback (see ``run``), whose block-mask program would
     otherwise compile for the first time inside the capture, which can fail."""
     fallback = call.fallback
-    if call.masks is not None and not isinstance(fallback, BackendError):
+    if call.masks is None or isinstance(fallback, BackendError):
+        return
+    try:
         call.masks.get(fallback.spec, fallback.sizes, values, device, fallback.mask)
+    except BindingError:
+        # a mask the fallback could not build (too large): FA4's own call needs none, and a
+        # capture, which would need it, gets the same error then
+        pass
 
 
 def _fallback_plan(plan, values, masks):
