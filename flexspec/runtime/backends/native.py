@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from flexspec import ir
-from flexspec.ir.forms import logit_factor
 from flexspec.errors import BindingError
+from flexspec.ir.forms import logit_factor
 from flexspec.limits import fits_int
 from flexspec.runtime.backends.base import (REGISTRY, Backend, BackendError, Choice, Rank,
                                             Request, auto_order)
@@ -311,10 +311,10 @@ class NativeBackend(Backend):
         base = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         options = {"softmax_scale": base * form.factor, "causal": form.causal,
                    "window_size": form.window, "softcap": form.softcap or 0.0}
-        # FA4 takes (batch, sequence, heads, dim): a transposed view, free when q, k and v are
-        # themselves views of such tensors (the usual layout after the projections)
         if plan.request.lse:
             options["return_lse"] = True
+        # FA4 takes (batch, sequence, heads, dim): a transposed view, free when q, k and v are
+        # themselves views of such tensors (the usual layout after the projections)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if segments is None:
             out, lse = flash_attn_func(q, k, v, **options)
