@@ -7,7 +7,9 @@ ids (run as variable-length sequences), optionally with a constant scale and a s
 (:func:`document_segments`, O(S) on the device plus one host read of the number of documents):
 ids that are not contiguous runs, such as ``[0, 0, 1, 1, 0]``, are valid flexspec documents that
 FA4's variable-length interface cannot express, so those calls run on the backend ``auto`` would
-have chosen without this one.
+have chosen without this one. So do documents inside a CUDA graph capture, where the host read
+cannot happen; the first call outside one builds that backend's block mask once, so that a
+capture after a warm-up does not compile its program.
 
 FA4 aligns causal masks and windows at the bottom right; they equal flexspec's top-left ones when
 Q_LEN == KV_LEN, the only case this backend takes.
