@@ -32,7 +32,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention,
 import flexspec
 from flexspec import ir
 from flexspec.kernels import block_tables, blocks
-from flexspec.kernels.block_tables import EMPTY, FULL, PARTIAL, ordered, tile_classes, to_block_mask
+from flexspec.kernels.block_tables import (EMPTY, FULL, PARTIAL, ordered, sorted_rows, tile_classes,
+                                          to_block_mask)
 from flexspec.kernels.blocks import build_block_mask, classify, refine
 from flexspec.lang.library import load_text
 from flexspec.kernels.reference import dense_scores
@@ -650,6 +651,154 @@ def test_ordered_edge_rows():
                                            [False, True, False]]))
     assert count.tolist() == [0, 3, 1]
     assert indices[1].tolist() == [0, 1, 2] and indices[2, 0] == 1
+
+
+def lists(count: torch.Tensor, indices: torch.Tensor) -> list:
+    """The listed entries of every row of a (count, indices) table, as Python lists."""
+    flat_count = count.reshape(-1).tolist()
+    return [row[:n] for row, n in zip(indices.reshape(-1, indices.shape[-1]).tolist(),
+                                      flat_count)]
+
+
+def true_columns(dense: torch.Tensor) -> list:
+    """The True columns of every row of a bool tensor, in increasing order, by a Python loop."""
+    return [[c for c, value in enumerate(row) if value]
+            for row in dense.reshape(-1, dense.shape[-1]).tolist()]
+
+
+def check_tables(classes: torch.Tensor, index: tuple) -> None:
+    """index_tables' eight tables against the classes: the listed blocks of each kv-side row and
+    of each q-side column (from the transposed classes), every filler entry a valid number, and
+    the classes rebuilt from both sides."""
+    *outer, nq, nk = classes.shape
+    by_kv = classes.transpose(-2, -1)
+    for k, (value, dense) in enumerate([(PARTIAL, classes), (FULL, classes),
+                                        (PARTIAL, by_kv), (FULL, by_kv)]):
+        count, indices = index[2 * k], index[2 * k + 1]
+        rows, columns = dense.shape[-2:]
+        assert count.dtype == indices.dtype == torch.int32
+        assert count.shape == (*outer, rows) and indices.shape == (*outer, rows, columns)
+        assert count.is_contiguous() and indices.is_contiguous()
+        assert lists(count, indices) == true_columns(dense == value), k
+        assert ((indices >= 0) & (indices < columns)).all(), k
+    rebuilt = torch.zeros_like(classes)
+    rebuilt[table_dense(index[0], index[1], nk)] = PARTIAL
+    rebuilt[table_dense(index[2], index[3], nk)] = FULL
+    assert torch.equal(rebuilt, classes)
+    rebuilt = torch.zeros_like(by_kv)
+    rebuilt[table_dense(index[4], index[5], nq)] = PARTIAL
+    rebuilt[table_dense(index[6], index[7], nq)] = FULL
+    assert torch.equal(rebuilt, by_kv)
+
+
+@st.composite
+def class_grids(draw):
+    """int8 tile classes [B, H, NQ, NK]: random tiles, or FULL runs per row (monotone down the
+    rows or not, some rows emptied) with PARTIAL tiles around or scattered."""
+    batch, heads = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    nq, nk = draw(st.integers(1, 24)), draw(st.sampled_from([1, 3, 8, 13, 16, 24, 40]))
+    kind = draw(st.sampled_from(["random", "runs", "monotone", "monotone gaps"]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    shape = (batch, heads, nq, 1)
+    if kind == "random":
+        return torch.randint(0, 3, (batch, heads, nq, nk), generator=gen).to(torch.int8)
+    start = torch.randint(0, nk + 1, shape, generator=gen)
+    stop = torch.randint(0, nk + 1, shape, generator=gen)
+    start, stop = torch.minimum(start, stop), torch.maximum(start, stop)
+    if kind != "runs":
+        start, stop = start.sort(-2).values, stop.sort(-2).values
+    column = torch.arange(nk)
+    full = (column >= start) & (column < stop)
+    if kind == "monotone gaps":
+        full &= torch.rand(shape, generator=gen) < 0.7
+    partial = ((column == start - 1) | (column == stop)) & (torch.rand(shape, generator=gen) < 0.8)
+    partial |= torch.rand(batch, heads, nq, nk, generator=gen) < draw(st.sampled_from([0, 0.1]))
+    return torch.where(full, FULL, torch.where(partial, PARTIAL, EMPTY)).to(torch.int8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(class_grids(), st.sampled_from(["run", "rank", "sort", "default"]))
+def test_index_tables_list_the_classes_on_every_path(classes, path):
+    """Every path of index_tables (the run and rank paths of both sides, the transposed copy for
+    columns that are not runs, the sort of small matrices) against the classes themselves."""
+    with pytest.MonkeyPatch.context() as patch:
+        if path != "default":
+            patch.setattr(block_tables, "RUN_PATH_FRACTION", 0.0 if path == "run" else 1e9)
+            patch.setattr(block_tables, "SORT_PATH_ENTRIES", 1 << 30 if path == "sort" else 0)
+        index = block_tables.index_tables(classes)
+        check_tables(classes, index)
+        assert all(torch.equal(mine, theirs) for mine, theirs in
+                   zip(index[0::2], block_tables.index_tables(classes, order=sorted_rows)[0::2]))
+
+
+def column_tables(dense: torch.Tensor):
+    """_ordered's column side of ``dense`` on the run path (None where it needs the copy)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(block_tables, "RUN_PATH_FRACTION", 0.0)
+        return block_tables._ordered(dense, by_column=True)[1]
+
+
+def runs(spans: list, columns: int) -> torch.Tensor:
+    """A bool matrix whose row i is True on columns spans[i][0] .. spans[i][1] - 1."""
+    column = torch.arange(columns)
+    return torch.stack([(column >= a) & (column < b) for a, b in spans])
+
+
+@pytest.mark.parametrize("spans, columns", [
+    ([(0, 1), (0, 2), (0, 3), (1, 4)], 8),            # causal-like, the last row moved on
+    ([(0, 0), (0, 2), (0, 0), (3, 6), (4, 8), (0, 0)], 8),  # empty rows no column spans
+    ([(2, 5)] * 3 + [(5, 8)], 16),                      # runs that touch
+    ([(0, 0)] * 3, 8),                                  # no True entry at all
+])
+def test_columns_of_monotone_runs_are_runs(spans, columns):
+    dense = runs(spans, columns)
+    count, indices = column_tables(dense)
+    assert lists(count, indices) == true_columns(dense.t())
+    assert ((indices >= 0) & (indices < len(spans))).all()
+
+
+@pytest.mark.parametrize("spans, columns", [
+    ([(0, 4), (2, 3)], 8),                    # the last column decreases
+    ([(2, 4), (0, 5)], 8),                    # the first column decreases
+    ([(0, 3), (0, 0), (2, 6)], 8),            # column 2 on both sides of an empty row
+    ([(0, 3), (0, 0), (0, 0), (2, 6)], 8),    # two empty rows
+    ([(0, 8), (0, 0), (7, 8)], 8),            # only the last column spans the gap
+])
+def test_columns_of_other_runs_need_the_copy(spans, columns):
+    dense = runs(spans, columns)
+    assert column_tables(dense) is None
+    # and index_tables still lists them, from the transposed copy
+    classes = torch.where(dense, FULL, EMPTY).to(torch.int8)[None, None]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(block_tables, "RUN_PATH_FRACTION", 0.0)
+        patch.setattr(block_tables, "SORT_PATH_ENTRIES", 0)
+        check_tables(classes, block_tables.index_tables(classes))
+
+
+def test_rows_of_several_runs_need_the_copy():
+    dense = runs([(0, 2), (0, 3), (0, 4)], 8)
+    dense[1, 6] = True
+    assert column_tables(dense) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.sampled_from([1, 5, 8, 16, 24, 64]), st.sampled_from([0, 8, 3]),
+       st.sampled_from([0.0, 0.02, 0.3, 1.0]), st.integers(0, 2**31 - 1))
+def test_ends_and_nonzero_equal_torchs(rows, columns, offset, density, seed):
+    """_ends and _nonzero (word by word where the rows read as words: contiguous, row length and
+    storage offset multiples of 8) against an argmax per row and torch's nonzero."""
+    gen = torch.Generator().manual_seed(seed)
+    storage = torch.rand(offset + rows * columns, generator=gen) < density
+    flat = storage[offset:].view(rows, columns)
+    assert torch.equal(torch.stack(block_tables._nonzero(flat)),
+                       torch.stack(flat.nonzero(as_tuple=True)))
+    first, last = block_tables._ends(flat)
+    column = torch.arange(columns)
+    filled = flat.any(-1)
+    assert torch.equal(first[filled], torch.where(flat, column, columns).min(-1).values[filled])
+    assert torch.equal(last[filled], torch.where(flat, column, -1).max(-1).values[filled])
+    for ends in (first, last):
+        assert ((ends >= 0) & (ends < columns)).all()
 
 
 @FEW
