@@ -36,7 +36,7 @@ def _madvise():
     if advice is None:
         return None
     try:
-        function = ctypes.CDLL(None, use_errno=True).madvise
+        function = ctypes.CDLL(None).madvise
     except (OSError, AttributeError):
         return None
     function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -179,8 +179,9 @@ def _ordered(dense: torch.Tensor, by_column: bool):
 
 
 def _laid_out(n: int, first: torch.Tensor) -> torch.Tensor:
-    """``[len(first), n]`` int32, row ``i`` holding ``(first[i] + column) % n``: the rows of
-    a strided view of ``arange(2 n) % n`` (``[n + 1, n]``, no copy) at ``first``."""
+    """``[len(first), n]`` int32, row ``i`` holding ``(first[i] + column) % n`` (``first`` in
+    ``0 .. n``): the rows of a strided view of ``arange(2 n) % n`` (``[n + 1, n]``, no copy)
+    at ``first``."""
     rotations = (torch.arange(2 * n, dtype=torch.int32, device=first.device) % n).unfold(0, n, 1)
     return torch.index_select(rotations, 0, first,
                               out=_empty((first.shape[0], n), torch.int32, first.device))
@@ -237,7 +238,8 @@ def _column_runs(first, last, counts, shape):
     column = torch.arange(n_cols, device=first.device).expand(first.shape[0], n_cols)
     low = torch.searchsorted(end, column.contiguous())  # the first row ending at or after c
     high = torch.searchsorted(start, column.contiguous(), right=True)  # past the last starting
-    indices = _laid_out(n_rows, low.clamp(max=n_rows - 1).reshape(-1))
+    # a column no run reaches has low = n_rows, the spare last row of the rotations
+    indices = _laid_out(n_rows, low.reshape(-1))
     return ((high - low).clamp(min=0).to(torch.int32).reshape(*outer, n_cols),
             indices.reshape(*outer, n_cols, n_rows))
 

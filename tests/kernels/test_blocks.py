@@ -732,6 +732,67 @@ def test_index_tables_list_the_classes_on_every_path(classes, path):
                    zip(index[0::2], block_tables.index_tables(classes, order=sorted_rows)[0::2]))
 
 
+def causal_classes(rows: int, columns: int) -> torch.Tensor:
+    """[1, 1, rows, columns] int8: the diagonal PARTIAL, FULL below it."""
+    q, kv = torch.arange(rows).reshape(-1, 1), torch.arange(columns)
+    return torch.where(q > kv, FULL, torch.where(q == kv, PARTIAL, EMPTY)).to(torch.int8)[None, None]
+
+
+def test_index_tables_takes_the_paths_it_documents(monkeypatch):
+    """Above SORT_PATH_ENTRIES, ordered's tables come from the two kv-side class matrices alone
+    when their columns are runs, and the transposed copy is compared only for the others; up to
+    it, and for sorted_rows (the compiled program, which must not synchronise), the
+    transposed classes and one sort per row."""
+    compared = []
+    equal = block_tables._equal
+    monkeypatch.setattr(block_tables, "_equal",
+                        lambda classes, value: compared.append(tuple(classes.shape))
+                        or equal(classes, value))
+    classes = causal_classes(300, 400)
+    check_tables(classes, block_tables.index_tables(classes))
+    assert compared == [(1, 1, 300, 400)] * 2
+    compared.clear()
+    scattered = torch.randint(0, 3, (1, 1, 300, 400), generator=torch.Generator().manual_seed(1))
+    check_tables(scattered.to(torch.int8), block_tables.index_tables(scattered.to(torch.int8)))
+    assert (1, 1, 400, 300) in compared
+    compared.clear()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the run and rank paths were taken")
+
+    monkeypatch.setattr(block_tables, "_ordered", refuse)
+    check_tables(classes, block_tables.index_tables(classes, order=sorted_rows))
+    small = causal_classes(256, 256)  # exactly SORT_PATH_ENTRIES tiles
+    assert small.numel() == block_tables.SORT_PATH_ENTRIES
+    check_tables(small, block_tables.index_tables(small))
+    assert compared == []
+
+
+def test_ordered_lists_rows_only(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("columns were listed")
+
+    monkeypatch.setattr(block_tables, "_column_runs", refuse)
+    dense = causal_classes(300, 300)[0, 0] == FULL
+    count, indices = ordered(dense)
+    assert lists(count, indices) == true_columns(dense)
+
+
+def test_large_tables_are_written_into_advised_memory(monkeypatch):
+    """Every one of the four tables of a causal mask and both class matrices (the transposed
+    copy is not needed) are advised for huge pages, and nothing else."""
+    advised = []
+    monkeypatch.setattr(block_tables, "HUGE_PAGE_BYTES", 0)
+    monkeypatch.setattr(block_tables, "_MADVISE",
+                        lambda start, length: advised.append((start, length)) or 0)
+    classes = causal_classes(2048, 2048)
+    index = block_tables.index_tables(classes)
+    assert len(advised) == 6
+    for table in index[1::2]:
+        begin = table.data_ptr()
+        assert any(begin <= start < begin + 4 * table.numel() for start, _ in advised)
+
+
 def column_tables(dense: torch.Tensor):
     """_ordered's column side of ``dense`` on the run path (None where it needs the copy)."""
     with pytest.MonkeyPatch.context() as patch:
