@@ -632,6 +632,14 @@ def test_row_counts_equal_torchs_sum(rows, columns, density, layout, seed):
     assert torch.equal(got, dense.sum(-1).to(torch.int32))
 
 
+@pytest.mark.parametrize("shape", [(2, 8, 5), (3, 16, 24), (2, 1, 3, 16)])
+def test_row_counts_of_tensors_of_more_dimensions(shape):
+    # rows are the last dimension, whatever the others (here a second one that is a multiple
+    # of 8 while the last is not, and the reverse)
+    dense = torch.rand(shape, generator=torch.Generator().manual_seed(3)) < 0.5
+    assert torch.equal(block_tables.row_counts(dense), dense.sum(-1).to(torch.int32))
+
+
 def test_row_counts_of_a_view_at_an_unaligned_offset():
     # contiguous rows that start 9 bytes into their storage cannot be read as int64 words
     flat = torch.arange(9 + 3 * 16) % 3 == 0
