@@ -12,7 +12,11 @@
   the block-sparse kernel here (FULL tiles without ``mask_mod``, PARTIAL tiles with it, every
   other tile skipped) is what checks that the tables give the right attention;
 * ``ordered`` is a stable descending argsort; lookups with index expressions other than ``q``
-  or ``kv`` (the sparse-table path) are exact too; the runtime builds block masks this way.
+  or ``kv`` (the sparse-table path) are exact too; the runtime builds block masks this way;
+* ``index_tables``' eight tables list what the classes hold, row by row and (against the
+  transposed classes) column by column, on every path: the rank path, the run path with columns
+  that are runs and with columns that need the transposed copy, the sort of small matrices;
+  large CPU tables are advised for huge pages (checked in ``/proc/self/smaps``).
 
 Random specs come from :mod:`flexspec.testing` (the registry) and from ``LIBRARY`` below
 (head-dependent masks and lookups through index expressions), with lengths that are not multiples
