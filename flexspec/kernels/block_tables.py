@@ -1,8 +1,14 @@
 """BlockMask tables: torch's BlockMask built directly from tile classes (EMPTY, PARTIAL, FULL per
 (q-block, kv-block) tile), and the classes read back from a BlockMask. :mod:`flexspec.kernels.blocks`
-decides the classes; this module only writes and reads the format."""
+decides the classes; this module only writes and reads the format. At S = 1M the format is most
+of the cost (four [8192, 8192] int32 tables, 268 MB each): the q-side tables come from the same
+bool matrices as the kv-side ones, and large CPU tables are written into memory advised for
+transparent huge pages (:func:`_empty`)."""
 
 from __future__ import annotations
+
+import ctypes
+import mmap
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, noop_mask
@@ -16,6 +22,53 @@ RUN_PATH_FRACTION = 1 / 32
 # host synchronisation (the paths below read counts and nonzero entries on the host), which is
 # what a mask rebuilt at every decoding step needs.
 SORT_PATH_ENTRIES = 1 << 16
+# CPU tensors of at least this many bytes are backed by 2 MiB pages where Linux allows it
+# (:func:`_empty`). Above glibc's largest mmap threshold (32 MiB), so each is a mapping of its
+# own, returned to the system when freed.
+HUGE_PAGE_BYTES = 32 << 20
+_HUGE_PAGE = 2 << 20
+
+
+def _madvise():
+    """``madvise(start, length)`` with MADV_HUGEPAGE from the C library, or None where there is
+    none (not Linux)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None:
+        return None
+    try:
+        function = ctypes.CDLL(None).madvise
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return lambda start, length: function(start, length, advice)
+
+
+_MADVISE = _madvise()
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """``torch.empty``, advised to the kernel (before anything is written) as memory for
+    transparent huge pages when it is a large CPU tensor (:data:`HUGE_PAGE_BYTES`): a fresh
+    [8192, 8192] int32 table then takes 512 page faults to fill instead of 65,536 (30 ms
+    against 150 ms on the 2-core CPU, docs/performance.md). The advice changes no value; where
+    it is refused, or transparent huge pages are off, the pages are the usual ones."""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    _advise_huge_pages(tensor)
+    return tensor
+
+
+def _advise_huge_pages(tensor: torch.Tensor) -> int:
+    """Advises MADV_HUGEPAGE over the whole 2 MiB pages inside ``tensor``'s bytes; the number of
+    bytes advised (0 where none were: not a large CPU tensor, no madvise, refused)."""
+    size = tensor.numel() * tensor.element_size()
+    if _MADVISE is None or tensor.device.type != "cpu" or size < HUGE_PAGE_BYTES:
+        return 0
+    start = -(-tensor.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    end = (tensor.data_ptr() + size) // _HUGE_PAGE * _HUGE_PAGE
+    if end <= start or _MADVISE(start, end - start) != 0:
+        return 0
+    return end - start
 
 
 # row_counts adds a bool row's bytes eight at a time, as int64 words whose bytes are 0 or 1: a
@@ -24,19 +77,27 @@ SORT_PATH_ENTRIES = 1 << 16
 _WORDS_PER_SUM = 127
 
 
+def _words(dense: torch.Tensor):
+    """The rows of a bool tensor read as int64 words of eight entries (``[rows, n / 8]``, a
+    view), or None where they cannot be (not contiguous, a row length that is not a multiple of
+    8, a storage offset that is not, no entries)."""
+    n = dense.shape[-1]
+    if not (dense.dtype == torch.bool and dense.is_contiguous() and n % 8 == 0
+            and dense.storage_offset() % 8 == 0 and dense.numel()):
+        return None
+    return dense.view(torch.uint8).reshape(-1, n).view(torch.int64)
+
+
 def row_counts(dense: torch.Tensor) -> torch.Tensor:
     """The number of True entries in each row of a bool tensor: int32, ``dense.shape[:-1]``.
 
     torch's bool-to-int32 row sum is compute-bound on the CPU (about 0.2 s for an [8192, 8192]
     matrix, one per index table at S = 1M); reading the bytes as int64 words and adding the
     words' bytes at the end does the same count in a thirtieth of the time. Tensors whose rows
-    cannot be read as words (not contiguous, a row length that is not a multiple of 8) take
-    torch's sum."""
-    shape, n = dense.shape[:-1], dense.shape[-1]
-    if not (dense.dtype == torch.bool and dense.is_contiguous() and n % 8 == 0
-            and dense.storage_offset() % 8 == 0 and dense.numel()):
+    cannot be read as words (:func:`_words`) take torch's sum."""
+    words = _words(dense)
+    if words is None:
         return dense.sum(-1, dtype=torch.int32)
-    words = dense.view(torch.uint8).reshape(-1, n).view(torch.int64)
     width = words.shape[1]
     whole = width - width % _WORDS_PER_SUM
     parts = []
@@ -46,7 +107,7 @@ def row_counts(dense: torch.Tensor) -> torch.Tensor:
         parts.append(words[:, whole:].sum(-1, keepdim=True))
     # every byte of these sums is a partial count: their bytes add up to the row's count
     sums = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
-    return sums.view(torch.uint8).sum(-1, dtype=torch.int32).reshape(shape)
+    return sums.view(torch.uint8).sum(-1, dtype=torch.int32).reshape(dense.shape[:-1])
 
 
 def tile_grid(sizes: dict, block: tuple) -> tuple:
@@ -73,25 +134,114 @@ def ordered(dense: torch.Tensor):
     """
     if dense.numel() <= SORT_PATH_ENTRIES:
         return sorted_rows(dense)
-    n_cols = dense.shape[-1]
+    return _ordered(dense, by_column=False)[0]
+
+
+def _ordered(dense: torch.Tensor, by_column: bool):
+    """:func:`ordered`'s run and rank paths: ``(rows, columns)``, where ``rows`` is
+    ``ordered(dense)`` and, with ``by_column``, ``columns`` is ``ordered(dense.mT)`` wherever it
+    comes without a transposed copy of ``dense`` (else None):
+
+    * on the rank path, from the same True entries, stably sorted by column and each written at
+      its rank in its column;
+    * on the run path, when every non-empty row is one run and the runs' first and last columns
+      never decrease down the rows, with no run on both sides of an empty row: then column
+      ``c``'s True rows are one run too, from the first row whose run ends at or after ``c`` to
+      the last one whose run starts at or before it, and are laid out like a row's."""
+    n_rows, n_cols = dense.shape[-2:]
     count = row_counts(dense)
     columns = torch.arange(n_cols, dtype=torch.int32, device=dense.device)
     flat = dense.reshape(-1, n_cols)
     counts = count.reshape(-1)
     total = int(counts.sum())
+    by_columns = None
     if total > RUN_PATH_FRACTION * flat.numel() and n_cols > 1:
-        as_bytes = flat.view(torch.uint8)
-        first = as_bytes.argmax(-1)
-        last = (n_cols - 1) - as_bytes.flip(-1).argmax(-1)
-        rotations = (torch.arange(2 * n_cols, dtype=torch.int32, device=dense.device) % n_cols
-                     ).unfold(0, n_cols, 1)  # row s: (s + column) % NK, without a copy
-        indices = rotations.index_select(0, first)
-        rows = ((last - first + 1 != counts) & (counts > 0)).nonzero().reshape(-1)
-        if rows.numel():  # rows of several runs
-            indices[rows] = _ordered_by_rank(flat[rows], counts[rows], columns)
+        first, last = _ends(flat)
+        indices = _laid_out(n_cols, first)
+        several = ((last - first + 1 != counts) & (counts > 0)).nonzero().reshape(-1)
+        if several.numel():  # rows of several runs
+            indices[several] = _ordered_by_rank(flat[several], counts[several], columns)
+        elif by_column:
+            by_columns = _column_runs(first, last, counts, dense.shape)
     else:
-        indices = _ordered_by_rank(flat, counts, columns)
-    return count.contiguous(), indices.reshape(dense.shape)
+        rows, cols = _nonzero(flat)
+        indices = _ranked(rows, cols, counts, columns)
+        if by_column:
+            # the same entries, grouped by (batch and head, column) and in row order inside
+            key = rows // n_rows * n_cols + cols
+            key, order = torch.sort(key, stable=True)
+            column_counts = torch.bincount(key, minlength=flat.shape[0] // n_rows * n_cols)
+            row_numbers = torch.arange(n_rows, dtype=torch.int32, device=dense.device)
+            by_columns = (column_counts.to(torch.int32).reshape(*dense.shape[:-2], n_cols),
+                          _ranked(key, rows[order] % n_rows, column_counts, row_numbers
+                                  ).reshape(*dense.shape[:-2], n_cols, n_rows))
+    return (count.contiguous(), indices.reshape(dense.shape)), by_columns
+
+
+def _laid_out(n: int, first: torch.Tensor) -> torch.Tensor:
+    """``[len(first), n]`` int32, row ``i`` holding ``(first[i] + column) % n`` (``first`` in
+    ``0 .. n``): the rows of a strided view of ``arange(2 n) % n`` (``[n + 1, n]``, no copy)
+    at ``first``."""
+    rotations = (torch.arange(2 * n, dtype=torch.int32, device=first.device) % n).unfold(0, n, 1)
+    return torch.index_select(rotations, 0, first,
+                              out=_empty((first.shape[0], n), torch.int32, first.device))
+
+
+def _ends(flat: torch.Tensor):
+    """The first and last True column of each row of a 2-D bool matrix (for an empty row, any
+    valid columns). Where its rows read as int64 words (:func:`_words`), the first and last
+    nonzero word of each row, then the True bytes inside those two: a pass over words instead of
+    an ``argmax`` over every byte and another over a flipped copy (19 ms against 80 ms at
+    [8192, 8192])."""
+    words = _words(flat)
+    if words is None:
+        as_bytes = flat.view(torch.uint8)
+        return as_bytes.argmax(-1), (flat.shape[-1] - 1) - as_bytes.flip(-1).argmax(-1)
+    nonzero = (words != 0).view(torch.uint8)
+    first_word = nonzero.argmax(-1)
+    last_word = (words.shape[1] - 1) - nonzero.flip(-1).argmax(-1)
+    rows = torch.arange(words.shape[0], device=flat.device)
+    first_bytes = words[rows, first_word].view(torch.uint8).reshape(-1, 8)
+    last_bytes = words[rows, last_word].view(torch.uint8).reshape(-1, 8)
+    return (first_word * 8 + first_bytes.argmax(-1),
+            last_word * 8 + (7 - last_bytes.flip(-1).argmax(-1)))
+
+
+def _nonzero(flat: torch.Tensor):
+    """``flat.nonzero(as_tuple=True)`` of a 2-D bool matrix. Where its rows read as int64 words
+    (:func:`_words`), the nonzero words first, then the True bytes inside them: few words are
+    nonzero in the sparse matrices that take the rank path (8 ms against 36 ms at
+    [8192, 8192] with one True entry per row)."""
+    words = _words(flat)
+    if words is None:
+        return flat.nonzero(as_tuple=True)
+    words = words.reshape(-1)
+    at = words.nonzero().reshape(-1)
+    word, byte = words[at].view(torch.uint8).reshape(-1, 8).nonzero(as_tuple=True)
+    entry = at[word] * 8 + byte
+    return entry // flat.shape[1], entry % flat.shape[1]
+
+
+def _column_runs(first, last, counts, shape):
+    """``ordered(dense.mT)`` from the runs of ``dense``'s rows (every non-empty row one run,
+    ``first .. last``), or None where a column's True rows are not one run (see
+    :func:`_ordered`)."""
+    *outer, n_rows, n_cols = shape
+    first, last = first.reshape(-1, n_rows), last.reshape(-1, n_rows)
+    filled = counts.reshape(-1, n_rows) > 0
+    # an empty row takes the next run's first column and the previous run's last: then both
+    # never decrease, and a column lies in both runs around an empty row when start <= end
+    start = torch.where(filled, first, n_cols).flip(-1).cummin(-1).values.flip(-1)
+    end = torch.where(filled, last, -1).cummax(-1).values
+    if not torch.where(filled, (start == first) & (end == last), start > end).all():
+        return None
+    column = torch.arange(n_cols, device=first.device).expand(first.shape[0], n_cols)
+    low = torch.searchsorted(end, column.contiguous())  # the first row ending at or after c
+    high = torch.searchsorted(start, column.contiguous(), right=True)  # past the last starting
+    # a column no run reaches has low = n_rows, the spare last row of the rotations
+    indices = _laid_out(n_rows, low.reshape(-1))
+    return ((high - low).clamp(min=0).to(torch.int32).reshape(*outer, n_cols),
+            indices.reshape(*outer, n_cols, n_rows))
 
 
 def sorted_rows(dense: torch.Tensor):
@@ -105,20 +255,44 @@ def sorted_rows(dense: torch.Tensor):
 
 def _ordered_by_rank(flat: torch.Tensor, counts: torch.Tensor, columns: torch.Tensor):
     """:func:`ordered`'s indices for 2-D ``flat``, writing every True entry at its rank."""
-    indices = columns.expand(flat.shape).contiguous()
-    rows, cols = flat.nonzero(as_tuple=True)
+    return _ranked(*_nonzero(flat), counts, columns)
+
+
+def _ranked(rows, values, counts, columns):
+    """``[len(counts), len(columns)]`` int32: row ``i`` lists the ``values`` of its ``counts[i]``
+    entries (``rows``, grouped by row in increasing order) first, then ``columns``' tail."""
+    indices = _empty((counts.shape[0], columns.shape[0]), torch.int32, columns.device)
+    indices.copy_(columns.expand(indices.shape))
     if rows.numel():
         counts = counts.long()
         starts = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(rows.numel(), device=flat.device) - starts[rows]
-        indices[rows, rank] = cols.to(torch.int32)
+        rank = torch.arange(rows.numel(), device=rows.device) - starts[rows]
+        indices[rows, rank] = values.to(torch.int32)
     return indices
 
 
 def index_tables(classes: torch.Tensor, order=ordered) -> tuple:
     """The eight BlockMask index tables of tile classes, in :func:`tables`' order: each of the
     partial and full tiles listed per q-block row (kv side) and per kv-block column (q side),
-    each list laid out by ``order`` (:func:`ordered` or :func:`sorted_rows`)."""
+    each list laid out by ``order`` (:func:`ordered` or :func:`sorted_rows`).
+
+    With :func:`ordered` above :data:`SORT_PATH_ENTRIES`, the q-side tables come from the
+    kv-side bool matrices where they can (:func:`_ordered`); the others are read from one
+    transposed copy of the classes, made only for them."""
+    if order is ordered and classes.numel() > SORT_PATH_ENTRIES:
+        by_kv = None
+        sides = []
+        for value in (PARTIAL, FULL):
+            rows, columns = _ordered(_equal(classes, value), by_column=True)
+            if columns is None:
+                if by_kv is None:
+                    by_kv = _empty(classes.mT.shape, classes.dtype, classes.device)
+                    by_kv.copy_(classes.mT)
+                columns = ordered(_equal(by_kv, value))
+            sides.append((rows, columns))
+        (kv_num, kv_idx), (q_num, q_idx) = sides[0]
+        (full_kv_num, full_kv_idx), (full_q_num, full_q_idx) = sides[1]
+        return kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx
     kv_num, kv_idx = order(classes == PARTIAL)
     full_kv_num, full_kv_idx = order(classes == FULL)
     # one contiguous transposed copy of the int8 classes is cheaper than walking two
@@ -127,6 +301,11 @@ def index_tables(classes: torch.Tensor, order=ordered) -> tuple:
     q_num, q_idx = order(by_kv == PARTIAL)
     full_q_num, full_q_idx = order(by_kv == FULL)
     return kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx
+
+
+def _equal(classes: torch.Tensor, value: int) -> torch.Tensor:
+    """``classes == value``, written into :func:`_empty`'s memory."""
+    return torch.eq(classes, value, out=_empty(classes.shape, torch.bool, classes.device))
 
 
 def from_tables(index: tuple, sizes: dict, block: tuple, mask_mod=None) -> BlockMask:

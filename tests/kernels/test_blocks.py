@@ -12,7 +12,11 @@
   the block-sparse kernel here (FULL tiles without ``mask_mod``, PARTIAL tiles with it, every
   other tile skipped) is what checks that the tables give the right attention;
 * ``ordered`` is a stable descending argsort; lookups with index expressions other than ``q``
-  or ``kv`` (the sparse-table path) are exact too; the runtime builds block masks this way.
+  or ``kv`` (the sparse-table path) are exact too; the runtime builds block masks this way;
+* ``index_tables``' eight tables list what the classes hold, row by row and (against the
+  transposed classes) column by column, on every path: the rank path, the run path with columns
+  that are runs and with columns that need the transposed copy, the sort of small matrices;
+  large CPU tables are advised for huge pages (checked in ``/proc/self/smaps``).
 
 Random specs come from :mod:`flexspec.testing` (the registry) and from ``LIBRARY`` below
 (head-dependent masks and lookups through index expressions), with lengths that are not multiples
@@ -22,6 +26,7 @@ of the block size, ``Q_LEN != KV_LEN``, per-batch and per-head bindings.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -32,7 +37,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention,
 import flexspec
 from flexspec import ir
 from flexspec.kernels import block_tables, blocks
-from flexspec.kernels.block_tables import EMPTY, FULL, PARTIAL, ordered, tile_classes, to_block_mask
+from flexspec.kernels.block_tables import (EMPTY, FULL, PARTIAL, ordered, sorted_rows, tile_classes,
+                                          to_block_mask)
 from flexspec.kernels.blocks import build_block_mask, classify, refine
 from flexspec.lang.library import load_text
 from flexspec.kernels.reference import dense_scores
@@ -630,6 +636,14 @@ def test_row_counts_equal_torchs_sum(rows, columns, density, layout, seed):
     assert torch.equal(got, dense.sum(-1).to(torch.int32))
 
 
+@pytest.mark.parametrize("shape", [(2, 8, 5), (3, 16, 24), (2, 1, 3, 16)])
+def test_row_counts_of_tensors_of_more_dimensions(shape):
+    # rows are the last dimension, whatever the others (here a second one that is a multiple
+    # of 8 while the last is not, and the reverse)
+    dense = torch.rand(shape, generator=torch.Generator().manual_seed(3)) < 0.5
+    assert torch.equal(block_tables.row_counts(dense), dense.sum(-1).to(torch.int32))
+
+
 def test_row_counts_of_a_view_at_an_unaligned_offset():
     # contiguous rows that start 9 bytes into their storage cannot be read as int64 words
     flat = torch.arange(9 + 3 * 16) % 3 == 0
@@ -650,6 +664,287 @@ def test_ordered_edge_rows():
                                            [False, True, False]]))
     assert count.tolist() == [0, 3, 1]
     assert indices[1].tolist() == [0, 1, 2] and indices[2, 0] == 1
+
+
+def lists(count: torch.Tensor, indices: torch.Tensor) -> list:
+    """The listed entries of every row of a (count, indices) table, as Python lists."""
+    flat_count = count.reshape(-1).tolist()
+    return [row[:n] for row, n in zip(indices.reshape(-1, indices.shape[-1]).tolist(),
+                                      flat_count)]
+
+
+def true_columns(dense: torch.Tensor) -> list:
+    """The True columns of every row of a bool tensor, in increasing order, by a Python loop."""
+    return [[c for c, value in enumerate(row) if value]
+            for row in dense.reshape(-1, dense.shape[-1]).tolist()]
+
+
+def check_tables(classes: torch.Tensor, index: tuple) -> None:
+    """index_tables' eight tables against the classes: the listed blocks of each kv-side row and
+    of each q-side column (from the transposed classes), every filler entry a valid number, and
+    the classes rebuilt from both sides."""
+    *outer, nq, nk = classes.shape
+    by_kv = classes.transpose(-2, -1)
+    for k, (value, dense) in enumerate([(PARTIAL, classes), (FULL, classes),
+                                        (PARTIAL, by_kv), (FULL, by_kv)]):
+        count, indices = index[2 * k], index[2 * k + 1]
+        rows, columns = dense.shape[-2:]
+        assert count.dtype == indices.dtype == torch.int32
+        assert count.shape == (*outer, rows) and indices.shape == (*outer, rows, columns)
+        assert count.is_contiguous() and indices.is_contiguous()
+        assert lists(count, indices) == true_columns(dense == value), k
+        assert ((indices >= 0) & (indices < columns)).all(), k
+    rebuilt = torch.zeros_like(classes)
+    rebuilt[table_dense(index[0], index[1], nk)] = PARTIAL
+    rebuilt[table_dense(index[2], index[3], nk)] = FULL
+    assert torch.equal(rebuilt, classes)
+    rebuilt = torch.zeros_like(by_kv)
+    rebuilt[table_dense(index[4], index[5], nq)] = PARTIAL
+    rebuilt[table_dense(index[6], index[7], nq)] = FULL
+    assert torch.equal(rebuilt, by_kv)
+
+
+@st.composite
+def class_grids(draw):
+    """int8 tile classes [B, H, NQ, NK]: random tiles, or FULL runs per row (monotone down the
+    rows or not, some rows emptied) with PARTIAL tiles around or scattered."""
+    batch, heads = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    nq, nk = draw(st.integers(1, 24)), draw(st.sampled_from([1, 3, 8, 13, 16, 24, 40]))
+    kind = draw(st.sampled_from(["random", "runs", "monotone", "monotone gaps"]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    shape = (batch, heads, nq, 1)
+    if kind == "random":
+        return torch.randint(0, 3, (batch, heads, nq, nk), generator=gen).to(torch.int8)
+    start = torch.randint(0, nk + 1, shape, generator=gen)
+    stop = torch.randint(0, nk + 1, shape, generator=gen)
+    start, stop = torch.minimum(start, stop), torch.maximum(start, stop)
+    if kind != "runs":
+        start, stop = start.sort(-2).values, stop.sort(-2).values
+    column = torch.arange(nk)
+    full = (column >= start) & (column < stop)
+    if kind == "monotone gaps":
+        full &= torch.rand(shape, generator=gen) < 0.7
+    partial = ((column == start - 1) | (column == stop)) & (torch.rand(shape, generator=gen) < 0.8)
+    partial |= torch.rand(batch, heads, nq, nk, generator=gen) < draw(st.sampled_from([0, 0.1]))
+    return torch.where(full, FULL, torch.where(partial, PARTIAL, EMPTY)).to(torch.int8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(class_grids(), st.sampled_from(["run", "rank", "sort", "default"]))
+def test_index_tables_list_the_classes_on_every_path(classes, path):
+    """Every path of index_tables (the run and rank paths of both sides, the transposed copy for
+    columns that are not runs, the sort of small matrices) against the classes themselves."""
+    with pytest.MonkeyPatch.context() as patch:
+        if path != "default":
+            patch.setattr(block_tables, "RUN_PATH_FRACTION", 0.0 if path == "run" else 1e9)
+            patch.setattr(block_tables, "SORT_PATH_ENTRIES", 1 << 30 if path == "sort" else 0)
+        index = block_tables.index_tables(classes)
+        check_tables(classes, index)
+        assert all(torch.equal(mine, theirs) for mine, theirs in
+                   zip(index[0::2], block_tables.index_tables(classes, order=sorted_rows)[0::2]))
+
+
+def causal_classes(rows: int, columns: int) -> torch.Tensor:
+    """[1, 1, rows, columns] int8: the diagonal PARTIAL, FULL below it."""
+    q, kv = torch.arange(rows).reshape(-1, 1), torch.arange(columns)
+    return torch.where(q > kv, FULL, torch.where(q == kv, PARTIAL, EMPTY)).to(torch.int8)[None, None]
+
+
+def test_index_tables_takes_the_paths_it_documents(monkeypatch):
+    """Above SORT_PATH_ENTRIES, ordered's tables come from the two kv-side class matrices alone
+    when their columns are runs, and the transposed copy is compared only for the others; up to
+    it, and for sorted_rows (the compiled program, which must not synchronise), the
+    transposed classes and one sort per row."""
+    compared = []
+    equal = block_tables._equal
+    monkeypatch.setattr(block_tables, "_equal",
+                        lambda classes, value: compared.append(tuple(classes.shape))
+                        or equal(classes, value))
+    classes = causal_classes(300, 400)
+    check_tables(classes, block_tables.index_tables(classes))
+    assert compared == [(1, 1, 300, 400)] * 2
+    compared.clear()
+    scattered = torch.randint(0, 3, (1, 1, 300, 400), generator=torch.Generator().manual_seed(1))
+    check_tables(scattered.to(torch.int8), block_tables.index_tables(scattered.to(torch.int8)))
+    assert (1, 1, 400, 300) in compared
+    compared.clear()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the run and rank paths were taken")
+
+    monkeypatch.setattr(block_tables, "_ordered", refuse)
+    check_tables(classes, block_tables.index_tables(classes, order=sorted_rows))
+    small = causal_classes(256, 256)  # exactly SORT_PATH_ENTRIES tiles
+    assert small.numel() == block_tables.SORT_PATH_ENTRIES
+    check_tables(small, block_tables.index_tables(small))
+    assert compared == []
+
+
+def test_ordered_lists_rows_only(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("columns were listed")
+
+    monkeypatch.setattr(block_tables, "_column_runs", refuse)
+    dense = causal_classes(300, 300)[0, 0] == FULL
+    count, indices = ordered(dense)
+    assert lists(count, indices) == true_columns(dense)
+
+
+def test_large_tables_are_written_into_advised_memory(monkeypatch):
+    """Every one of the four tables of a causal mask and both class matrices (the transposed
+    copy is not needed) are advised for huge pages, and nothing else."""
+    advised = []
+    monkeypatch.setattr(block_tables, "HUGE_PAGE_BYTES", 0)
+    monkeypatch.setattr(block_tables, "_MADVISE",
+                        lambda start, length: advised.append((start, length)) or 0)
+    classes = causal_classes(2048, 2048)
+    index = block_tables.index_tables(classes)
+    assert len(advised) == 6
+    for table in index[1::2]:
+        begin = table.data_ptr()
+        assert any(begin <= start < begin + 4 * table.numel() for start, _ in advised)
+
+
+def column_tables(dense: torch.Tensor):
+    """_ordered's column side of ``dense`` on the run path (None where it needs the copy)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(block_tables, "RUN_PATH_FRACTION", 0.0)
+        return block_tables._ordered(dense, by_column=True)[1]
+
+
+def runs(spans: list, columns: int) -> torch.Tensor:
+    """A bool matrix whose row i is True on columns spans[i][0] .. spans[i][1] - 1."""
+    column = torch.arange(columns)
+    return torch.stack([(column >= a) & (column < b) for a, b in spans])
+
+
+@pytest.mark.parametrize("spans, columns", [
+    ([(0, 1), (0, 2), (0, 3), (1, 4)], 8),            # causal-like, the last row moved on
+    ([(0, 0), (0, 2), (0, 0), (3, 6), (4, 8), (0, 0)], 8),  # empty rows no column spans
+    ([(2, 5)] * 3 + [(5, 8)], 16),                      # runs that touch
+    ([(0, 0)] * 3, 8),                                  # no True entry at all
+])
+def test_columns_of_monotone_runs_are_runs(spans, columns):
+    dense = runs(spans, columns)
+    count, indices = column_tables(dense)
+    assert lists(count, indices) == true_columns(dense.t())
+    assert ((indices >= 0) & (indices < len(spans))).all()
+
+
+@pytest.mark.parametrize("spans, columns", [
+    ([(0, 4), (2, 3)], 8),                    # the last column decreases
+    ([(2, 4), (0, 5)], 8),                    # the first column decreases
+    ([(0, 3), (0, 0), (2, 6)], 8),            # column 2 on both sides of an empty row
+    ([(0, 3), (0, 0), (0, 0), (2, 6)], 8),    # two empty rows
+    ([(0, 8), (0, 0), (7, 8)], 8),            # only the last column spans the gap
+])
+def test_columns_of_other_runs_need_the_copy(spans, columns):
+    dense = runs(spans, columns)
+    assert column_tables(dense) is None
+    # and index_tables still lists them, from the transposed copy
+    classes = torch.where(dense, FULL, EMPTY).to(torch.int8)[None, None]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(block_tables, "RUN_PATH_FRACTION", 0.0)
+        patch.setattr(block_tables, "SORT_PATH_ENTRIES", 0)
+        check_tables(classes, block_tables.index_tables(classes))
+
+
+def test_rows_of_several_runs_need_the_copy():
+    dense = runs([(0, 2), (0, 3), (0, 4)], 8)
+    dense[1, 6] = True
+    assert column_tables(dense) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.sampled_from([1, 5, 8, 16, 24, 64]), st.sampled_from([0, 8, 3]),
+       st.sampled_from([0.0, 0.02, 0.3, 1.0]), st.integers(0, 2**31 - 1))
+def test_ends_and_nonzero_equal_torchs(rows, columns, offset, density, seed):
+    """_ends and _nonzero (word by word where the rows read as words: contiguous, row length and
+    storage offset multiples of 8) against an argmax per row and torch's nonzero."""
+    gen = torch.Generator().manual_seed(seed)
+    storage = torch.rand(offset + rows * columns, generator=gen) < density
+    flat = storage[offset:].view(rows, columns)
+    assert torch.equal(torch.stack(block_tables._nonzero(flat)),
+                       torch.stack(flat.nonzero(as_tuple=True)))
+    first, last = block_tables._ends(flat)
+    column = torch.arange(columns)
+    filled = flat.any(-1)
+    assert torch.equal(first[filled], torch.where(flat, column, columns).min(-1).values[filled])
+    assert torch.equal(last[filled], torch.where(flat, column, -1).max(-1).values[filled])
+    for ends in (first, last):
+        assert ((ends >= 0) & (ends < columns)).all()
+
+
+def smaps_flags(start: int) -> str:
+    """The VmFlags of this process's mapping that begins at address ``start`` ('' if none)."""
+    flags, current = "", None
+    with open("/proc/self/smaps") as lines:
+        for line in lines:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                current = int(head.split("-")[0], 16)
+            elif head == "VmFlags:" and current == start:
+                flags = line
+    return flags
+
+
+@pytest.mark.skipif(block_tables._MADVISE is None, reason="no madvise (not Linux)")
+@pytest.mark.parametrize("elements", [(5 << 20) // 4 + 3, 1 << 22])
+def test_large_tables_are_advised_as_huge_pages(elements, monkeypatch):
+    """_empty advises the whole 2 MiB pages inside a large tensor: the kernel's own record of the
+    mapping (/proc/self/smaps: a mapping split at the advised range, flagged 'hg') against the
+    range computed here from the tensor's address."""
+    monkeypatch.setattr(block_tables, "HUGE_PAGE_BYTES", 4 << 20)
+    table = block_tables._empty((elements,), torch.int32, "cpu")
+    assert table.shape == (elements,) and table.dtype == torch.int32
+    huge = 2 << 20
+    begin, stop = table.data_ptr(), table.data_ptr() + 4 * elements
+    start = begin + (-begin) % huge
+    assert block_tables._advise_huge_pages(table) == stop - stop % huge - start > 0
+    if os.path.exists("/proc/self/smaps"):
+        assert " hg" in smaps_flags(start)
+    table.fill_(7)  # the memory is the tensor's own, whatever pages back it
+    assert int(table.sum()) == 7 * elements
+
+
+def test_small_and_other_tensors_are_not_advised(monkeypatch):
+    calls = []
+    monkeypatch.setattr(block_tables, "_MADVISE", lambda start, length: calls.append(length) or 0)
+    monkeypatch.setattr(block_tables, "HUGE_PAGE_BYTES", 8 << 20)
+    # one byte short of the threshold; a meta tensor at it; a CPU tensor at it
+    assert block_tables._advise_huge_pages(torch.empty((8 << 20) - 1, dtype=torch.uint8)) == 0
+    assert block_tables._advise_huge_pages(torch.empty(2 << 20, device="meta")) == 0
+    assert calls == []
+    assert block_tables._advise_huge_pages(torch.empty(2 << 20)) > 0
+    assert len(calls) == 1
+    # a large tensor that holds no whole 2 MiB page is not advised either
+    monkeypatch.setattr(block_tables, "HUGE_PAGE_BYTES", 0)
+    assert block_tables._advise_huge_pages(torch.empty(4, dtype=torch.uint8)) == 0
+    assert len(calls) == 1
+    # where madvise refuses (a nonzero return), nothing was advised
+    monkeypatch.setattr(block_tables, "_MADVISE", lambda start, length: -1)
+    assert block_tables._advise_huge_pages(torch.empty(2 << 20)) == 0
+    monkeypatch.setattr(block_tables, "_MADVISE", None)
+    assert block_tables._advise_huge_pages(torch.empty(2 << 20)) == 0
+
+
+def test_madvise_is_found_only_where_it_exists(monkeypatch):
+    import ctypes
+    import mmap
+    import sys
+    if sys.platform.startswith("linux"):
+        found = block_tables._madvise()
+        region = mmap.mmap(-1, 4 << 20)  # page-aligned, as madvise needs
+        assert found(ctypes.addressof(ctypes.c_char.from_buffer(region)), 4 << 20) == 0
+    monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)
+    assert block_tables._madvise() is None
+    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 14, raising=False)
+
+    def no_library(*args, **kwargs):
+        raise OSError("no C library")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    assert block_tables._madvise() is None
 
 
 @FEW
