@@ -2,13 +2,9 @@
 (q-block, kv-block) tile), and the classes read back from a BlockMask. :mod:`flexspec.kernels.blocks`
 decides the classes; this module only writes and reads the format. At S = 1M the format is most
 of the cost (four [8192, 8192] int32 tables, 268 MB each): the q-side tables come from the same
-bool matrices as the kv-side ones, and large CPU tables are written into memory advised for
-transparent huge pages (:func:`_empty`)."""
+bool matrices as the kv-side ones where the masks' structure allows."""
 
 from __future__ import annotations
-
-import ctypes
-import mmap
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, noop_mask
@@ -22,53 +18,6 @@ RUN_PATH_FRACTION = 1 / 32
 # host synchronisation (the paths below read counts and nonzero entries on the host), which is
 # what a mask rebuilt at every decoding step needs.
 SORT_PATH_ENTRIES = 1 << 16
-# CPU tensors of at least this many bytes are backed by 2 MiB pages where Linux allows it
-# (:func:`_empty`). Above glibc's largest mmap threshold (32 MiB), so each is a mapping of its
-# own, returned to the system when freed.
-HUGE_PAGE_BYTES = 32 << 20
-_HUGE_PAGE = 2 << 20
-
-
-def _madvise():
-    """``madvise(start, length)`` with MADV_HUGEPAGE from the C library, or None where there is
-    none (not Linux)."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None:
-        return None
-    try:
-        function = ctypes.CDLL(None).madvise
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    function.restype = ctypes.c_int
-    return lambda start, length: function(start, length, advice)
-
-
-_MADVISE = _madvise()
-
-
-def _empty(shape, dtype, device) -> torch.Tensor:
-    """``torch.empty``, advised to the kernel (before anything is written) as memory for
-    transparent huge pages when it is a large CPU tensor (:data:`HUGE_PAGE_BYTES`): a fresh
-    [8192, 8192] int32 table then takes 512 page faults to fill instead of 65,536 (30 ms
-    against 150 ms on the 2-core CPU, docs/performance.md). The advice changes no value; where
-    it is refused, or transparent huge pages are off, the pages are the usual ones."""
-    tensor = torch.empty(shape, dtype=dtype, device=device)
-    _advise_huge_pages(tensor)
-    return tensor
-
-
-def _advise_huge_pages(tensor: torch.Tensor) -> int:
-    """Advises MADV_HUGEPAGE over the whole 2 MiB pages inside ``tensor``'s bytes; the number of
-    bytes advised (0 where none were: not a large CPU tensor, no madvise, refused)."""
-    size = tensor.numel() * tensor.element_size()
-    if _MADVISE is None or tensor.device.type != "cpu" or size < HUGE_PAGE_BYTES:
-        return 0
-    start = -(-tensor.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-    end = (tensor.data_ptr() + size) // _HUGE_PAGE * _HUGE_PAGE
-    if end <= start or _MADVISE(start, end - start) != 0:
-        return 0
-    return end - start
 
 
 # row_counts adds a bool row's bytes eight at a time, as int64 words whose bytes are 0 or 1: a
@@ -183,8 +132,7 @@ def _laid_out(n: int, first: torch.Tensor) -> torch.Tensor:
     ``0 .. n``): the rows of a strided view of ``arange(2 n) % n`` (``[n + 1, n]``, no copy)
     at ``first``."""
     rotations = (torch.arange(2 * n, dtype=torch.int32, device=first.device) % n).unfold(0, n, 1)
-    return torch.index_select(rotations, 0, first,
-                              out=_empty((first.shape[0], n), torch.int32, first.device))
+    return rotations.index_select(0, first)
 
 
 def _ends(flat: torch.Tensor):
@@ -261,8 +209,7 @@ def _ordered_by_rank(flat: torch.Tensor, counts: torch.Tensor, columns: torch.Te
 def _ranked(rows, values, counts, columns):
     """``[len(counts), len(columns)]`` int32: row ``i`` lists the ``values`` of its ``counts[i]``
     entries (``rows``, grouped by row in increasing order) first, then ``columns``' tail."""
-    indices = _empty((counts.shape[0], columns.shape[0]), torch.int32, columns.device)
-    indices.copy_(columns.expand(indices.shape))
+    indices = columns.expand(counts.shape[0], columns.shape[0]).contiguous()
     if rows.numel():
         counts = counts.long()
         starts = torch.cumsum(counts, 0) - counts
@@ -283,12 +230,11 @@ def index_tables(classes: torch.Tensor, order=ordered) -> tuple:
         by_kv = None
         sides = []
         for value in (PARTIAL, FULL):
-            rows, columns = _ordered(_equal(classes, value), by_column=True)
+            rows, columns = _ordered(classes == value, by_column=True)
             if columns is None:
                 if by_kv is None:
-                    by_kv = _empty(classes.mT.shape, classes.dtype, classes.device)
-                    by_kv.copy_(classes.mT)
-                columns = ordered(_equal(by_kv, value))
+                    by_kv = classes.mT.contiguous()
+                columns = ordered(by_kv == value)
             sides.append((rows, columns))
         (kv_num, kv_idx), (q_num, q_idx) = sides[0]
         (full_kv_num, full_kv_idx), (full_q_num, full_q_idx) = sides[1]
@@ -301,11 +247,6 @@ def index_tables(classes: torch.Tensor, order=ordered) -> tuple:
     q_num, q_idx = order(by_kv == PARTIAL)
     full_q_num, full_q_idx = order(by_kv == FULL)
     return kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx
-
-
-def _equal(classes: torch.Tensor, value: int) -> torch.Tensor:
-    """``classes == value``, written into :func:`_empty`'s memory."""
-    return torch.eq(classes, value, out=_empty(classes.shape, torch.bool, classes.device))
 
 
 def from_tables(index: tuple, sizes: dict, block: tuple, mask_mod=None) -> BlockMask:

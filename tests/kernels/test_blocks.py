@@ -15,8 +15,7 @@
   or ``kv`` (the sparse-table path) are exact too; the runtime builds block masks this way;
 * ``index_tables``' eight tables list what the classes hold, row by row and (against the
   transposed classes) column by column, on every path: the rank path, the run path with columns
-  that are runs and with columns that need the transposed copy, the sort of small matrices;
-  large CPU tables are advised for huge pages (checked in ``/proc/self/smaps``).
+  that are runs and with columns that need the transposed copy, the sort of small matrices.
 
 Random specs come from :mod:`flexspec.testing` (the registry) and from ``LIBRARY`` below
 (head-dependent masks and lookups through index expressions), with lengths that are not multiples
@@ -26,7 +25,6 @@ of the block size, ``Q_LEN != KV_LEN``, per-batch and per-head bindings.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -756,10 +754,10 @@ def test_index_tables_takes_the_paths_it_documents(monkeypatch):
     it, and for sorted_rows (the compiled program, which must not synchronise), the
     transposed classes and one sort per row."""
     compared = []
-    equal = block_tables._equal
-    monkeypatch.setattr(block_tables, "_equal",
-                        lambda classes, value: compared.append(tuple(classes.shape))
-                        or equal(classes, value))
+    listed = block_tables._ordered
+    monkeypatch.setattr(block_tables, "_ordered",
+                        lambda dense, by_column: compared.append(tuple(dense.shape))
+                        or listed(dense, by_column))
     classes = causal_classes(300, 400)
     check_tables(classes, block_tables.index_tables(classes))
     assert compared == [(1, 1, 300, 400)] * 2
@@ -788,21 +786,6 @@ def test_ordered_lists_rows_only(monkeypatch):
     dense = causal_classes(300, 300)[0, 0] == FULL
     count, indices = ordered(dense)
     assert lists(count, indices) == true_columns(dense)
-
-
-def test_large_tables_are_written_into_advised_memory(monkeypatch):
-    """Every one of the four tables of a causal mask and both class matrices (the transposed
-    copy is not needed) are advised for huge pages, and nothing else."""
-    advised = []
-    monkeypatch.setattr(block_tables, "HUGE_PAGE_BYTES", 0)
-    monkeypatch.setattr(block_tables, "_MADVISE",
-                        lambda start, length: advised.append((start, length)) or 0)
-    classes = causal_classes(2048, 2048)
-    index = block_tables.index_tables(classes)
-    assert len(advised) == 6
-    for table in index[1::2]:
-        begin = table.data_ptr()
-        assert any(begin <= start < begin + 4 * table.numel() for start, _ in advised)
 
 
 def column_tables(dense: torch.Tensor):
@@ -873,78 +856,6 @@ def test_ends_and_nonzero_equal_torchs(rows, columns, offset, density, seed):
     assert torch.equal(last[filled], torch.where(flat, column, -1).max(-1).values[filled])
     for ends in (first, last):
         assert ((ends >= 0) & (ends < columns)).all()
-
-
-def smaps_flags(start: int) -> str:
-    """The VmFlags of this process's mapping that begins at address ``start`` ('' if none)."""
-    flags, current = "", None
-    with open("/proc/self/smaps") as lines:
-        for line in lines:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                current = int(head.split("-")[0], 16)
-            elif head == "VmFlags:" and current == start:
-                flags = line
-    return flags
-
-
-@pytest.mark.skipif(block_tables._MADVISE is None, reason="no madvise (not Linux)")
-@pytest.mark.parametrize("elements", [(5 << 20) // 4 + 3, 1 << 22])
-def test_large_tables_are_advised_as_huge_pages(elements, monkeypatch):
-    """_empty advises the whole 2 MiB pages inside a large tensor: the kernel's own record of the
-    mapping (/proc/self/smaps: a mapping split at the advised range, flagged 'hg') against the
-    range computed here from the tensor's address."""
-    monkeypatch.setattr(block_tables, "HUGE_PAGE_BYTES", 4 << 20)
-    table = block_tables._empty((elements,), torch.int32, "cpu")
-    assert table.shape == (elements,) and table.dtype == torch.int32
-    huge = 2 << 20
-    begin, stop = table.data_ptr(), table.data_ptr() + 4 * elements
-    start = begin + (-begin) % huge
-    assert block_tables._advise_huge_pages(table) == stop - stop % huge - start > 0
-    if os.path.exists("/proc/self/smaps"):
-        assert " hg" in smaps_flags(start)
-    table.fill_(7)  # the memory is the tensor's own, whatever pages back it
-    assert int(table.sum()) == 7 * elements
-
-
-def test_small_and_other_tensors_are_not_advised(monkeypatch):
-    calls = []
-    monkeypatch.setattr(block_tables, "_MADVISE", lambda start, length: calls.append(length) or 0)
-    monkeypatch.setattr(block_tables, "HUGE_PAGE_BYTES", 8 << 20)
-    # one byte short of the threshold; a meta tensor at it; a CPU tensor at it
-    assert block_tables._advise_huge_pages(torch.empty((8 << 20) - 1, dtype=torch.uint8)) == 0
-    assert block_tables._advise_huge_pages(torch.empty(2 << 20, device="meta")) == 0
-    assert calls == []
-    assert block_tables._advise_huge_pages(torch.empty(2 << 20)) > 0
-    assert len(calls) == 1
-    # a large tensor that holds no whole 2 MiB page is not advised either
-    monkeypatch.setattr(block_tables, "HUGE_PAGE_BYTES", 0)
-    assert block_tables._advise_huge_pages(torch.empty(4, dtype=torch.uint8)) == 0
-    assert len(calls) == 1
-    # where madvise refuses (a nonzero return), nothing was advised
-    monkeypatch.setattr(block_tables, "_MADVISE", lambda start, length: -1)
-    assert block_tables._advise_huge_pages(torch.empty(2 << 20)) == 0
-    monkeypatch.setattr(block_tables, "_MADVISE", None)
-    assert block_tables._advise_huge_pages(torch.empty(2 << 20)) == 0
-
-
-def test_madvise_is_found_only_where_it_exists(monkeypatch):
-    import ctypes
-    import mmap
-    import sys
-    if sys.platform.startswith("linux"):
-        found = block_tables._madvise()
-        region = mmap.mmap(-1, 4 << 20)  # page-aligned, as madvise needs
-        assert found(ctypes.addressof(ctypes.c_char.from_buffer(region)), 4 << 20) == 0
-    monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)
-    assert block_tables._madvise() is None
-    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 14, raising=False)
-
-    def no_library(*args, **kwargs):
-        raise OSError("no C library")
-
-    monkeypatch.setattr(ctypes, "CDLL", no_library)
-    assert block_tables._madvise() is None
 
 
 @FEW
