@@ -275,25 +275,31 @@ def fa4_interface(monkeypatch):
     return calls
 
 
+def _run_on_fa4(attn, q, k, v, bindings, return_lse=False, **kept):
+    """One CPU call through the fa4 backend's own ``run``: the call's plan, handed to fa4 with
+    what its ``prepare`` keeps on a GPU (``NativeCall`` of the spec's form and ``kept``: a
+    fallback, the plan's masks). Returns the output, the plan and its values."""
+    import dataclasses
+    from flexspec.runtime.backends import REGISTRY
+    plan = attn._plan(q, k, v, None, bindings, None, return_lse=return_lse)
+    plan = dataclasses.replace(plan, backend=REGISTRY["fa4"],
+                               prepared=NativeCall(native_form(plan.spec), **kept))
+    values = plan.values(bindings)
+    return REGISTRY["fa4"].run(plan, q, k, v, None, bindings, values), plan, values
+
+
 @pytest.mark.parametrize("text", ["causal & doc", "window(7) & doc + softcap(2.0)",
                                   "sliding_window(5) + scale(0.5)", "full"])
 def test_the_call_path_lays_out_inputs_and_documents_as_fa4_reads_them(text, fa4_interface):
     """q, k, v as (B, H, S, D) views of (B, S, H, D) tensors, GQA, ids per batch row: the
     backend's output equals the float64 reference."""
-    import dataclasses
-    from flexspec.runtime.backends import REGISTRY
     attn = flexspec.compile(text)
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, 150, 4, 16, generator=generator).transpose(1, 2)
     k, v = (torch.randn(2, 150, 2, 16, generator=generator).transpose(1, 2) for _ in range(2))
     ids = torch.stack([torch.arange(150) // 40, torch.arange(150) // 70 + 3])
     bindings = {"doc_ids": ids} if "doc" in text else {}
-    plan = attn._plan(q, k, v, None, bindings, None)
-    # the plan of a CPU call, given what the fa4 backend keeps (contiguous ids need no fallback)
-    plan = dataclasses.replace(plan, backend=REGISTRY["fa4"],
-                               prepared=NativeCall(native_form(plan.spec)))
-    values = plan.values(bindings)
-    out = REGISTRY["fa4"].run(plan, q, k, v, None, bindings, values)
+    out, _, _ = _run_on_fa4(attn, q, k, v, bindings)  # contiguous ids: no fallback kept
     expected = attn.reference(q.double(), k.double(), v.double(), **bindings)
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
     if "doc" in text:
@@ -306,17 +312,12 @@ def test_the_call_path_lays_out_inputs_and_documents_as_fa4_reads_them(text, fa4
 def test_the_log_sum_exp_comes_back_in_the_layout_of_the_reference(text, fa4_interface):
     """FA4's lse is (B, H, S) for the dense call and (H, B * S) for the variable-length one:
     both come back as (B, H, S), equal to the reference's."""
-    import dataclasses
-    from flexspec.runtime.backends import REGISTRY
     attn = flexspec.compile(text)
     generator = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 130, 3, 8, generator=generator).transpose(1, 2) for _ in range(3))
     ids = torch.stack([torch.arange(130) // 50, torch.arange(130) // 20])
     bindings = {"doc_ids": ids} if "doc" in text else {}
-    plan = attn._plan(q, k, v, None, bindings, None, return_lse=True)
-    plan = dataclasses.replace(plan, backend=REGISTRY["fa4"],
-                               prepared=NativeCall(native_form(plan.spec)))
-    out, lse = REGISTRY["fa4"].run(plan, q, k, v, None, bindings, plan.values(bindings))
+    (out, lse), _, _ = _run_on_fa4(attn, q, k, v, bindings, return_lse=True)
     expected, expected_lse = attn.reference(q.double(), k.double(), v.double(), return_lse=True,
                                             **bindings)
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
@@ -327,19 +328,13 @@ def test_the_log_sum_exp_comes_back_in_the_layout_of_the_reference(text, fa4_int
 def _handed_to_the_fallback(ids):
     """Runs ``causal & doc`` on the fa4 backend with a stand-in fallback plan; returns the
     output, the fallback and what was handed to it, the plan and its values."""
-    import dataclasses
     from types import SimpleNamespace
-    from flexspec.runtime.backends import REGISTRY
     attn = flexspec.compile("causal & doc")
     q = k = v = torch.randn(1, 2, 150, 16)
     handed = []
     fallback = SimpleNamespace(backend=SimpleNamespace(
         run=lambda plan, *args: handed.append(plan) or "fallback's output"))
-    plan = attn._plan(q, k, v, None, {"doc_ids": ids}, None)
-    plan = dataclasses.replace(plan, backend=REGISTRY["fa4"],
-                               prepared=NativeCall(native_form(plan.spec), fallback))
-    values = plan.values({"doc_ids": ids})
-    out = REGISTRY["fa4"].run(plan, q, k, v, None, {"doc_ids": ids}, values)
+    out, plan, values = _run_on_fa4(attn, q, k, v, {"doc_ids": ids}, fallback=fallback)
     return out, fallback, handed, (plan, q, values)
 
 
@@ -367,7 +362,6 @@ def test_the_first_documents_call_on_fa4_builds_the_fallbacks_block_mask_once(fa
     """A capture after a warm-up hands the documents to the fallback: its block mask is built
     once by the warm-up (FA4's own kernel needs none), so that its program does not compile
     for the first time inside the capture."""
-    import dataclasses
     from types import SimpleNamespace
     from flexspec.runtime.backends import REGISTRY
     attn = flexspec.compile("causal & doc")
@@ -376,11 +370,9 @@ def test_the_first_documents_call_on_fa4_builds_the_fallbacks_block_mask_once(fa
     built = []
     masks = SimpleNamespace(get=lambda *args: built.append(args))
     fallback = SimpleNamespace(spec="fallback spec", sizes={"Q_LEN": 150}, mask="fallback key")
-    plan = attn._plan(q, k, v, None, {"doc_ids": ids}, None)
-    plan = dataclasses.replace(plan, backend=REGISTRY["fa4"], prepared=NativeCall(
-        native_form(plan.spec), fallback, masks=masks))
-    values = plan.values({"doc_ids": ids})
-    for _ in range(3):
+    _, plan, values = _run_on_fa4(attn, q, k, v, {"doc_ids": ids}, fallback=fallback,
+                                  masks=masks)
+    for _ in range(2):
         REGISTRY["fa4"].run(plan, q, k, v, None, {"doc_ids": ids}, values)
     assert [call[0] for call in fa4_interface] == ["varlen"] * 3
     assert built == [("fallback spec", {"Q_LEN": 150}, values, q.device, "fallback key")]
@@ -392,9 +384,7 @@ def test_the_first_documents_call_on_fa4_builds_the_fallbacks_block_mask_once(fa
 
 
 def test_a_fallback_mask_too_large_to_build_does_not_stop_fa4s_own_call(fa4_interface):
-    import dataclasses
     from types import SimpleNamespace
-    from flexspec.runtime.backends import REGISTRY
     attn = flexspec.compile("causal & doc")
     q = k = v = torch.randn(1, 2, 150, 16)
     ids = torch.arange(150) // 30
@@ -402,9 +392,7 @@ def test_a_fallback_mask_too_large_to_build_does_not_stop_fa4s_own_call(fa4_inte
     def too_large(*args):
         raise flexspec.BindingError("the block mask would take too much memory")
     fallback = SimpleNamespace(spec=None, sizes=None, mask=None)
-    plan = attn._plan(q, k, v, None, {"doc_ids": ids}, None)
-    plan = dataclasses.replace(plan, backend=REGISTRY["fa4"], prepared=NativeCall(
-        native_form(plan.spec), fallback, masks=SimpleNamespace(get=too_large)))
-    out = REGISTRY["fa4"].run(plan, q, k, v, None, {"doc_ids": ids}, plan.values({"doc_ids": ids}))
+    out, _, _ = _run_on_fa4(attn, q, k, v, {"doc_ids": ids}, fallback=fallback,
+                            masks=SimpleNamespace(get=too_large))
     expected = attn.reference(q.double(), k.double(), v.double(), doc_ids=ids)
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
