@@ -53,13 +53,14 @@ def fused_block_mask(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, de
     intervals alone, built by the mask's program, compiled with the torch.compile backend
     ``compiler`` (see the module docstring)."""
     program = _program(mask, tuple(block), batch, heads, str(device), compiler)
-    reads = {key: tensors[key] for key in _reads(mask)}
+    read, named = _inputs(mask)
+    reads = {key: tensors[key] for key in read}
     lengths = {name: int(sizes[name]) for name in ir.SIZE_VARS}
     # B and H where the mask does not name them are the program's own extents: a call with 16
     # heads and Attention.block_mask with 1 would otherwise be two signatures, the second a
     # recompile (which inside a CUDA graph capture fails)
     lengths.update((name, extent) for name, extent in (("B", batch), ("H", heads))
-                   if name not in _sizes_named(mask))
+                   if name not in named)
     return from_tables(program(reads, lengths), sizes, block, mask_mod)
 
 
@@ -69,13 +70,10 @@ class Untraceable(Exception):
 
 
 @functools.lru_cache(maxsize=None)
-def _reads(mask: ir.Expr) -> tuple:
-    return tuple(sorted({ir.tensor_key(n) for n in ir.walk(mask) if isinstance(n, ir.Tensor)}))
-
-
-@functools.lru_cache(maxsize=None)
-def _sizes_named(mask: ir.Expr) -> frozenset:
-    return ir.free_vars(mask) & set(ir.SIZE_VARS)
+def _inputs(mask: ir.Expr) -> tuple:
+    """The keys of the tensors ``mask`` reads (sorted) and the sizes it names."""
+    return (tuple(sorted({ir.tensor_key(n) for n in ir.walk(mask) if isinstance(n, ir.Tensor)})),
+            ir.free_vars(mask) & set(ir.SIZE_VARS))
 
 
 @functools.lru_cache(maxsize=256)
