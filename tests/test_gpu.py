@@ -238,13 +238,6 @@ def test_rel_bias_runs_on_flash():
     assert attn.explain(q, k, v, rel_bias_table=table).choice.backend == "flash"
 
 
-# Registry examples FLASH cannot run, with the reason seen on the H200 (FA4 4.0.0b36, torch
-# 2.11): the sweep below checks that every other one runs there and that these still fail.
-FLASH_CANNOT = {
-    "natten(4, 4, 3, 3)": "could not compile.*'maximum'",  # inductor's, from the where forms
-}
-
-
 def _full_size(attn, bindings: dict, batch: int, heads: int) -> dict:
     """``bindings`` with their B and H dimensions expanded (demo values broadcast them, which
     would leave FLASH a lookup at a constant index)."""
@@ -274,10 +267,6 @@ def test_every_pattern_runs_on_flash_forward_and_backward(text):
     bindings = _full_size(attn, {name: value.cuda() for name, value in bindings.items()}, 2, 8)
     q, k, v = (torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
-    if text in FLASH_CANNOT:
-        with pytest.raises(flexspec.BackendError, match=FLASH_CANNOT[text]):
-            attn(q, k, v, **bindings)
-        return
     _assert_matches_reference_with_gradients(attn, q, k, v, bindings)
 
 

@@ -39,13 +39,15 @@ PROBATION_SIZE = 2
 
 @dataclass(frozen=True, slots=True)
 class MaskKey:
-    """A mask at given sizes and device: a small int ``token`` standing for it (so hot paths
-    never hash the IR), its batch and head extents, and the keys of the tensors it reads."""
+    """A mask at given sizes and device, in one form of the lowering: a small int ``token``
+    standing for them (so hot paths never hash the IR), its batch and head extents, the keys of
+    the tensors it reads, and whether its block masks carry FLASH's form of ``mask_mod``."""
 
     token: int
     batch: int
     heads: int
     reads: tuple
+    cute: bool = False
 
 
 def mask_extent(mask: ir.Expr, sizes: dict) -> tuple:
@@ -81,15 +83,17 @@ class BlockMasks:
         self._lock = threading.Lock()
         self._untraceable: set = set()  # tokens of masks the fused program could not trace
 
-    def key(self, spec: ir.AttentionIR, sizes: dict, device) -> MaskKey:
-        """The :class:`MaskKey` of ``spec``'s mask at ``sizes`` on ``device``."""
+    def key(self, spec: ir.AttentionIR, sizes: dict, device, cute: bool = False) -> MaskKey:
+        """The :class:`MaskKey` of ``spec``'s mask at ``sizes`` on ``device``; ``cute`` for the
+        block masks a FLASH kernel reads (they carry FLASH's form of ``mask_mod``, which its
+        kernel compiles inside partial tiles)."""
         batch, heads, reads = mask_extent(spec.mask, sizes)
-        full = (spec.mask, batch, heads, sizes["Q_LEN"], sizes["KV_LEN"], str(device))
+        full = (spec.mask, batch, heads, sizes["Q_LEN"], sizes["KV_LEN"], str(device), cute)
         token = self._tokens.get(full)
         if token is None:
             with self._lock:
                 token = self._tokens.setdefault(full, len(self._tokens))
-        return MaskKey(token, batch, heads, tuple(sorted(reads)))
+        return MaskKey(token, batch, heads, tuple(sorted(reads)), cute)
 
     def _fused(self, key: MaskKey, sizes: dict, device) -> bool:
         """Whether to build with the compiled program (:mod:`flexspec.kernels.fused_blocks`):
@@ -122,7 +126,7 @@ class BlockMasks:
                 self._admit(cache_key, *waiting)
                 return waiting[0]
         self._check_size(key, sizes)
-        mask_mod, _ = lower(spec).make_mods(sizes, values)
+        mask_mod, _ = lower(spec, cute=key.cute).make_mods(sizes, values)
         if self.mode == "dense":
             block_mask = create_block_mask(mask_mod or noop_mask, key.batch, key.heads,
                                            sizes["Q_LEN"], sizes["KV_LEN"], device=device,

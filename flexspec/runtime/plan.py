@@ -163,7 +163,8 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, blo
                 choice=choice, backend=REGISTRY[choice.backend],
                 fixed={key: value for key, value in values.items() if key not in slot_keys},
                 slots=tuple(slots), score_keys=score_keys,
-                mask=masks.key(spec, sizes, device), unproven=unproven,
+                mask=masks.key(spec, sizes, device, REGISTRY[choice.backend].cute),
+                unproven=unproven,
                 gqa=k.shape[1] != q.shape[1], detach=not grad_on, scale=scale,
                 needs_values=bool(unproven))
     plan.checked = plan.lookup_identity(values)

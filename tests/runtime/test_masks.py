@@ -134,6 +134,10 @@ def test_a_key_stands_for_the_mask_its_extents_lengths_and_device():
     # extents a mask does not read do not make another mask
     assert block_masks.key(per_row, {**SIZES, "H": 7}, cpu) == first
     assert block_masks.key(spec_of("causal"), {**SIZES, "B": 5, "H": 1}, cpu) == others[4]
+    # FLASH's form of the mask_mod is another entry with the same extents and tensors
+    flash = block_masks.key(per_row, SIZES, cpu, cute=True)
+    assert flash.token not in tokens and flash.cute and not first.cute
+    assert (flash.batch, flash.heads, flash.reads) == (first.batch, first.heads, first.reads)
 
 
 def test_a_key_lists_the_tensors_read_in_sorted_order():
@@ -175,6 +179,31 @@ def test_a_given_key_finds_the_mask_built_without_one():
     first = block_masks.get(spec, sizes, values, cpu)
     assert block_masks.get(spec, sizes, values, cpu, block_masks.key(spec, sizes, cpu)) is first
     assert block_masks.get(spec, sizes, values, cpu) is first
+
+
+def _aten_ops(mask_mod) -> set:
+    """The names of the aten ops ``mask_mod`` runs, traced over vectors of indices."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    index = torch.arange(4)
+    graph = make_fx(mask_mod)(index, index, index, index).graph
+    return {str(node.target).split(".")[1] for node in graph.nodes
+            if node.op == "call_function" and str(node.target).startswith("aten.")}
+
+
+@pytest.mark.parametrize("mode", ["exact", "intervals", "dense"])
+def test_a_block_mask_for_flash_carries_flashs_form_of_the_mask(mode):
+    # FLASH compiles the block mask's mask_mod inside partial tiles, and its CuTeDSL rejected
+    # the maximum a clamp becomes (natten, torch 2.11): a FLASH key's masks carry the where form
+    attn = flexspec.compile("natten(6, 5, 3, 3)", block_masks=mode, block_size=16)
+    spec, sizes, cpu = attn.ir, {"B": 1, "H": 1, "Q_LEN": 30, "KV_LEN": 30}, torch.device("cpu")
+    block_masks = BlockMasks(mode, (16, 16))
+    plain = block_masks.get(spec, sizes, {}, cpu)
+    flash = block_masks.get(spec, sizes, {}, cpu, block_masks.key(spec, sizes, cpu, cute=True))
+    assert flash is not plain
+    assert {"clamp", "abs"} <= _aten_ops(plain.mask_mod)
+    assert not {"clamp", "abs", "maximum", "minimum"} & _aten_ops(flash.mask_mod)
+    for block_mask in (plain, flash):
+        assert_is_the_reference(block_mask, attn, 30, 30, exact=mode != "intervals")
 
 
 def test_intervals_mode_leaves_undecided_tiles_partial_and_exact_mode_refines_them():

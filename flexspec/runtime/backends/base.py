@@ -88,6 +88,9 @@ class Backend:
     the registry (:mod:`flexspec.runtime.backends`) holds one instance of each."""
 
     name: str = ""
+    # the lowering's form this backend's kernels compile, in its score_mod and in the mask_mod
+    # its block masks carry (see flexspec.kernels.lower.lower): FLASH's CuTeDSL takes its own
+    cute: bool = False
 
     def cannot_run(self, spec: ir.AttentionIR) -> str | None:
         """Why this backend can run no call of ``spec`` (said when the spec is compiled), or

@@ -73,7 +73,6 @@ class FlexCall:
 
 class FlexBackend(Backend):
     name = "flex"
-    cute = False  # the lowering's form (see flexspec.kernels.lower.lower)
 
     def why_not(self, request, spec):
         device = request.device_type

@@ -364,7 +364,9 @@ def _fallback_plan(plan, values, masks):
             continue
         choice = Choice(name, f"{because} (document ids that are not contiguous runs, which "
                               "FA4's own kernels cannot run)", tuple(rejected))
-        fallback = dataclasses.replace(plan, choice=choice, backend=backend, prepared=None)
+        fallback = dataclasses.replace(
+            plan, choice=choice, backend=backend, prepared=None,
+            mask=masks.key(plan.spec, plan.sizes, plan.device, backend.cute))
         backend.prepare(fallback, values, masks)
         return fallback
     reasons = "; ".join(f"{name}: {reason}" for name, reason in rejected)
