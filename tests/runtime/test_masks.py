@@ -206,6 +206,16 @@ def test_a_block_mask_for_flash_carries_flashs_form_of_the_mask(mode):
         assert_is_the_reference(block_mask, attn, 30, 30, exact=mode != "intervals")
 
 
+def test_a_mask_built_again_after_the_fused_builder_fails_keeps_flashs_form(monkeypatch):
+    FusedProgram(monkeypatch, fail=True)  # intervals mode takes the fused builder first
+    attn = flexspec.compile("natten(6, 5, 3, 3)", block_masks="intervals", block_size=16)
+    spec, sizes, cpu = attn.ir, {"B": 1, "H": 1, "Q_LEN": 30, "KV_LEN": 30}, torch.device("cpu")
+    block_masks = BlockMasks("intervals", (16, 16))
+    flash = block_masks.get(spec, sizes, {}, cpu, block_masks.key(spec, sizes, cpu, cute=True))
+    assert not {"clamp", "abs", "maximum", "minimum"} & _aten_ops(flash.mask_mod)
+    assert_is_the_reference(flash, attn, 30, 30, exact=False)
+
+
 def test_intervals_mode_leaves_undecided_tiles_partial_and_exact_mode_refines_them():
     # (q + kv) % 2 is 0 or 1 at every cell, which intervals cannot prove: every tile is FULL
     exact = compile_mask("parity", block_size=16).block_mask(48, 64)
