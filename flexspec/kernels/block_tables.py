@@ -69,10 +69,12 @@ def tile_grid(sizes: dict, block: tuple) -> tuple:
 
 def ordered(dense: torch.Tensor):
     """``(count, indices)`` per row of a bool matrix: ``count`` True entries, whose columns come
-    first in ``indices``, in increasing order. The entries after them are other valid column
-    numbers in no promised order: FlexAttention (kernels, ``to_dense``) reads only the first
-    ``count`` of each row, and leaving them unsorted saves a sort or a full permutation over all
-    NQ x NK entries (at S = 1M, 67M of them per table).
+    first in ``indices``, in increasing order. The entries after them are filler in no promised
+    order: other valid column numbers, except on the CPU, where the rows written at each True
+    entry's rank leave them unwritten (any int32). FlexAttention (its Triton and CPU kernels,
+    ``to_dense``) reads only the first ``count`` of each row, and leaving the rest unsorted
+    saves a sort or a full permutation over all NQ x NK entries (at S = 1M, 67M of them per
+    table).
 
     Rows whose True entries form one run (``first .. first + count - 1``, as in causal, window
     and document masks) get ``(column + first) % NK``, copied from the rows of a strided view of
@@ -208,8 +210,16 @@ def _ordered_by_rank(flat: torch.Tensor, counts: torch.Tensor, columns: torch.Te
 
 def _ranked(rows, values, counts, columns):
     """``[len(counts), len(columns)]`` int32: row ``i`` lists the ``values`` of its ``counts[i]``
-    entries (``rows``, grouped by row in increasing order) first, then ``columns``' tail."""
-    indices = columns.expand(counts.shape[0], columns.shape[0]).contiguous()
+    entries (``rows``, grouped by row in increasing order) first, then ``columns``' tail; on the
+    CPU the tail is left unwritten (see :func:`ordered`)."""
+    if columns.device.type == "cpu":
+        # a sparse table is mostly tail: unwritten, its pages are never touched (at S = 1M
+        # writing the two tails of a causal mask's partial tiles took about 0.25 s of 0.95)
+        indices = torch.empty((counts.shape[0], columns.shape[0]), dtype=torch.int32)
+    else:
+        # FlexAttention's Triton and CPU kernels read a row up to its count; FLASH's reading
+        # was not checked on a GPU, and there writing the tail costs little
+        indices = columns.expand(counts.shape[0], columns.shape[0]).contiguous()
     if rows.numel():
         counts = counts.long()
         starts = torch.cumsum(counts, 0) - counts

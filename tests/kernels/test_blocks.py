@@ -35,8 +35,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention,
 import flexspec
 from flexspec import ir
 from flexspec.kernels import block_tables, blocks
-from flexspec.kernels.block_tables import (EMPTY, FULL, PARTIAL, ordered, sorted_rows, tile_classes,
-                                          to_block_mask)
+from flexspec.kernels.block_tables import (EMPTY, FULL, PARTIAL, from_tables, ordered, sorted_rows,
+                                          tile_classes, to_block_mask)
 from flexspec.kernels.blocks import build_block_mask, classify, refine
 from flexspec.lang.library import load_text
 from flexspec.kernels.reference import dense_scores
@@ -179,12 +179,11 @@ def assert_same_block_mask(ours, theirs, context=""):
                             ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
         num = getattr(ours, counts)
         assert torch.equal(num, getattr(theirs, counts)), f"{context} {counts}"
-        # the listed entries agree in order; past them each table holds valid, unread block ids
+        # the listed entries agree in order; past them each table holds unread filler
         listed = torch.arange(getattr(ours, indices).shape[-1]) < num.unsqueeze(-1)
         mine, torch_s = getattr(ours, indices), getattr(theirs, indices)
         assert torch.equal(torch.where(listed, mine, -1), torch.where(listed, torch_s, -1)), \
             f"{context} {indices}:\n{mine}\n{torch_s}"
-        assert ((mine >= 0) & (mine < mine.shape[-1])).all(), f"{context} {indices} range"
     assert torch.equal(ours.to_dense(), theirs.to_dense()), context
 
 
@@ -572,6 +571,29 @@ def test_a_ragged_last_column_of_unequal_blocks_is_never_full(block, kv_len):
 # ordered()
 
 
+def test_the_compiled_cpu_kernel_reads_a_row_of_a_table_only_up_to_its_count(monkeypatch):
+    # on the CPU the filler after a row's count is left unwritten (any int32): flexspec relies on
+    # FlexAttention's compiled CPU kernel never reading it. Every filler entry is made block 0,
+    # which a row that does not list it must not see: read as a FULL block, it would add keys
+    # the window hides.
+    def poisoned(index, sizes, block, mask_mod=None):
+        index = list(index)
+        for at in range(0, 8, 2):
+            count, indices = index[at], index[at + 1]
+            filler = torch.arange(indices.shape[-1]) >= count.unsqueeze(-1)
+            index[at + 1] = indices.masked_fill(filler, 0)
+        return from_tables(tuple(index), sizes, block, mask_mod)
+    monkeypatch.setattr(block_tables, "from_tables", poisoned)
+    attn = flexspec.compile("sliding_window(300)")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 1000, 32, generator=gen) for _ in range(3))
+    tables = attn.block_mask(1000, 1000)
+    assert (tables.full_kv_indices == 0).sum() > tables.full_kv_num_blocks.numel()  # poisoned
+    out = attn(q, k, v)
+    want = attn.reference(q.double(), k.double(), v.double())
+    assert ((out.double() - want).norm() / want.norm()).item() < 1e-5
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 40), st.integers(1, 40), st.floats(0.0, 1.0),
        st.booleans(), st.integers(0, 2**31 - 1))
@@ -587,7 +609,6 @@ def test_ordered_lists_true_columns_first(batch, rows, columns, density, sort, s
     expected = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
     listed = torch.arange(columns) < count.unsqueeze(-1)
     assert torch.equal(torch.where(listed, indices, -1), torch.where(listed, expected, -1))
-    assert ((indices >= 0) & (indices < columns)).all()
     assert count.is_contiguous() and indices.is_contiguous()
 
 
@@ -612,7 +633,6 @@ def test_ordered_run_rows_on_every_path(rows, columns, scatter, path, seed):
     listed = column < count.unsqueeze(-1)
     assert torch.equal(count, dense.sum(-1).to(torch.int32))
     assert torch.equal(torch.where(listed, indices, -1), torch.where(listed, expected, -1))
-    assert ((indices >= 0) & (indices < columns)).all()
 
 
 @settings(max_examples=80, deadline=None)
@@ -679,8 +699,8 @@ def true_columns(dense: torch.Tensor) -> list:
 
 def check_tables(classes: torch.Tensor, index: tuple) -> None:
     """index_tables' eight tables against the classes: the listed blocks of each kv-side row and
-    of each q-side column (from the transposed classes), every filler entry a valid number, and
-    the classes rebuilt from both sides."""
+    of each q-side column (from the transposed classes), and the classes rebuilt from both sides
+    (the filler after a row's count is any int32 on the CPU: see block_tables.ordered)."""
     *outer, nq, nk = classes.shape
     by_kv = classes.transpose(-2, -1)
     for k, (value, dense) in enumerate([(PARTIAL, classes), (FULL, classes),
@@ -691,7 +711,6 @@ def check_tables(classes: torch.Tensor, index: tuple) -> None:
         assert count.shape == (*outer, rows) and indices.shape == (*outer, rows, columns)
         assert count.is_contiguous() and indices.is_contiguous()
         assert lists(count, indices) == true_columns(dense == value), k
-        assert ((indices >= 0) & (indices < columns)).all(), k
     rebuilt = torch.zeros_like(classes)
     rebuilt[table_dense(index[0], index[1], nk)] = PARTIAL
     rebuilt[table_dense(index[2], index[3], nk)] = FULL
@@ -811,7 +830,6 @@ def test_columns_of_monotone_runs_are_runs(spans, columns):
     dense = runs(spans, columns)
     count, indices = column_tables(dense)
     assert lists(count, indices) == true_columns(dense.t())
-    assert ((indices >= 0) & (indices < len(spans))).all()
 
 
 @pytest.mark.parametrize("spans, columns", [
