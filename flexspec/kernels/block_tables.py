@@ -20,6 +20,14 @@ RUN_PATH_FRACTION = 1 / 32
 SORT_PATH_ENTRIES = 1 << 16
 
 
+# Devices where a table written entry by entry (the rank path) leaves the filler after each
+# row's count unwritten. On the CPU a sparse table is mostly filler, and unwritten its pages are
+# never touched (at S = 1M, writing the filler of a causal mask's two partial-tile tables took
+# about 0.25 s of 0.95). FlexAttention's Triton and CPU kernels read a row only up to its count;
+# FLASH's reading was not checked on a GPU, and there writing the filler costs little.
+UNWRITTEN_FILLER_DEVICES = frozenset({"cpu"})
+
+
 # row_counts adds a bool row's bytes eight at a time, as int64 words whose bytes are 0 or 1: a
 # sum of at most 127 words keeps every byte below 128, so no byte carries into the next and the
 # word stays below 2**63.
@@ -70,11 +78,11 @@ def tile_grid(sizes: dict, block: tuple) -> tuple:
 def ordered(dense: torch.Tensor):
     """``(count, indices)`` per row of a bool matrix: ``count`` True entries, whose columns come
     first in ``indices``, in increasing order. The entries after them are filler in no promised
-    order: other valid column numbers, except on the CPU, where the rows written at each True
-    entry's rank leave them unwritten (any int32). FlexAttention (its Triton and CPU kernels,
-    ``to_dense``) reads only the first ``count`` of each row, and leaving the rest unsorted
-    saves a sort or a full permutation over all NQ x NK entries (at S = 1M, 67M of them per
-    table).
+    order: other valid column numbers, or, in tables written at each True entry's rank on the
+    devices in :data:`UNWRITTEN_FILLER_DEVICES`, whatever the memory held. FlexAttention (its
+    Triton and CPU kernels, ``to_dense``) reads only the first ``count`` of each row, and
+    leaving the rest unsorted saves a sort or a full permutation over all NQ x NK entries (at
+    S = 1M, 67M of them per table).
 
     Rows whose True entries form one run (``first .. first + count - 1``, as in causal, window
     and document masks) get ``(column + first) % NK``, copied from the rows of a strided view of
@@ -210,15 +218,12 @@ def _ordered_by_rank(flat: torch.Tensor, counts: torch.Tensor, columns: torch.Te
 
 def _ranked(rows, values, counts, columns):
     """``[len(counts), len(columns)]`` int32: row ``i`` lists the ``values`` of its ``counts[i]``
-    entries (``rows``, grouped by row in increasing order) first, then ``columns``' tail; on the
-    CPU the tail is left unwritten (see :func:`ordered`)."""
-    if columns.device.type == "cpu":
-        # a sparse table is mostly tail: unwritten, its pages are never touched (at S = 1M
-        # writing the two tails of a causal mask's partial tiles took about 0.25 s of 0.95)
-        indices = torch.empty((counts.shape[0], columns.shape[0]), dtype=torch.int32)
+    entries (``rows``, grouped by row in increasing order) first, then ``columns``' tail, left
+    unwritten on the devices in :data:`UNWRITTEN_FILLER_DEVICES`."""
+    if columns.device.type in UNWRITTEN_FILLER_DEVICES:
+        indices = torch.empty((counts.shape[0], columns.shape[0]), dtype=torch.int32,
+                              device=columns.device)
     else:
-        # FlexAttention's Triton and CPU kernels read a row up to its count; FLASH's reading
-        # was not checked on a GPU, and there writing the tail costs little
         indices = columns.expand(counts.shape[0], columns.shape[0]).contiguous()
     if rows.numel():
         counts = counts.long()

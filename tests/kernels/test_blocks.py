@@ -596,13 +596,17 @@ def test_the_compiled_cpu_kernel_reads_a_row_of_a_table_only_up_to_its_count(mon
 
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 40), st.integers(1, 40), st.floats(0.0, 1.0),
-       st.booleans(), st.integers(0, 2**31 - 1))
-def test_ordered_lists_true_columns_first(batch, rows, columns, density, sort, seed):
+       st.booleans(), st.booleans(), st.integers(0, 2**31 - 1))
+def test_ordered_lists_true_columns_first(batch, rows, columns, density, sort, written, seed):
     gen = torch.Generator().manual_seed(seed)
     dense = torch.rand(batch, rows, columns, generator=gen) < density
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(block_tables, "SORT_PATH_ENTRIES", 1 << 30 if sort else 0)
+        if written:  # as on a GPU: the filler is written too
+            patch.setattr(block_tables, "UNWRITTEN_FILLER_DEVICES", frozenset())
         count, indices = ordered(dense)
+    if written or sort:
+        assert ((indices >= 0) & (indices < columns)).all()  # filler: valid column numbers
     assert count.dtype == indices.dtype == torch.int32
     assert torch.equal(count, dense.sum(-1).to(torch.int32))
     # the first `count` entries: what a stable descending argsort (create_block_mask) lists

@@ -193,6 +193,9 @@ def test_ids_that_are_not_runs_go_where_auto_would_send_them_without_fa4():
     assert fallback.choice.backend == "flash" and fallback.backend.name == "flash"
     assert "not contiguous runs" in fallback.choice.reason
     assert fallback.prepared is not None and plan.prepared is not fallback.prepared
+    # its block masks carry FLASH's form of the mask (FLASH compiles it in partial tiles)
+    assert fallback.mask == masks.key(plan.spec, plan.sizes, plan.device, cute=True)
+    assert not plan.mask.cute
     # training with blocks Triton's backward cannot tile: nothing else can run it, said in words
     plan, values, masks = _plan_on_a_gpu_that_is_not_there("causal & doc", grads=True,
                                                              block_size=(64, 64))

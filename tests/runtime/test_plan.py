@@ -220,6 +220,17 @@ def test_the_plan_s_mask_key_is_its_spec_s_on_its_device():
     assert plan.mask == masks.key(plan.spec, plan.sizes, torch.device("cpu"))
 
 
+def test_the_plan_s_mask_key_is_in_its_backend_s_form_of_the_lowering(monkeypatch):
+    # FLASH's form (cute) cannot be chosen on the CPU: flex is made to take it, as FLASH does
+    from flexspec.runtime.backends import REGISTRY
+    q, k, v = qkv(Q_LEN=200, KV_LEN=200)
+    plain = plan_for("causal", q, k, v, asked="flex")
+    monkeypatch.setattr(REGISTRY["flex"], "cute", True)
+    flash_like = plan_for("causal", q, k, v, asked="flex")
+    assert not plain.mask.cute and flash_like.mask.cute
+    assert (flash_like.mask.batch, flash_like.mask.heads) == (plain.mask.batch, plain.mask.heads)
+
+
 def test_a_learnable_table_is_a_slot_only_when_passed_by_name():
     text = "causal + rel_bias(max_distance=2)"
     key = key_of(text, "rel_bias_table")
