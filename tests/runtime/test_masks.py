@@ -10,6 +10,7 @@ PARTIAL). Rebuilds are counted by wrapping the builders the module calls.
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention.flex_attention import create_mask
 
 import flexspec
@@ -183,7 +184,6 @@ def test_a_given_key_finds_the_mask_built_without_one():
 
 def _aten_ops(mask_mod) -> set:
     """The names of the aten ops ``mask_mod`` runs, traced over vectors of indices."""
-    from torch.fx.experimental.proxy_tensor import make_fx
     index = torch.arange(4)
     graph = make_fx(mask_mod)(index, index, index, index).graph
     return {str(node.target).split(".")[1] for node in graph.nodes
