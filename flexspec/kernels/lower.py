@@ -124,6 +124,13 @@ class _Emitter:
                 left = _Code(f"{left.at(_ATOM)}.to(torch.float32)", _ATOM, True)
             else:
                 right = _Code(f"{right.at(_ATOM)}.to(torch.float32)", _ATOM, True)
+        if node.op in ("==", "!=") and "bool" in (ir.type_of(node.left), ir.type_of(node.right)):
+            # a scalar bool here may be symbolic (a comparison of a length, which the compiled
+            # call marks dynamic): torch 2.13's dynamo and inductor failed on == and != of one
+            # with a bool or a bool tensor ("BooleanAtom not allowed in this context"), and
+            # compare it as an int
+            left, right = (c if c.tensor else _Code(f"int({c.text})", _ATOM, False)
+                           for c in (left, right))
         entry = OPERATORS[node.op]
         symbol, prec = entry.py_tensor if tensor else entry.scalar
         # Comparisons take operands one level tighter: Python would chain `a < b < c`.

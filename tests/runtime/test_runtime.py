@@ -307,6 +307,20 @@ def test_mods_read_sizes_off_the_bindings_and_ask_for_the_rest():
         flexspec.compile("alibi").mods()
 
 
+def test_a_mask_comparing_bools_of_the_lengths_runs_at_new_lengths():
+    # found by test_the_runtime_matches_the_reference_call_after_call: the second length makes
+    # the lengths dynamic, and torch 2.13's dynamo failed on `False == (0.5 < Q_LEN)` with a
+    # symbolic Q_LEN (a raw InternalTorchDynamoError); the lowering compares such bools as ints
+    library = load_text("mask m = where(false == (0.5 < Q_LEN) & 0.5 < Q_LEN, 0.5 < Q_LEN, 0.5 < q)"
+                        "\nmask n = (q >= kv) != (KV_LEN > 140)")
+    for text in ("m", "n"):
+        attn = flexspec.compile(text, library=library)
+        for length in (129, 145):
+            q, k, v = Shape(1, 1, 1, length, length, 8).qkv(seed=0)
+            torch.testing.assert_close(attn(q, k, v), attn.reference(q, k, v), rtol=1e-4,
+                                       atol=1e-4)
+
+
 @pytest.mark.slow
 def test_reaching_the_recompile_limit_is_a_flexspec_error():
     # A spec that keeps changing shapes would make dynamo give up and silently fall back to the
