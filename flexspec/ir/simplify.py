@@ -3,7 +3,8 @@
 The passes run in the order of :data:`PASSES`, bottom-up, until nothing changes:
 
 * ``fold_constants``: operators and functions of constants become constants (``2 * 64`` -> ``128``,
-  ``0 >= 0`` -> ``true``);
+  ``0 >= 0`` -> ``true``), and a comparison with a NaN of constants its IEEE value
+  (``0.0 * inf < Q_LEN`` -> ``false``);
 * ``flatten``: nested ``And``/``Or`` become one n-ary node and duplicates go
   (``causal & causal`` -> ``causal``);
 * ``boolean_identities``: ``true & x`` -> ``x``, ``false | x`` -> ``x``, ``~~x`` -> ``x``,
@@ -21,8 +22,8 @@ from __future__ import annotations
 
 import math
 
-from flexspec.ir import (FALSE, FUNCTIONS, OPERATORS, TRUE, And, Binary, Call, Const, Expr, Or,
-                         Unary, children, transform, type_of)
+from flexspec.ir import (COMPARE_OPS, FALSE, FUNCTIONS, OPERATORS, TRUE, And, Binary, Call, Const,
+                         Expr, Or, Unary, children, transform, type_of)
 from flexspec.limits import fits_int
 
 
@@ -58,9 +59,34 @@ def fold_constants(node: Expr) -> Expr:
             if all(isinstance(a, Const) for a in args):
                 entry = FUNCTIONS[node.fn] if isinstance(node, Call) else OPERATORS[node.op]
                 return _const(entry.python(*(a.value for a in args)), type_of(node)) or node
+        if isinstance(node, Binary) and node.op in COMPARE_OPS and (
+                _is_nan(node.left) or _is_nan(node.right)):
+            # NaN compares false, and unequal, to everything; left unfolded, a NaN constant
+            # compared with a length broke torch.compile ("Invalid NaN comparison" of a
+            # symbolic size, torch 2.13)
+            return Const(node.op == "!=")
     except (ArithmeticError, ValueError):
         return node
     return node
+
+
+def _is_nan(node: Expr) -> bool:
+    """Whether ``node`` reads no variable and evaluates to NaN (which no Const holds)."""
+    value = _constant_value(node)
+    return isinstance(value, float) and math.isnan(value)
+
+
+def _constant_value(node: Expr):
+    """The Python value of an expression of constants alone, else None."""
+    if isinstance(node, Const):
+        return node.value
+    if not isinstance(node, (Unary, Binary, Call)):
+        return None
+    values = [_constant_value(a) for a in children(node)]
+    if any(v is None for v in values):
+        return None
+    entry = FUNCTIONS[node.fn] if isinstance(node, Call) else OPERATORS[node.op]
+    return entry.python(*values)
 
 
 def flatten(node: Expr) -> Expr:

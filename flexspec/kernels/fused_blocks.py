@@ -106,14 +106,14 @@ def _program(mask: ir.Expr, block: tuple, batch: int, heads: int, device: str, c
             with torch.no_grad():
                 return compiled(tensors, sizes)
         except Exception as error:  # noqa: BLE001 - narrowed below
-            if not _compile_error(error):
+            if not compile_error(error):
                 raise
             raise Untraceable(str(error).split("\n")[0]) from error
 
     return run
 
 
-def _compile_error(error: Exception) -> bool:
+def compile_error(error: Exception) -> bool:
     """Whether ``error`` comes from tracing or compiling (dynamo, inductor), not from running."""
     # imported here: torch._inductor is heavy, and only a failed compile needs it
     from torch._dynamo.exc import TorchDynamoException

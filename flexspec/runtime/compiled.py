@@ -133,3 +133,12 @@ def run_compiled(entry, *args):
     finally:
         for name, value in before.items():
             setattr(config, name, value)
+
+
+def first_line(err: Exception) -> str:
+    """The gist of a compile error: its first lines that say something (inductor's start with
+    "backend='inductor' raised:" and a banner)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip().strip("=")]
+    lines = [line for line in lines if not line.endswith("raised:")]
+    text = " ".join(lines[:2]) if lines else type(err).__name__
+    return text if len(text) <= 200 else text[:197] + "..."

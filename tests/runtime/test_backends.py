@@ -526,6 +526,29 @@ def test_auto_falls_back_to_flex_when_flash_cannot_compile(monkeypatch):
         explicit(q, k, v)
 
 
+def test_a_compile_torch_gives_up_on_is_a_flexspec_error(monkeypatch):
+    # no raw dynamo or inductor exception reaches the caller: simulated with the error dynamo
+    # raised for a NaN compared with a symbolic length (before the simplifier folded it)
+    from torch._dynamo.exc import TorchRuntimeError
+    from flexspec.runtime import compiled
+
+    def fail(entry, *args):
+        raise TorchRuntimeError("RuntimeError when making fake tensor call\n  Explanation: "
+                                "Invalid NaN comparison")
+    monkeypatch.setattr(compiled, "run_compiled", fail)
+    attn = flexspec.compile("causal & window(8)")
+    q, k, v = Shape(1, 2, 2, 200, 200, 8).qkv(seed=0)
+    with pytest.raises(BackendError, match="backend 'flex' could not compile this spec: "
+                                           "torch.compile failed \(RuntimeError when making "
+                                           "fake tensor call Explanation: Invalid NaN") as info:
+        attn(q, k, v)
+    assert "backend='reference' computes it" in str(info.value)
+    # other errors pass through as they are
+    monkeypatch.setattr(compiled, "run_compiled", lambda entry, *args: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        flexspec.compile("causal & window(9)")(q, k, v)
+
+
 def test_a_remembered_flash_failure_is_a_reason():
     request = dataclasses.replace(H200, flash_failed="CuteDSL template failed: 'maximum'")
     choice = choose("auto", request, ir("causal & chunked(8)"))

@@ -307,13 +307,15 @@ def test_mods_read_sizes_off_the_bindings_and_ask_for_the_rest():
         flexspec.compile("alibi").mods()
 
 
-def test_a_mask_comparing_bools_of_the_lengths_runs_at_new_lengths():
+def test_masks_comparing_constants_with_the_lengths_run_at_new_lengths():
     # found by test_the_runtime_matches_the_reference_call_after_call: the second length makes
-    # the lengths dynamic, and torch 2.13's dynamo failed on `False == (0.5 < Q_LEN)` with a
-    # symbolic Q_LEN (a raw InternalTorchDynamoError); the lowering compares such bools as ints
+    # the lengths dynamic, and torch 2.13's dynamo failed on `False == (0.5 < Q_LEN)` and on
+    # `0.0 * inf < Q_LEN` with a symbolic Q_LEN (raw dynamo errors); the lowering compares
+    # such bools as ints, and the simplifier folds comparisons with NaN
     library = load_text("mask m = where(false == (0.5 < Q_LEN) & 0.5 < Q_LEN, 0.5 < Q_LEN, 0.5 < q)"
-                        "\nmask n = (q >= kv) != (KV_LEN > 140)")
-    for text in ("m", "n"):
+                        "\nmask n = (q >= kv) != (KV_LEN > 140)"
+                        "\nmask o = (0.0 * inf < Q_LEN) | (q >= kv & 0.0 * inf != KV_LEN)")
+    for text in ("m", "n", "o"):
         attn = flexspec.compile(text, library=library)
         for length in (129, 145):
             q, k, v = Shape(1, 1, 1, length, length, 8).qkv(seed=0)

@@ -18,7 +18,7 @@ import torch
 from flexspec import ir
 from flexspec.runtime.backends.base import REGISTRY, BackendError, Choice, Rank, Request
 from flexspec.runtime.backends.flex import FlexBackend, FlexKernelOptions
-from flexspec.runtime.compiled import CompileLimitError
+from flexspec.runtime.compiled import CompileLimitError, first_line
 from flexspec.runtime.notices import warn_once
 
 FLASH_OPTIONS: FlexKernelOptions = {"BACKEND": "FLASH"}
@@ -102,7 +102,7 @@ class FlashBackend(FlexBackend):
 
     def launch(self, plan, args):
         try:
-            return super().launch(plan, args)
+            return self.compile_and_run(plan, args)
         except CompileLimitError:
             raise
         except Exception as err:  # noqa: BLE001 - inductor's errors have no stable type
@@ -188,12 +188,3 @@ def _lookups(spec: ir.AttentionIR):
     """Every tensor lookup of the mask and the score."""
     for root in (spec.mask, spec.score):
         yield from (node for node in ir.walk(root) if isinstance(node, ir.Lookup))
-
-
-def first_line(err: Exception) -> str:
-    """The gist of a compile error: its first lines that say something (inductor's start with
-    "backend='inductor' raised:" and a banner)."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip().strip("=")]
-    lines = [line for line in lines if not line.endswith("raised:")]
-    text = " ".join(lines[:2]) if lines else type(err).__name__
-    return text if len(text) <= 200 else text[:197] + "..."

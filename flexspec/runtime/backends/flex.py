@@ -17,9 +17,10 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexspec import ir
+from flexspec.kernels.fused_blocks import compile_error
 from flexspec.kernels.lower import Lowered, lower
 from flexspec.runtime import compiled
-from flexspec.runtime.backends.base import Backend, Rank, Request
+from flexspec.runtime.backends.base import Backend, BackendError, Rank, Request
 from flexspec.runtime.inputs import capturing
 
 try:
@@ -176,7 +177,23 @@ class FlexBackend(Backend):
         return compiled.split_lse(out) if call.lse is not None else out
 
     def launch(self, plan, args: tuple):
-        """The first call of a plan, which may compile."""
+        """The first call of a plan, which may compile: a compile that torch's compiler gives
+        up on is a :class:`BackendError` (no raw dynamo or inductor exception reaches the
+        caller)."""
+        try:
+            return self.compile_and_run(plan, args)
+        except Exception as err:  # noqa: BLE001 - narrowed below
+            if not compile_error(err):
+                raise
+            raise BackendError(
+                f"backend '{self.name}' could not compile this spec: torch.compile failed "
+                f"({compiled.first_line(err)}). This is a limit of torch's compiler, not an "
+                "error in the spec: backend='reference' computes it densely (float64 math, "
+                "memory growing as Q_LEN x KV_LEN)") from err
+
+    def compile_and_run(self, plan, args: tuple):
+        """:meth:`launch` without turning compile failures into flexspec errors (FLASH's
+        launch catches them itself, to fall back to Triton)."""
         entry = plan.prepared.entry
         compiled.mark_lengths_dynamic(entry, *args[:5])
         return compiled.run_compiled(entry, *args)
