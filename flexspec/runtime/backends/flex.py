@@ -187,9 +187,10 @@ class FlexBackend(Backend):
                 raise
             raise BackendError(
                 f"backend '{self.name}' could not compile this spec: torch.compile failed "
-                f"({compiled.first_line(err)}). This is a limit of torch's compiler, not an "
-                "error in the spec: backend='reference' computes it densely (float64 math, "
-                "memory growing as Q_LEN x KV_LEN)") from err
+                f"({compiled.first_line(err)}). This is a limit of the compiled path (torch's "
+                "compiler, or flexspec's lowering for it), not an error in the spec: please "
+                "report it; backend='reference' computes it densely (float64 math, memory "
+                "growing as Q_LEN x KV_LEN)") from err
 
     def compile_and_run(self, plan, args: tuple):
         """:meth:`launch` without turning compile failures into flexspec errors (FLASH's
