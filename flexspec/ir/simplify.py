@@ -54,11 +54,9 @@ def fold_constants(node: Expr) -> Expr:
             if type_of(chosen) == type_of(node):
                 return chosen
             return (_const(chosen.value, type_of(node)) or node) if isinstance(chosen, Const) else node
-        if isinstance(node, (Unary, Binary, Call)):
-            args = children(node)
-            if all(isinstance(a, Const) for a in args):
-                entry = FUNCTIONS[node.fn] if isinstance(node, Call) else OPERATORS[node.op]
-                return _const(entry.python(*(a.value for a in args)), type_of(node)) or node
+        if isinstance(node, (Unary, Binary, Call)) and all(
+                isinstance(a, Const) for a in children(node)):
+            return _const(_constant_value(node), type_of(node)) or node
         if isinstance(node, Binary) and node.op in COMPARE_OPS and (
                 _is_nan(node.left) or _is_nan(node.right)):
             # NaN compares false, and unequal, to everything; left unfolded, a NaN constant
