@@ -23,11 +23,12 @@ from flexspec.kernels.reference import dense_mask, reference_attention
 from flexspec.lang.spec import Spec
 from flexspec.runtime.backends import REGISTRY, BackendError, BackendName, check_backend_name
 from flexspec.runtime.explanation import Explanation, explain_plan
-from flexspec.runtime.inputs import Tensors, as_device, check_qkv, given_sizes
+from flexspec.runtime.inputs import Tensors, as_device, check_qkv, given_sizes, meta
 from flexspec.runtime.masks import BLOCK_MASK_MODES, BlockMaskMode, BlockMasks
 from flexspec.runtime.notices import warn_once
 from flexspec.runtime import positions
-from flexspec.runtime.plan import PLAN_CACHE_SIZE, Plan, call_key, check_ranges, make_plan
+from flexspec.runtime.plan import (PLAN_CACHE_SIZE, InputPlan, Plan, call_key, make_mask_plan,
+                                   make_plan)
 
 
 class Attention:
@@ -58,6 +59,7 @@ class Attention:
         self._default_offset = spec.ir.align == "end" and positions.reads_positions(spec.ir)
         self._masks = BlockMasks(block_masks, sizes)
         self._plans: collections.OrderedDict = collections.OrderedDict()
+        self._mask_plans: collections.OrderedDict = collections.OrderedDict()  # block_mask's
         # concurrent calls share the plan cache: its bookkeeping is one step at a time
         self._plans_lock = threading.Lock()
         # the spec without its mask, for calls whose rows see every key (see _unmasked_for)
@@ -126,9 +128,30 @@ class Attention:
         device = as_device(device)
         bindings = self._positions(bindings, q_offset, kv_lengths, sizes["B"], q_len, kv_len,
                                    device)
-        values, spec = self._tensors(sizes, bindings, device, mask_only=True)
-        check_ranges(spec, sizes, "int64")
-        return self._masks.get(spec, sizes, values, device)
+        plan = self._mask_plan(sizes, bindings, device)
+        values = plan.values(bindings)
+        if plan.unproven:
+            plan.check_lookups(values)
+        return self._masks.get(plan.spec, sizes, values, device, plan.mask)
+
+    def _mask_plan(self, sizes: dict, bindings: dict, device) -> InputPlan:
+        """The :class:`InputPlan` of :meth:`block_mask` for this signature (sizes, device, the
+        bindings' names and :func:`meta`), from the cache or made: checking and specializing
+        cost 0.1-0.5 ms, more than building a mask on the GPU."""
+        key = (tuple(sizes.items()), device,
+               tuple((name, meta(value)) for name, value in bindings.items()))
+        with self._plans_lock:
+            plan = self._mask_plans.get(key)
+            if plan is not None:
+                self._mask_plans.move_to_end(key)
+                return plan
+        plan = make_mask_plan(tensors=self._inputs_for(bindings), masks=self._masks,
+                              sizes=sizes, bindings=bindings, device=device)
+        with self._plans_lock:
+            self._mask_plans[key] = plan
+            if len(self._mask_plans) > PLAN_CACHE_SIZE:
+                self._mask_plans.popitem(last=False)
+        return plan
 
     def dense_mask(self, q_len: int, kv_len: int, *, batch: int | None = None,
                    heads: int | None = None, device="cpu", q_offset=None, kv_lengths=None,

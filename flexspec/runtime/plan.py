@@ -4,6 +4,8 @@ in a :class:`Plan`.
 
 :func:`make_plan` checks the inputs, specializes the IR to the bindings' shapes, proves tensor
 lookups in range where it can, chooses the backend and lets it prepare what its calls reuse.
+:func:`make_mask_plan` does the part of that a block mask needs (``Attention.block_mask``, which
+training steps with fresh ``doc_ids`` call every step).
 """
 
 from __future__ import annotations
@@ -38,33 +40,26 @@ class Slot(NamedTuple):
     ndim: int
 
 
-@dataclass(eq=False)
-class Plan:
-    """Everything about a call that depends only on its input signature (see the module
-    docstring); ``prepared`` is what the chosen backend keeps (see Backend.prepare)."""
+@dataclass(eq=False, kw_only=True)
+class InputPlan:
+    """What the tensors of calls with one input signature need, decided once: the IR
+    specialized to the bindings' shapes, the values that do not change between calls, a slot
+    per tensor passed by name, the key of the block mask, and the lookups to check by value.
+    :meth:`Attention.block_mask <flexspec.runtime.attention.Attention.block_mask>` keeps one per
+    signature; a :class:`Plan` is one with the backend's choices added."""
 
-    text: str                       # the spec as the user wrote it, for messages
-    asked: str                      # the backend asked for ("auto", "flex", ...)
     sizes: dict
     device: torch.device
     spec: ir.AttentionIR            # specialized to the bindings' shapes
-    request: Request
-    choice: Choice
-    backend: Backend
     fixed: dict                     # tensor values that do not change between calls
     slots: tuple                    # a Slot per tensor passed by name
-    score_keys: frozenset           # keys of the tensors the score reads
     mask: MaskKey
     unproven: tuple                 # lookups whose indices are checked by value
-    gqa: bool
     # Under no_grad, run on detached tensors: FlexAttention refuses inputs that require
     # gradients where it has no backward, and FLASH captured tables that do, even though
     # nothing is recorded under no_grad
-    detach: bool
-    scale: float | None = None      # the call's scale (None: 1 / sqrt(D))
+    detach: bool = False
     checked: tuple = ()             # identity of the values whose lookups were last checked
-    needs_values: bool = False      # calls gather their tensor values (see Plan.values)
-    prepared: object = None
 
     def values(self, bindings: dict) -> dict:
         """The tensor values of one call: the plan's fixed ones and this call's bindings."""
@@ -87,6 +82,54 @@ class Plan:
 
     def lookup_identity(self, values: dict) -> tuple:
         return tuple(identity(values[tensor_key(t)]) for t, _, _ in self.unproven)
+
+
+@dataclass(eq=False, kw_only=True)
+class Plan(InputPlan):
+    """Everything about a call that depends only on its input signature (see the module
+    docstring); ``prepared`` is what the chosen backend keeps (see Backend.prepare)."""
+
+    text: str                       # the spec as the user wrote it, for messages
+    asked: str                      # the backend asked for ("auto", "flex", ...)
+    request: Request
+    choice: Choice
+    backend: Backend
+    score_keys: frozenset           # keys of the tensors the score reads
+    gqa: bool
+    scale: float | None = None      # the call's scale (None: 1 / sqrt(D))
+    needs_values: bool = False      # calls gather their tensor values (see Plan.values)
+    prepared: object = None
+
+
+def make_mask_plan(*, tensors: Tensors, masks: BlockMasks, sizes: dict, bindings: dict,
+                   device) -> InputPlan:
+    """The :class:`InputPlan` of the mask alone (for ``Attention.block_mask``): its bindings
+    checked, its IR specialized to their shapes, its integer arithmetic checked at these sizes
+    (positions as in :func:`check_ranges`) and its lookups proven in range where they can be."""
+    values, spec = tensors.gather(sizes, bindings, device, mask_only=True)
+    check_ranges(spec, sizes, "int64")
+    slots = _slots(spec, sizes, bindings)
+    plan = InputPlan(sizes=sizes, device=device, spec=spec,
+                     fixed=_fixed(values, slots), slots=slots,
+                     mask=masks.key(spec, sizes, device),
+                     unproven=unproven_lookups(spec, tuple(sorted(sizes.items())),
+                                               shapes_key(values)))
+    plan.checked = plan.lookup_identity(values)
+    return plan
+
+
+def _slots(spec: ir.AttentionIR, sizes: dict, bindings: dict) -> tuple:
+    """A :class:`Slot` per tensor of ``spec`` that the call passes by name: its bindings, and
+    learnable tensors given by name."""
+    named = [t for t in spec.bindings() if t.name in bindings]
+    named += [t for t in spec.tensors() if t.origin == "learnable" and t.name in bindings]
+    return tuple(Slot(t.name, tensor_key(t), len(declared_shape(t, sizes))) for t in named)
+
+
+def _fixed(values: dict, slots: tuple) -> dict:
+    """The values no slot replaces at each call."""
+    passed = {slot.key for slot in slots}
+    return {key: value for key, value in values.items() if key not in passed}
 
 
 def check_ranges(spec: ir.AttentionIR, sizes: dict, dtype: str) -> None:
@@ -128,11 +171,7 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, blo
         raise BindingError(f"return_lse must be True or False, got {return_lse!r}")
     device = q.device
     values, spec = tensors.gather(sizes, bindings, device, learnables)
-    slots = [Slot(t.name, tensor_key(t), len(declared_shape(t, sizes)))
-             for t in spec.bindings() if t.name in bindings]
-    slots += [Slot(t.name, tensor_key(t), len(declared_shape(t, sizes)))  # given by name
-              for t in spec.tensors() if t.origin == "learnable" and t.name in bindings]
-    slot_keys = {slot.key for slot in slots}
+    slots = _slots(spec, sizes, bindings)
     grad_on = torch.is_grad_enabled()
     if not grad_on:  # see Plan.detach
         values = {key: value.detach() for key, value in values.items()}
@@ -161,8 +200,7 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, blo
     unproven = unproven_lookups(spec, tuple(sorted(sizes.items())), shapes_key(values))
     plan = Plan(text=text, asked=asked, sizes=sizes, device=device, spec=spec, request=request,
                 choice=choice, backend=REGISTRY[choice.backend],
-                fixed={key: value for key, value in values.items() if key not in slot_keys},
-                slots=tuple(slots), score_keys=score_keys,
+                fixed=_fixed(values, slots), slots=slots, score_keys=score_keys,
                 mask=masks.key(spec, sizes, device, REGISTRY[choice.backend].cute),
                 unproven=unproven,
                 gqa=k.shape[1] != q.shape[1], detach=not grad_on, scale=scale,

@@ -29,6 +29,7 @@ mask both(r: int[B, KV_LEN], f: bool[H]) = r[b, kv] <= r[b, q] & f[h]
 mask two(a: int[KV_LEN], z: int[KV_LEN]) = a[kv] == a[q] & z[kv] <= z[q]
 mask parity = (q + kv) % 2 == 0 | (q + kv) % 2 == 1
 mask tail = kv >= KV_LEN - 8 | q >= kv
+mask same_group(group: int[KV_LEN]) = group[group[q]] == group[kv]
 """)
 
 
@@ -417,7 +418,7 @@ def test_new_masks_wait_on_probation_where_the_oldest_leaves_first(monkeypatch):
     a = attn.block_mask(20, 20)
     attn.block_mask(21, 21)
     assert attn.block_mask(20, 20) is a and len(builds) == 2  # two fit on probation
-    attn._masks = BlockMasks("exact", (16, 16))
+    attn = flexspec.compile("causal", block_size=16)  # an empty cache
     for length in (20, 21, 22):
         attn.block_mask(length, length)
     assert len(attn._masks._probation) == masks.PROBATION_SIZE == 2
@@ -427,6 +428,41 @@ def test_new_masks_wait_on_probation_where_the_oldest_leaves_first(monkeypatch):
     attn.block_mask(20, 20)
     assert len(builds) == 6  # 20, the oldest, had left
     assert attn._masks.cached_bytes() > 0
+
+
+def test_block_mask_plans_once_per_signature_and_builds_each_call_s_values(monkeypatch):
+    from flexspec.runtime import attention
+    plans = []
+    original = attention.make_mask_plan
+    monkeypatch.setattr(attention, "make_mask_plan",
+                        lambda **kwargs: plans.append(kwargs) or original(**kwargs))
+    attn = flexspec.compile("causal & document")
+    rows = (((40, 90), (20,)), ((10,), (70, 71)), ((), (140,)))
+    for bounds in rows:  # new values of one signature: one plan, each call's own mask
+        ids = doc_ids(bounds)
+        assert_is_the_reference(attn.block_mask(100, 150, batch=2, doc_ids=ids), attn, 100,
+                                150, batch=2, doc_ids=ids)
+    assert len(plans) == 1
+    ids = doc_ids(rows[1])
+    for signature in ({"doc_ids": ids.to(torch.int32)}, {"doc_ids": ids[:1]},
+                      {"doc_ids": ids, "q_len": 99}):
+        q_len = signature.pop("q_len", 100)
+        block_mask = attn.block_mask(q_len, 150, batch=2, **signature)
+        assert_is_the_reference(block_mask, attn, q_len, 150, batch=2, **signature)
+    assert len(plans) == 4
+
+
+def test_block_mask_checks_lookups_it_cannot_prove_on_every_new_binding():
+    attn = compile_mask("same_group")
+    group = torch.zeros(24, dtype=torch.int64)
+    attn.block_mask(24, 24, group=group)
+    wild = torch.zeros(24, dtype=torch.int64)
+    wild[3] = 24  # the same signature, but group[group[3]] reads past the end
+    with pytest.raises(BindingError, match=r"'group' is indexed by group\[q\]"):
+        attn.block_mask(24, 24, group=wild)
+    group[5] = -1  # in place: checked again
+    with pytest.raises(BindingError, match=r"'group' is indexed by group\[q\]"):
+        attn.block_mask(24, 24, group=group)
 
 
 def test_block_mask_is_rebuilt_after_an_in_place_change():
@@ -502,7 +538,7 @@ def test_the_byte_budget_counts_every_entry_and_refuses_one_larger_than_itself(m
     attn.block_mask(64, 64)
     attn.block_mask(64, 64)
     size = attn._masks.cached_bytes()
-    attn._masks = BlockMasks("exact", (16, 16))
+    attn = flexspec.compile("causal", block_size=16)  # an empty cache
     monkeypatch.setattr(masks, "BLOCK_MASK_CACHE_BYTES", size - 1)  # too small for one
     for _ in range(3):
         attn.block_mask(64, 64)
@@ -510,7 +546,7 @@ def test_the_byte_budget_counts_every_entry_and_refuses_one_larger_than_itself(m
     monkeypatch.setattr(masks, "BLOCK_MASK_CACHE_BYTES", size)  # room for exactly one
     attn.block_mask(64, 64)
     assert attn._masks.cached_bytes() == size and len(attn._masks._cache) == 1
-    attn._masks = BlockMasks("exact", (16, 16))
+    attn = flexspec.compile("causal", block_size=16)  # an empty cache
     monkeypatch.setattr(masks, "BLOCK_MASK_CACHE_BYTES", 2 * size)  # room for exactly two
     for length in (64, 64, 63, 63):  # 63 has as many tiles and tables as 64
         attn.block_mask(length, length)

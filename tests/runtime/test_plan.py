@@ -17,7 +17,7 @@ from flexspec.runtime import plan as planning
 from flexspec.runtime.backends import Choice, Request, sdpa_form
 from flexspec.runtime.inputs import Tensors
 from flexspec.runtime.masks import BlockMasks
-from flexspec.runtime.plan import Slot, call_key, check_ranges, make_plan
+from flexspec.runtime.plan import Slot, call_key, check_ranges, make_mask_plan, make_plan
 from flexspec.testing import Shape
 
 LIBRARY = load_text(f"""
@@ -260,6 +260,39 @@ def test_a_call_s_values_are_its_bindings_contiguous_with_their_declared_dimensi
     # without slots the values are the fixed ones themselves
     plan = plan_for("causal + alibi", q, k, v)
     assert plan.values({}) is plan.fixed and len(plan.fixed) == 1
+
+
+# --- the mask alone (Attention.block_mask) ------------------------------------------------------
+
+
+def mask_plan_for(text, sizes, **bindings):
+    spec = flexspec.parse(text, library=LIBRARY)
+    masks = BlockMasks("exact", (16, 32))
+    plan = make_mask_plan(tensors=Tensors(spec.ir), masks=masks, sizes=sizes, bindings=bindings,
+                          device=torch.device("cpu"))
+    return plan, masks
+
+
+def test_a_mask_plan_holds_the_mask_s_tensors_and_its_key_only():
+    text = "causal & document + alibi + biased"
+    sizes = {"B": 2, "H": 4, "Q_LEN": 24, "KV_LEN": 40}
+    ids = torch.zeros(2, 40, dtype=torch.int64)
+    plan, masks = mask_plan_for(text, sizes, doc_ids=ids, t=torch.zeros(40))
+    doc = key_of(text, "doc_ids")
+    assert plan.slots == (Slot("doc_ids", doc, 2),) and plan.fixed == {}  # no score tensors
+    assert plan.spec.score == ir.SCORE and plan.mask.reads == (doc,)
+    assert plan.mask == masks.key(plan.spec, sizes, torch.device("cpu"))
+    assert plan.values({"doc_ids": ids})[doc] is ids
+
+
+def test_a_mask_plan_checks_its_mask_s_ranges_and_remembers_unproven_lookups():
+    sizes = {"B": 1, "H": 1, "Q_LEN": 9, "KV_LEN": 9}
+    with pytest.raises(SpecError, match="for Q_LEN=9, KV_LEN=9, beyond the 64-bit"):
+        mask_plan_for("big64", sizes)
+    group = torch.zeros(9, dtype=torch.int64)
+    plan, _ = mask_plan_for("same_group", sizes, group=group)
+    assert [str(index) for _, _, index in plan.unproven] == ["group[q]"]
+    assert plan.checked == plan.lookup_identity(plan.values({"group": group}))  # checked once
 
 
 # --- lookups checked by value ------------------------------------------------------------------
