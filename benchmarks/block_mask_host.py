@@ -14,7 +14,9 @@ copy of one of 8 id tensors; ``causal & doc``, 8 contiguous documents per row):
 * ``copy``: the fresh copy of the ids alone (counted in every column but ``flexspec path``).
 
 A shape may be given twice: the host's speed drifts within a process (inductor's compile workers,
-clocks), so a repeated first shape shows how much.
+clocks), so a repeated first shape shows how much. ``--device cpu`` runs the same path with the
+program compiled for the CPU (where flexspec itself builds such masks eagerly): a check that the
+script works, not a measurement.
 
     python benchmarks/block_mask_host.py 4x8192 1x32768 4x8192
 """
@@ -46,35 +48,40 @@ def ids_pool(batch: int, length: int, device) -> list:
     return pool
 
 
-def median_ms(fn, calls: int = 60) -> float:
+def synchronize(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn, device, calls: int) -> float:
     for _ in range(5):
         fn()
     times = []
     for _ in range(calls):
-        torch.cuda.synchronize()
+        synchronize(device)
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
 
-def queued_ms(fn, calls: int = 100) -> float:
-    torch.cuda.synchronize()
+def queued_ms(fn, device, calls: int) -> float:
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(calls):
         fn()
     host = (time.perf_counter() - start) / calls * 1e3
-    torch.cuda.synchronize()
+    synchronize(device)
     return host
 
 
-def measure(batch: int, length: int, device) -> dict:
+def measure(batch: int, length: int, device, calls: int = 60) -> dict:
     pool = ids_pool(batch, length, device)
-    calls = iter(range(10**9))
+    counter = iter(range(10**9))
 
     def fresh():
-        return pool[next(calls) % POOL].clone()
+        return pool[next(counter) % POOL].clone()
 
     attn = flexspec.compile("causal & doc")
 
@@ -87,34 +94,41 @@ def measure(batch: int, length: int, device) -> dict:
                                     plan.mask.heads, str(device), fused_blocks.COMPILER)
     lengths = {"B": batch, "H": 1, "Q_LEN": length, "KV_LEN": length}
     (key,) = plan.mask.reads
-    row = {"shape": f"{batch}x{length}", "block_mask": median_ms(block_mask),
-           "program": median_ms(lambda: program({key: fresh()}, lengths))}
+    row = {"shape": f"{batch}x{length}", "block_mask": median_ms(block_mask, device, calls),
+           "program": median_ms(lambda: program({key: fresh()}, lengths), device, calls)}
     ids = fresh()
     built = masks.BlockMasks.get
     masks.BlockMasks.get = lambda *args, **kwargs: None
     try:
         row["flexspec path"] = median_ms(
-            lambda: attn.block_mask(length, length, batch=batch, device=device, doc_ids=ids))
+            lambda: attn.block_mask(length, length, batch=batch, device=device, doc_ids=ids),
+            device, calls)
     finally:
         masks.BlockMasks.get = built
-    row["queued"] = queued_ms(block_mask)
-    row["copy"] = median_ms(fresh)
+    row["queued"] = queued_ms(block_mask, device, calls)
+    row["copy"] = median_ms(fresh, device, calls)
     return row
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("shapes", nargs="*", default=["4x8192", "1x32768", "4x8192"],
                         help="BxS shapes (default: 4x8192 1x32768 4x8192)")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("block_mask_host.py measures the CUDA path: no CUDA device here")
-    device = torch.device("cuda:0")
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--calls", type=int, default=60, help="timed calls per column")
+    args = parser.parse_args(argv)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device here (--device cpu checks that the script runs)")
+        device = torch.device("cuda:0")
+        print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}")
+    else:
+        device = torch.device("cpu")
+        masks.FUSED_DEVICES = masks.FUSED_DEVICES | {"cpu"}
     rows = []
     for shape in args.shapes:
         batch, length = (int(n) for n in shape.split("x"))
-        rows.append(measure(batch, length, device))
+        rows.append(measure(batch, length, device, args.calls))
         print(rows[-1], flush=True)
     names = list(rows[0])
     print("\n| " + " | ".join(names) + " |")
@@ -122,7 +136,8 @@ def main() -> None:
     for row in rows:
         print("| " + " | ".join(v if isinstance(v, str) else f"{v:.3f}" for v in row.values())
               + " |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -70,3 +70,21 @@ def test_the_training_step_mode_runs_on_the_cpu(capsys):
     assert cells["shape"] == "1x2x256x16"
     assert float(cells["rel. error"]) < 1e-5
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_the_block_mask_host_benchmark_runs_on_the_cpu(monkeypatch, capsys):
+    """benchmarks/block_mask_host.py reaches into flexspec's internals (the input plans, the
+    mask's program): a rename there must fail here, not on the lent GPU."""
+    spec = importlib.util.spec_from_file_location("benchmark_block_mask_host",
+                                                  ROOT / "benchmarks" / "block_mask_host.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from flexspec.runtime import masks
+    monkeypatch.setattr(masks, "FUSED_DEVICES", masks.FUSED_DEVICES)  # main widens it
+    assert module.main(["2x256", "--device", "cpu", "--calls", "3"]) == 0
+    header, row = capsys.readouterr().out.strip().splitlines()[-3::2]
+    cells = dict(zip((c.strip() for c in header.split("|")), (c.strip() for c in row.split("|"))))
+    assert cells["shape"] == "2x256"
+    assert all(float(cells[name]) > 0 for name in ("block_mask", "program", "flexspec path"))
+    torch._dynamo.reset()
