@@ -288,6 +288,19 @@ def tensor_key(t: Tensor) -> str:
     return to_text(t) if t.origin == "builtin" else t.name
 
 
+def tensor_keys(e: Expr) -> frozenset:
+    """The keys (:func:`tensor_key`) of the tensors ``e`` reads.
+
+    >>> ids = Tensor("doc_ids", (Var("KV_LEN"),), dtype="int")
+    >>> slopes = Tensor("alibi_slopes", (Var("H"),), origin="builtin", builtin="alibi_slopes",
+    ...                 args=(Var("H"),))
+    >>> sorted(tensor_keys(And((Binary("==", Lookup(ids, (Var("q"),)), Lookup(ids, (Var("kv"),))),
+    ...                         Binary("<", Lookup(slopes, (Var("h"),)), Const(1))))))
+    ['alibi_slopes(H)', 'doc_ids']
+    """
+    return frozenset(tensor_key(n) for n in walk(e) if isinstance(n, Tensor))
+
+
 # ---------------------------------------------------------------------------------------------
 # Types
 

@@ -72,8 +72,7 @@ class Untraceable(Exception):
 @functools.lru_cache(maxsize=None)
 def _inputs(mask: ir.Expr) -> tuple:
     """The keys of the tensors ``mask`` reads (sorted) and the sizes it names."""
-    return (tuple(sorted({ir.tensor_key(n) for n in ir.walk(mask) if isinstance(n, ir.Tensor)})),
-            ir.free_vars(mask) & set(ir.SIZE_VARS))
+    return tuple(sorted(ir.tensor_keys(mask))), ir.free_vars(mask) & set(ir.SIZE_VARS)
 
 
 @functools.lru_cache(maxsize=256)

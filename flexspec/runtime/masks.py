@@ -13,7 +13,6 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, noop
 
 from flexspec import ir
 from flexspec.errors import BindingError
-from flexspec.ir import tensor_key
 from flexspec.kernels.block_tables import tables, tile_grid
 from flexspec.kernels import fused_blocks
 from flexspec.kernels.blocks import build_block_mask
@@ -60,8 +59,7 @@ def mask_extent(mask: ir.Expr, sizes: dict) -> tuple:
 @functools.lru_cache(maxsize=1024)
 def _mask_facts(mask: ir.Expr) -> tuple:
     free = ir.free_vars(mask)
-    keys = frozenset(tensor_key(n) for n in ir.walk(mask) if isinstance(n, ir.Tensor))
-    return "b" in free, "h" in free, keys
+    return "b" in free, "h" in free, ir.tensor_keys(mask)
 
 
 class BlockMasks:

@@ -175,7 +175,7 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, blo
     grad_on = torch.is_grad_enabled()
     if not grad_on:  # see Plan.detach
         values = {key: value.detach() for key, value in values.items()}
-    score_keys = frozenset(tensor_key(t) for t in ir.walk(spec.score) if isinstance(t, ir.Tensor))
+    score_keys = ir.tensor_keys(spec.score)
     table_grads = grad_on and any(values[key].requires_grad for key in score_keys)
     grads = table_grads or (grad_on and (q.requires_grad or k.requires_grad or v.requires_grad))
     lowered = lower(spec)
