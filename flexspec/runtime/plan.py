@@ -49,7 +49,6 @@ class InputPlan:
     signature; a :class:`Plan` is one with the backend's choices added."""
 
     sizes: dict
-    device: torch.device
     spec: ir.AttentionIR            # specialized to the bindings' shapes
     fixed: dict                     # tensor values that do not change between calls
     slots: tuple                    # a Slot per tensor passed by name
@@ -91,6 +90,7 @@ class Plan(InputPlan):
 
     text: str                       # the spec as the user wrote it, for messages
     asked: str                      # the backend asked for ("auto", "flex", ...)
+    device: torch.device
     request: Request
     choice: Choice
     backend: Backend
@@ -109,8 +109,7 @@ def make_mask_plan(*, tensors: Tensors, masks: BlockMasks, sizes: dict, bindings
     values, spec = tensors.gather(sizes, bindings, device, mask_only=True)
     check_ranges(spec, sizes, "int64")
     slots = _slots(spec, sizes, bindings)
-    plan = InputPlan(sizes=sizes, device=device, spec=spec,
-                     fixed=_fixed(values, slots), slots=slots,
+    plan = InputPlan(sizes=sizes, spec=spec, fixed=_fixed(values, slots), slots=slots,
                      mask=masks.key(spec, sizes, device),
                      unproven=unproven_lookups(spec, tuple(sorted(sizes.items())),
                                                shapes_key(values)))

@@ -293,6 +293,10 @@ def test_a_mask_plan_checks_its_mask_s_ranges_and_remembers_unproven_lookups():
     plan, _ = mask_plan_for("same_group", sizes, group=group)
     assert [str(index) for _, _, index in plan.unproven] == ["group[q]"]
     assert plan.checked == plan.lookup_identity(plan.values({"group": group}))  # checked once
+    wild = torch.zeros(9, dtype=torch.int64)
+    wild[2] = 9  # group[group[2]] reads past the end
+    with pytest.raises(BindingError, match=r"'group' is indexed by group\[q\] .* Q_LEN=9"):
+        plan.check_lookups(plan.values({"group": wild}))
 
 
 # --- lookups checked by value ------------------------------------------------------------------
