@@ -2,14 +2,15 @@
 call (fresh ``doc_ids`` each training step), on CUDA, where the mask's compiled program builds it.
 
 For each ``BxS`` shape it prints, in milliseconds (median of synchronised calls, each with a fresh
-copy of one of 8 id tensors; ``causal & doc``, 8 contiguous documents per row):
+copy of one of the training step's 8 id tensors (benchmarks/training_step.py); ``causal & doc``,
+8 contiguous documents per row):
 
 * ``block_mask``: ``Attention.block_mask`` as a training step calls it;
 * ``program``: the mask's compiled program alone (kernels/fused_blocks), tables without the
   BlockMask around them;
 * ``flexspec path``: ``Attention.block_mask`` with the builder stubbed out: flexspec's own
   Python (the input plan, the bindings, the cache lookup);
-* ``queued``: host time per call of ``block_mask`` when 100 calls are queued without
+* ``queued``: host time per call of ``block_mask`` when ``--calls`` calls are queued without
   synchronising (what the host costs when the GPU never waits for it);
 * ``copy``: the fresh copy of the ids alone (counted in every column but ``flexspec path``).
 
@@ -25,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -33,19 +36,8 @@ import flexspec
 from flexspec.kernels import fused_blocks
 from flexspec.runtime import masks
 
-POOL = 8
-DOCUMENTS = 8
-
-
-def ids_pool(batch: int, length: int, device) -> list:
-    generator = torch.Generator().manual_seed(0)
-    pool = []
-    for _ in range(POOL):
-        starts = torch.zeros(batch, length, dtype=torch.int64)
-        for row in range(batch):
-            starts[row, torch.randperm(length - 1, generator=generator)[:DOCUMENTS - 1] + 1] = 1
-        pool.append(starts.cumsum(1).to(device))
-    return pool
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from training_step import POOL, doc_ids_pool  # noqa: E402 - the training step's ids
 
 
 def synchronize(device) -> None:
@@ -77,7 +69,7 @@ def queued_ms(fn, device, calls: int) -> float:
 
 
 def measure(batch: int, length: int, device, calls: int = 60) -> dict:
-    pool = ids_pool(batch, length, device)
+    pool = doc_ids_pool(batch, length, device)
     counter = iter(range(10**9))
 
     def fresh():
