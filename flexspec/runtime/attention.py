@@ -10,9 +10,6 @@ lookups and hand over to the backend's ``run``.
 
 from __future__ import annotations
 
-import collections
-import threading
-
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -27,8 +24,8 @@ from flexspec.runtime.inputs import Tensors, as_device, check_qkv, given_sizes, 
 from flexspec.runtime.masks import BLOCK_MASK_MODES, BlockMaskMode, BlockMasks
 from flexspec.runtime.notices import warn_once
 from flexspec.runtime import positions
-from flexspec.runtime.plan import (PLAN_CACHE_SIZE, InputPlan, Plan, call_key, make_mask_plan,
-                                   make_plan)
+from flexspec.runtime.plan import (PLAN_CACHE_SIZE, InputPlan, Plan, PlanCache, call_key,
+                                   make_mask_plan, make_plan)
 
 
 class Attention:
@@ -58,10 +55,8 @@ class Attention:
         self._inputs = {(False, False): Tensors(spec.ir)}
         self._default_offset = spec.ir.align == "end" and positions.reads_positions(spec.ir)
         self._masks = BlockMasks(block_masks, sizes)
-        self._plans: collections.OrderedDict = collections.OrderedDict()
-        self._mask_plans: collections.OrderedDict = collections.OrderedDict()  # block_mask's
-        # concurrent calls share the plan cache: its bookkeeping is one step at a time
-        self._plans_lock = threading.Lock()
+        self._plans = PlanCache()  # the calls'
+        self._mask_plans = PlanCache()  # block_mask's
         # the spec without its mask, for calls whose rows see every key (see _unmasked_for)
         self._unmaskable = None
         self._sees_every_key: dict = {}
@@ -141,17 +136,11 @@ class Attention:
         time on an H200 (docs/performance.md)."""
         key = (tuple(sizes.items()), device,
                tuple((name, meta(value)) for name, value in bindings.items()))
-        with self._plans_lock:
-            plan = self._mask_plans.get(key)
-            if plan is not None:
-                self._mask_plans.move_to_end(key)
-                return plan
-        plan = make_mask_plan(tensors=self._inputs_for(bindings), masks=self._masks,
-                              sizes=sizes, bindings=bindings, device=device)
-        with self._plans_lock:
-            self._mask_plans[key] = plan
-            if len(self._mask_plans) > PLAN_CACHE_SIZE:
-                self._mask_plans.popitem(last=False)
+        plan = self._mask_plans.get(key)
+        if plan is None:
+            plan = make_mask_plan(tensors=self._inputs_for(bindings), masks=self._masks,
+                                  sizes=sizes, bindings=bindings, device=device)
+            self._mask_plans.put(key, plan)
         return plan
 
     def dense_mask(self, q_len: int, kv_len: int, *, batch: int | None = None,
@@ -282,10 +271,7 @@ class Attention:
         bindings = self._placed(q, k, bindings, q_offset, kv_lengths)
         try:
             key = call_key(q, k, v, scale, bindings, learnables, return_lse)
-            with self._plans_lock:
-                plan = self._plans.get(key)
-                if plan is not None:
-                    self._plans.move_to_end(key)
+            plan = self._plans.get(key)
         except TypeError:  # an unhashable argument: the checks of _plan say what is wrong
             key, plan = None, None
         if plan is None:
@@ -298,10 +284,7 @@ class Attention:
                           "that require gradients run on the dense reference path instead "
                           "(slower, memory grows with Q_LEN * KV_LEN)")
             if key is not None:
-                with self._plans_lock:
-                    self._plans[key] = plan
-                    if len(self._plans) > PLAN_CACHE_SIZE:
-                        self._plans.popitem(last=False)
+                self._plans.put(key, plan)
         # gathering the values costs a dict and a view per binding: only where they are read
         values = plan.values(bindings) if plan.needs_values else None
         if plan.unproven:

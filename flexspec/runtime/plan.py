@@ -10,7 +10,9 @@ training steps with fresh ``doc_ids`` call every step).
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -129,6 +131,35 @@ def _fixed(values: dict, slots: tuple) -> dict:
     """The values no slot replaces at each call."""
     passed = {slot.key for slot in slots}
     return {key: value for key, value in values.items() if key not in passed}
+
+
+class PlanCache:
+    """Plans by signature key, the least recently used out first beyond
+    :data:`PLAN_CACHE_SIZE`. Calls from several threads share one: its bookkeeping is one step
+    at a time (a plan is made outside the lock; two threads may make the same one, harmlessly)."""
+
+    def __init__(self):
+        self._plans: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        """The plan kept under ``key``, or None (a TypeError for an unhashable key)."""
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+            return plan
+
+    def put(self, key, plan) -> None:
+        with self._lock:
+            self._plans[key] = plan
+            if len(self._plans) > PLAN_CACHE_SIZE:
+                self._plans.popitem(last=False)
+
+    def values(self) -> list:
+        """The plans kept, least recently used first."""
+        with self._lock:
+            return list(self._plans.values())
 
 
 def check_ranges(spec: ir.AttentionIR, sizes: dict, dtype: str) -> None:

@@ -538,9 +538,9 @@ def test_a_compile_torch_gives_up_on_is_a_flexspec_error(monkeypatch):
     monkeypatch.setattr(compiled, "run_compiled", fail)
     attn = flexspec.compile("causal & window(8)")
     q, k, v = Shape(1, 2, 2, 200, 200, 8).qkv(seed=0)
-    with pytest.raises(BackendError, match="backend 'flex' could not compile this spec: "
-                                           "torch.compile failed \(RuntimeError when making "
-                                           "fake tensor call Explanation: Invalid NaN") as info:
+    with pytest.raises(BackendError, match=r"backend 'flex' could not compile this spec: "
+                                           r"torch.compile failed \(RuntimeError when making "
+                                           r"fake tensor call Explanation: Invalid NaN") as info:
         attn(q, k, v)
     assert "backend='reference' computes it" in str(info.value)
     # other errors pass through as they are

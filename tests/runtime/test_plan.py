@@ -17,7 +17,8 @@ from flexspec.runtime import plan as planning
 from flexspec.runtime.backends import Choice, Request, sdpa_form
 from flexspec.runtime.inputs import Tensors
 from flexspec.runtime.masks import BlockMasks
-from flexspec.runtime.plan import Slot, call_key, check_ranges, make_mask_plan, make_plan
+from flexspec.runtime.plan import (PlanCache, Slot, call_key, check_ranges, make_mask_plan,
+                                   make_plan)
 from flexspec.testing import Shape
 
 LIBRARY = load_text(f"""
@@ -337,6 +338,20 @@ def test_lookups_are_checked_again_only_when_their_tensors_change(monkeypatch):
 
 
 # --- the signature plans are cached under ------------------------------------------------------
+
+
+def test_the_plan_cache_keeps_the_most_recently_used_plans_up_to_its_size(monkeypatch):
+    monkeypatch.setattr(planning, "PLAN_CACHE_SIZE", 2)
+    cache = PlanCache()
+    first, second, third = object(), object(), object()
+    cache.put("a", first)
+    cache.put("b", second)
+    assert cache.get("a") is first  # "b" is now the least recently used
+    cache.put("c", third)
+    assert cache.get("b") is None and cache.get("a") is first and cache.get("c") is third
+    assert cache.values() == [first, third]
+    with pytest.raises(TypeError):
+        cache.get(["unhashable"])
 
 
 def test_the_call_key_is_the_signature_of_the_inputs():
