@@ -40,7 +40,7 @@ import torch
 
 import flexspec
 from flexspec.errors import SpecError
-from flexspec.lang.api import with_mask
+from flexspec.lang.api import with_mask, with_score
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,9 @@ class _Layers:
         self._compiled: dict = {}
         self._lock = threading.Lock()
 
-    def spec_text(self, sliding_window, softcap, padded: bool, packed: bool = False) -> str:
+    def spec_for(self, sliding_window, softcap, padded: bool, packed: bool = False):
+        """The spec of a kind of layer call: the registered one with the layer's masks and
+        softcap joined to it."""
         masks = ["doc"] if packed else []
         if sliding_window is not None:
             if int(sliding_window) < 1:
@@ -126,10 +128,9 @@ class _Layers:
         spec = self.base
         if masks:
             spec = with_mask(spec, " & ".join(masks), library=self.library)
-        text = str(spec)
         if softcap:
-            text += f" + softcap({float(softcap)!r})"
-        return text
+            spec = with_score(spec, f"softcap({float(softcap)!r})", library=self.library)
+        return spec
 
     def attention_for(self, sliding_window, softcap, padded: bool, packed: bool):
         """The compiled spec of a kind of layer call, made on its first call (every later call
@@ -138,9 +139,8 @@ class _Layers:
         with self._lock:
             attn = self._compiled.get(kind)
             if attn is None:
-                text = self.spec_text(*kind)
-                attn = self._compiled[kind] = flexspec.compile(
-                    flexspec.parse(text, library=self.library), **self.options)
+                attn = self._compiled[kind] = flexspec.compile(self.spec_for(*kind),
+                                                               **self.options)
         return attn
 
     def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0,

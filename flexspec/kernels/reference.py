@@ -33,6 +33,7 @@ from flexspec import ir
 from flexspec.errors import SpecError
 from flexspec.ir.ops import FUNCTIONS, OPERATORS
 from flexspec.ir.overflow import check_int_ranges, position_ranges
+from flexspec.ir.rewrites import default_offset
 from flexspec.kernels.tensors import tensor_key
 from flexspec.limits import MAX_DENSE_ARRAY_BYTES, check_dense
 
@@ -63,14 +64,14 @@ def index_grid(batch: int, heads: int, q_len: int, kv_len: int, device="cpu",
 
 
 def placement(spec: ir.AttentionIR, q_offset, kv_lengths, q_len: int, kv_len: int):
-    """Where row 0 of a call stands: ``q_offset`` when given; else 0 for a spec aligned at the
-    start, and for one aligned at the end the position that puts the last row on the last
-    (valid) key, ``KV_LEN - Q_LEN`` (or ``kv_lengths - Q_LEN``, per batch row)."""
-    if q_offset is not None or spec.align == "start":
+    """Where row 0 of a call stands: ``q_offset`` when given, else the spec's default
+    (:func:`flexspec.ir.rewrites.default_offset`: 0 at the start, the last row on the last valid
+    key at the end)."""
+    if q_offset is not None:
         return q_offset
     if kv_lengths is not None:
-        return torch.as_tensor(kv_lengths).to(_INT).reshape(-1) - q_len
-    return kv_len - q_len
+        kv_lengths = torch.as_tensor(kv_lengths).to(_INT).reshape(-1)
+    return default_offset(spec.align, q_len, kv_len, kv_lengths)
 
 
 def check_ranges(spec: ir.AttentionIR, batch: int, heads: int, q_len: int, kv_len: int,

@@ -453,6 +453,14 @@ def check_spec(node: ast.Node, scope: Scope) -> ir.AttentionIR:
                                 align=checker.align)
     except RecursionError:
         raise SpecCheckError(_TOO_DEEP, node.span) from None
+    check_result(result, node)
+    return result
+
+
+def check_result(result: ir.AttentionIR, node: ast.Node) -> None:
+    """The checks of a whole spec's IR (``node`` is the spec, for the error's place): depth,
+    bindings used with one shape each, constants the kernels can hold. :func:`check_spec` runs
+    them, and so does whoever builds a spec's IR by rewriting others (``lang.api.with_mask``)."""
     levels = max(ir.depth(result.mask), ir.depth(result.score))
     if levels > MAX_IR_DEPTH:
         # every later pass (equality, hashing, the lowering, the printer) recurses over the IR
@@ -460,7 +468,6 @@ def check_spec(node: ast.Node, scope: Scope) -> ir.AttentionIR:
                              f"most {MAX_IR_DEPTH})", node.span)
     _check_bindings_agree(result, node)
     check_runnable(result, node)
-    return result
 
 
 def _check_bindings_agree(result: ir.AttentionIR, node: ast.Node) -> None:

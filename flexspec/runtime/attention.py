@@ -15,6 +15,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexspec import ir
 from flexspec.errors import BindingError, SpecError, did_you_mean
+from flexspec.ir import rewrites
 from flexspec.kernels.lower import lower
 from flexspec.kernels.reference import dense_mask, reference_attention
 from flexspec.lang.spec import Spec
@@ -53,7 +54,7 @@ class Attention:
         self.block_masks = block_masks
         # a Tensors per way the call places its queries: (q_offset read, kv_lengths read)
         self._inputs = {(False, False): Tensors(spec.ir)}
-        self._default_offset = spec.ir.align == "end" and positions.reads_positions(spec.ir)
+        self._default_offset = spec.ir.align == "end" and rewrites.reads_positions(spec.ir)
         self._masks = BlockMasks(block_masks, sizes)
         self._plans = PlanCache()  # the calls'
         self._mask_plans = PlanCache()  # block_mask's
@@ -87,10 +88,10 @@ class Attention:
         return self._inputs_for(bindings).gather(sizes, bindings, device, learnables, mask_only)
 
     def _inputs_for(self, bindings: dict) -> Tensors:
-        variant = (positions.Q_OFFSET in bindings, positions.KV_LENGTHS in bindings)
+        variant = (rewrites.Q_OFFSET in bindings, rewrites.KV_LENGTHS in bindings)
         inputs = self._inputs.get(variant)
         if inputs is None:
-            inputs = self._inputs[variant] = Tensors(positions.positioned(self.ir, *variant))
+            inputs = self._inputs[variant] = Tensors(rewrites.placed(self.ir, *variant))
         return inputs
 
     def _positions(self, bindings: dict, q_offset, kv_lengths, batch: int, q_len: int,
@@ -109,8 +110,8 @@ class Attention:
         reference (which places the queries of an end-aligned spec itself)."""
         checked = positions.call_tensors(self.ir, q_offset, kv_lengths, batch, q_len, kv_len,
                                          as_device(device))
-        return (checked.get(positions.Q_OFFSET) if q_offset is not None else None,
-                checked.get(positions.KV_LENGTHS))
+        return (checked.get(rewrites.Q_OFFSET) if q_offset is not None else None,
+                checked.get(rewrites.KV_LENGTHS))
 
     def block_mask(self, q_len: int, kv_len: int, *, batch: int | None = None,
                    heads: int | None = None, device="cpu", q_offset=None, kv_lengths=None,

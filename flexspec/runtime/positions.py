@@ -6,13 +6,15 @@ runtime turns both call arguments into tensors the IR reads like any binding, so
 new tensor contents, never new code (no recompilation):
 
 * ``q_offset`` (an int, or an int tensor with one offset per batch row) becomes the tensor
-  ``q_offset: int[B]``, and every ``q`` of the spec reads ``q + q_offset[b]``. Without it, the
+  ``q_offset: int[B]``, and every ``q`` of the spec reads ``q + q_offset[b]`` (the rewrite is
+  :func:`flexspec.ir.rewrites.placed`). Without it, the
   offset is 0, or ``KV_LEN - Q_LEN`` for a spec aligned at the end (``causal_bottom_right``);
 * ``kv_lengths`` (an int tensor ``[B]``: how many keys of a preallocated cache are valid in each
   batch row) adds ``kv < kv_lengths[b]`` to the mask; an end-aligned spec then counts from each
   row's own end: ``q_offset = kv_lengths - Q_LEN``.
 
 Both names are reserved: a spec's own bindings cannot take them (the checker says so).
+This module makes and checks the tensors; the IR they enter is rewritten in ``ir.rewrites``.
 """
 
 from __future__ import annotations
@@ -24,39 +26,12 @@ import torch
 from flexspec import ir
 from flexspec.errors import BindingError
 from flexspec.ir.intervals import Analyzer, ScalarOps
+from flexspec.ir.rewrites import KV_LENGTHS, Q_OFFSET, default_offset, reads_positions
 from flexspec.limits import check_position
 
-Q_OFFSET = "q_offset"
-KV_LENGTHS = "kv_lengths"
-_PER_ROW = (ir.Var("B"),)
-OFFSET_TENSOR = ir.Tensor(Q_OFFSET, _PER_ROW, "int")
-LENGTHS_TENSOR = ir.Tensor(KV_LENGTHS, _PER_ROW, "int")
 # Ints given as q_offset are turned into tensors once per (value, device): the block-mask cache
 # then sees the same tensor when the same offset comes again.
 _OFFSET_TENSORS_KEPT = 256
-
-
-@functools.lru_cache(maxsize=256)
-def positioned(spec: ir.AttentionIR, offset: bool, lengths: bool) -> ir.AttentionIR:
-    """``spec`` with ``q`` read as ``q + q_offset[b]`` (with ``offset``) and the mask limited to
-    ``kv < kv_lengths[b]`` (with ``lengths``)."""
-    mask, score = spec.mask, spec.score
-    if offset:
-        position = ir.Binary("+", ir.Var("q"), ir.Lookup(OFFSET_TENSOR, (ir.Var("b"),)))
-        mask, score = (ir.substitute(mask, {"q": position}) if "q" in ir.free_vars(mask) else mask,
-                       ir.substitute(score, {"q": position}) if "q" in ir.free_vars(score)
-                       else score)
-    if lengths:
-        valid = ir.Binary("<", ir.Var("kv"), ir.Lookup(LENGTHS_TENSOR, (ir.Var("b"),)))
-        mask = valid if mask == ir.TRUE else ir.And((mask, valid))
-    # with the offset written into the IR, its q is the row number: aligned at the start (an
-    # end-aligned IR would be shifted a second time by whoever places its rows, the reference)
-    return ir.AttentionIR(mask, score, "start" if offset else spec.align)
-
-
-def reads_positions(spec: ir.AttentionIR) -> bool:
-    """Whether the spec reads ``q`` at all (else an offset changes nothing)."""
-    return "q" in ir.free_vars(spec.mask) | ir.free_vars(spec.score)
 
 
 def sees_every_key(spec: ir.AttentionIR, offset: int, batch: int, heads: int, q_len: int,
@@ -85,11 +60,8 @@ def call_tensors(spec: ir.AttentionIR, q_offset, kv_lengths, batch: int, q_len: 
                 raise BindingError(f"kv_lengths must lie in 0..{kv_len} (the keys given), got "
                                    f"{low}..{high}")
         added[KV_LENGTHS] = lengths
-    if q_offset is None and spec.align == "end" and reads_positions(spec):
-        if kv_lengths is not None:
-            q_offset = added[KV_LENGTHS] - q_len
-        else:
-            q_offset = kv_len - q_len
+    if q_offset is None and reads_positions(spec):
+        q_offset = default_offset(spec.align, q_len, kv_len, added.get(KV_LENGTHS))
     if q_offset is not None and reads_positions(spec):
         added[Q_OFFSET] = _per_row(Q_OFFSET, q_offset, batch, device)
     elif q_offset is not None:

@@ -83,8 +83,9 @@ def test_a_window_off_by_one_is_caught(monkeypatch):
     """The comparison above can fail: flexspec's sliding_window(W) (W + 1 keys) where the model
     means W keys changes the logits. (A registration of its own: a registration keeps the spec
     it compiled for each kind of layer.)"""
-    monkeypatch.setattr(integration._Layers, "spec_text",
-                        lambda self, window, softcap, padded, packed: f"sliding_window({window})")
+    monkeypatch.setattr(integration._Layers, "spec_for",
+                        lambda self, window, softcap, padded, packed:
+                        flexspec.parse(f"sliding_window({window})"))
     eager, ours = pair(MODELS["mistral (sliding window)"],
                        integration.register("flexspec_off_by_one"))
     ids, _ = left_padded()

@@ -1,13 +1,19 @@
-"""Known forms read off the IR (flexspec.ir.forms)."""
+"""Known forms read off the IR (flexspec.ir.forms): a constant factor, SDPA's form, FA4's
+native form and the lookup queries. What a native form computes is checked against the
+reference in tests/runtime/test_native.py (an emulation of FA4's arguments)."""
 
 import pytest
 
+import flexspec
 from flexspec import ir, parse
-from flexspec.ir.forms import logit_factor
+from flexspec.ir.forms import (SdpaForm, constant_lookup, logit_factor, native_form, nested_lookup,
+                               sdpa_form)
 from flexspec.lang.library import load_text
 
 LIBRARY = load_text("score halve = score / 2.0\nscore twice = 2 * score\n"
-                    "score flip = score * -1.0\nscore shifted = score + 1.0\n")
+                    "score flip = score * -1.0\nscore shifted = score + 1.0\n"
+                    "mask strictly_causal = q - kv >= 1\nmask tall = q - kv <= KV_LEN\n"
+                    "mask negated(n: int) = -(q - kv) >= -n\n")
 
 
 @pytest.mark.parametrize("text, factor", [
@@ -24,3 +30,101 @@ def test_booleans_and_division_by_zero_are_not_factors():
     assert logit_factor(ir.Binary("/", ir.SCORE, ir.Const(0.0))) is None
     assert logit_factor(ir.Binary("*", ir.Const(1e308), ir.Binary("*", ir.SCORE,
                                                                     ir.Const(1e308)))) is None
+
+
+# ---- SDPA's form -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, form", [
+    ("full", SdpaForm(causal=False, factor=1.0)),
+    ("causal", SdpaForm(causal=True, factor=1.0)),
+    ("causal & causal", SdpaForm(causal=True, factor=1.0)),
+    ("causal + scale(0.5)", SdpaForm(causal=True, factor=0.5)),
+    ("scale(2.0) + scale(3.0)", SdpaForm(causal=False, factor=6.0)),
+    ("causal & window(8)", None),
+    ("causal_bottom_right", None),
+    ("causal + alibi", None),
+    ("causal + softcap(30)", None),
+    ("causal + scale(-1.0)", None),  # a negative scale breaks the kernels' running maximum
+    ("causal + scale(0.0)", None),
+])
+def test_sdpa_form(text, form):
+    assert sdpa_form(parse(text).ir) == form
+
+
+def test_sdpa_form_reads_division_and_left_constants():
+    from flexspec.lang.library import load_text
+
+    library = load_text("score halve = score / 2.0\nscore twice = 2.0 * score\n")
+    assert sdpa_form(parse("causal + halve", library=library).ir).factor == 0.5
+    assert sdpa_form(parse("twice", library=library).ir).factor == 2.0
+
+
+# ---- FA4's native form ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["causal + alibi", "causal & prefix_lm(4)", "chunked(8)",
+                                  "strictly_causal", "block_causal(2)", "causal_bottom_right",
+                                  "softcap(2.0) + scale(2.0)", "causal + scale(-1.0)",
+                                  "doc & key_padding", "tall", "causal | window(2)"])
+def test_specs_outside_the_native_form(text):
+    assert native_form(flexspec.parse(text, library=LIBRARY).ir) is None
+
+
+def test_constant_factors_on_either_side_and_divisions_are_read():
+    assert native_form(flexspec.parse("causal + halve + scale(3.0)",
+                                      library=LIBRARY).ir).factor == 1.5
+
+
+def test_the_form_of_the_common_specs():
+    form = native_form(flexspec.parse("sliding_window(1024) + softcap(30)").ir)
+    assert (form.left, form.right, form.softcap, form.causal) == (1024, 0, 30.0, False)
+    assert form.window == (1024, 0)
+    causal = native_form(flexspec.parse("causal & doc").ir)
+    assert causal.causal and causal.window == (None, None) and causal.documents.name == "doc_ids"
+    assert native_form(flexspec.parse("full").ir).window == (None, None)
+
+
+def test_documents_must_be_read_in_the_same_row_at_q_and_kv():
+    ids = ir.Tensor("doc_ids", (ir.Var("B"), ir.Var("KV_LEN")), "int")
+
+    def same(left, right):
+        return ir.AttentionIR(ir.Binary("==", ir.Lookup(ids, left), ir.Lookup(ids, right)))
+
+    b, q, kv, zero = ir.Var("b"), ir.Var("q"), ir.Var("kv"), ir.Const(0)
+    assert native_form(same((b, q), (b, kv))).documents == ids
+    assert native_form(same((zero, kv), (zero, q))).documents == ids
+    assert native_form(same((b, q), (zero, kv))) is None
+    assert native_form(same((b, q), (b, q))) is None
+    assert native_form(same((ir.Var("h"), q), (ir.Var("h"), kv))) is None
+
+
+@pytest.mark.parametrize("text, window", [
+    ("negated(4)", (4, None)),           # -(q - kv) >= -4 is q - kv <= 4
+    ("strictly_causal", None),           # q - kv >= 1 hides the diagonal
+    ("left_open(3)", (2, None)),         # q - kv < 3 is q - kv <= 2
+])
+def test_negated_and_strict_distance_bounds(text, window):
+    library = load_text("mask negated(n: int) = -(q - kv) >= -n\n"
+                        "mask strictly_causal = q - kv >= 1\n"
+                        "mask left_open(n: int) = q - kv < n\n")
+    form = native_form(parse(text, library=library).ir)
+    assert (None if form is None else (form.left, form.right)) == window
+
+
+def test_lookups_at_a_constant_index_and_lookups_inside_indices_are_found():
+    ids = ir.Tensor("doc_ids", (ir.Var("B"), ir.Var("KV_LEN")), "int")
+    offset = ir.Tensor("q_offset", (ir.Var("B"),), "int")
+    b, q, kv = ir.Var("b"), ir.Var("q"), ir.Var("kv")
+    broadcast = ir.AttentionIR(ir.Binary("==", ir.Lookup(ids, (ir.Const(0), q)),
+                                         ir.Lookup(ids, (ir.Const(0), kv))))
+    assert constant_lookup(broadcast) == "doc_ids[0, q]"
+    assert nested_lookup(broadcast) is None
+    shifted = ir.Binary("+", q, ir.Lookup(offset, (b,)))
+    nested = ir.AttentionIR(ir.Binary("==", ir.Lookup(ids, (b, shifted)), ir.Lookup(ids, (b, kv))))
+    assert nested_lookup(nested) == "doc_ids[b, q + q_offset[b]]"
+    assert constant_lookup(nested) is None
+    # the score's lookups count too
+    score = ir.AttentionIR(score=ir.Binary("+", ir.SCORE, ir.Lookup(offset, (ir.Const(0),))))
+    assert constant_lookup(score) == "q_offset[0]"
+    assert constant_lookup(parse("causal & doc + alibi").ir) is None

@@ -14,8 +14,9 @@ from hypothesis import given, settings, strategies as st
 
 import flexspec
 from flexspec import parse
+from flexspec.ir.forms import sdpa_form
 from flexspec.runtime.backends import (BACKENDS, FLASH_MIN_FLOPS, REGISTRY, BackendError, Request,
-                                       SdpaForm, auto_order, choose, sdpa_form, why_not)
+                                       auto_order, choose, why_not)
 from flexspec.runtime.explanation import attention_flops
 from flexspec.testing import Shape
 
@@ -32,23 +33,6 @@ def ir(text):
 
 
 # ---- which specs SDPA runs ---------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("text, form", [
-    ("full", SdpaForm(causal=False, factor=1.0)),
-    ("causal", SdpaForm(causal=True, factor=1.0)),
-    ("causal & causal", SdpaForm(causal=True, factor=1.0)),
-    ("causal + scale(0.5)", SdpaForm(causal=True, factor=0.5)),
-    ("scale(2.0) + scale(3.0)", SdpaForm(causal=False, factor=6.0)),
-    ("causal & window(8)", None),
-    ("causal_bottom_right", None),
-    ("causal + alibi", None),
-    ("causal + softcap(30)", None),
-    ("causal + scale(-1.0)", None),  # a negative scale breaks the kernels' running maximum
-    ("causal + scale(0.0)", None),
-])
-def test_sdpa_form(text, form):
-    assert sdpa_form(ir(text)) == form
 
 
 STRICT = """
@@ -73,14 +57,6 @@ def test_sdpa_runs_only_causal_itself(text, causal):
     q, k, v = Shape(1, 2, 2, 40, 40, 8).qkv(seed=4)
     assert (attn.explain(q, k, v).choice.backend == "sdpa") == bool(causal)
     torch.testing.assert_close(attn(q, k, v), attn.reference(q, k, v), atol=1e-5, rtol=1e-5)
-
-
-def test_sdpa_form_reads_division_and_left_constants():
-    from flexspec.lang.library import load_text
-
-    library = load_text("score halve = score / 2.0\nscore twice = 2.0 * score\n")
-    assert sdpa_form(parse("causal + halve", library=library).ir).factor == 0.5
-    assert sdpa_form(parse("twice", library=library).ir).factor == 2.0
 
 
 # ---- auto on a GPU -----------------------------------------------------------------------------

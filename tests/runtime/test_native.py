@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import flexspec
-from flexspec.runtime.backends.native import NativeCall, document_segments, native_form
+from flexspec.ir.forms import native_form
+from flexspec.runtime.backends.native import NativeCall, document_segments
 
 ATOMS = ["causal", "window({n})", "sliding_window({n})", "left({n})", "right({n})",
          "left_open({n})", "behind({n})", "causal", "abs_window({n})", "doc", "full",
@@ -103,28 +104,6 @@ def test_the_native_form_computes_what_the_reference_does(case, seed):
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9, msg=text)
 
 
-@pytest.mark.parametrize("text", ["causal + alibi", "causal & prefix_lm(4)", "chunked(8)",
-                                  "strictly_causal", "block_causal(2)", "causal_bottom_right",
-                                  "softcap(2.0) + scale(2.0)", "causal + scale(-1.0)",
-                                  "doc & key_padding", "tall", "causal | window(2)"])
-def test_specs_outside_the_native_form(text):
-    assert native_form(flexspec.parse(text, library=LIBRARY).ir) is None
-
-
-def test_constant_factors_on_either_side_and_divisions_are_read():
-    assert native_form(flexspec.parse("causal + halve + scale(3.0)",
-                                      library=LIBRARY).ir).factor == 1.5
-
-
-def test_the_form_of_the_common_specs():
-    form = native_form(flexspec.parse("sliding_window(1024) + softcap(30)").ir)
-    assert (form.left, form.right, form.softcap, form.causal) == (1024, 0, 30.0, False)
-    assert form.window == (1024, 0)
-    causal = native_form(flexspec.parse("causal & doc").ir)
-    assert causal.causal and causal.window == (None, None) and causal.documents.name == "doc_ids"
-    assert native_form(flexspec.parse("full").ir).window == (None, None)
-
-
 @given(st.data())
 @settings(max_examples=200, deadline=None)
 def test_segments_are_the_runs_of_ids(data):
@@ -154,21 +133,6 @@ def test_ids_that_come_back_are_not_segments():
     assert document_segments(torch.tensor([[0, 0, 1, 1, 0]])) is None
     # another row may reuse the ids: only a repeat within a row counts
     assert document_segments(torch.tensor([[0, 1], [0, 1]])) is not None
-
-
-def test_documents_must_be_read_in_the_same_row_at_q_and_kv():
-    from flexspec import ir
-    ids = ir.Tensor("doc_ids", (ir.Var("B"), ir.Var("KV_LEN")), "int")
-
-    def same(left, right):
-        return ir.AttentionIR(ir.Binary("==", ir.Lookup(ids, left), ir.Lookup(ids, right)))
-
-    b, q, kv, zero = ir.Var("b"), ir.Var("q"), ir.Var("kv"), ir.Const(0)
-    assert native_form(same((b, q), (b, kv))).documents == ids
-    assert native_form(same((zero, kv), (zero, q))).documents == ids
-    assert native_form(same((b, q), (zero, kv))) is None
-    assert native_form(same((b, q), (b, q))) is None
-    assert native_form(same((ir.Var("h"), q), (ir.Var("h"), kv))) is None
 
 
 def _plan_on_a_gpu_that_is_not_there(text, **facts):

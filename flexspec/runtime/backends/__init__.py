@@ -27,9 +27,9 @@ from flexspec.runtime.backends.base import (REGISTRY, Backend, BackendError, Bac
 from flexspec.runtime.backends.flash import (FLASH_MIN_FLOPS, FLASH_OPTIONS, FlashBackend,
                                              flash_installed)
 from flexspec.runtime.backends.flex import SHORT_CPU_LENGTH, FlexBackend
-from flexspec.runtime.backends.native import NativeBackend, NativeForm, native_form
+from flexspec.runtime.backends.native import NativeBackend
 from flexspec.runtime.backends.reference import ReferenceBackend
-from flexspec.runtime.backends.sdpa import SdpaBackend, SdpaForm, not_sdpa, sdpa_form
+from flexspec.runtime.backends.sdpa import SdpaBackend, not_sdpa
 
 register(NativeBackend())
 register(FlashBackend())
@@ -83,6 +83,6 @@ def choose(backend: str, request: Request, spec: ir.AttentionIR) -> Choice:
 
 
 __all__ = ["BACKENDS", "FLASH_MIN_FLOPS", "FLASH_OPTIONS", "REGISTRY", "SHORT_CPU_LENGTH",
-           "Backend", "BackendError", "BackendName", "Choice", "NativeBackend", "NativeForm",
-           "Rank", "Request", "SdpaForm", "auto_order", "check_backend_name", "choose",
-           "flash_installed", "native_form", "not_sdpa", "register", "sdpa_form", "why_not"]
+           "Backend", "BackendError", "BackendName", "Choice", "NativeBackend", "Rank", "Request",
+           "auto_order", "check_backend_name", "choose", "flash_installed", "not_sdpa", "register",
+           "why_not"]

@@ -15,7 +15,7 @@ import importlib.util
 
 import torch
 
-from flexspec import ir
+from flexspec.ir.forms import constant_lookup, nested_lookup
 from flexspec.runtime.backends.base import REGISTRY, BackendError, Choice, Rank, Request
 from flexspec.runtime.backends.flex import FlexBackend, FlexKernelOptions
 from flexspec.runtime.compiled import CompileLimitError, first_line
@@ -162,29 +162,3 @@ def too_small(request: Request, kernel: str) -> str | None:
                 f"{FLASH_MIN_FLOPS / 1e9:.3g}): {kernel}'s fixed cost per call (about 0.22 ms "
                 "for FLASH) outweighs its speed")
     return None
-
-
-@functools.lru_cache(maxsize=512)
-def constant_lookup(spec: ir.AttentionIR) -> str | None:
-    """The first tensor lookup of ``spec`` with a constant index in some dimension (as text:
-    ``doc_ids[0, q]``), or ``None``."""
-    for node in _lookups(spec):
-        if not all(ir.free_vars(index) for index in node.index):
-            return ir.to_text(node)
-    return None
-
-
-@functools.lru_cache(maxsize=512)
-def nested_lookup(spec: ir.AttentionIR) -> str | None:
-    """The first tensor lookup of ``spec`` whose index reads another tensor (as text:
-    ``doc_ids[b, q + q_offset[b]]``), or ``None``."""
-    for node in _lookups(spec):
-        if any(isinstance(inner, ir.Lookup) for index in node.index for inner in ir.walk(index)):
-            return ir.to_text(node)
-    return None
-
-
-def _lookups(spec: ir.AttentionIR):
-    """Every tensor lookup of the mask and the score."""
-    for root in (spec.mask, spec.score):
-        yield from (node for node in ir.walk(root) if isinstance(node, ir.Lookup))

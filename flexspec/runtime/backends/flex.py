@@ -9,7 +9,6 @@ launches.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -17,6 +16,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexspec import ir
+from flexspec.ir import rewrites
 from flexspec.kernels.fused_blocks import compile_error
 from flexspec.kernels.lower import Lowered, lower
 from flexspec.runtime import compiled
@@ -55,7 +55,7 @@ class FlexCall:
     score_varies: bool = True                # the score_mod captures this call's bindings
     score_mod: object = None
     lse: dict | None = None                  # compiled.lse_request(return_lse)
-    scale_values: dict = field(default_factory=dict)  # the scale as a tensor (see scaled())
+    scale_values: dict = field(default_factory=dict)  # the scale as a tensor (rewrites.scaled)
     warm: bool = False                       # the compiled entry has run once for this plan
 
     def last_block_mask(self, bindings: dict) -> BlockMask | None:
@@ -116,9 +116,9 @@ class FlexBackend(Backend):
         if plan.scale is not None:
             # the kernel keeps its default 1/sqrt(D) and the score is multiplied by a tensor:
             # a new scale is a new value, not a new kernel
-            spec = scaled(plan.spec)
+            spec = rewrites.scaled(plan.spec)
             ratio = float(plan.scale) * math.sqrt(plan.request.head_dim)
-            scale_values = {SCALE_KEY: torch.full((plan.sizes["B"],), ratio,
+            scale_values = {rewrites.SCALE: torch.full((plan.sizes["B"],), ratio,
                                                   dtype=torch.float32, device=plan.device)}
             values = {**values, **scale_values}
         lowered = lower(spec, cute=self.cute)
@@ -198,20 +198,6 @@ class FlexBackend(Backend):
         entry = plan.prepared.entry
         compiled.mark_lengths_dynamic(entry, *args[:5])
         return compiled.run_compiled(entry, *args)
-
-
-SCALE_KEY = "scale"
-# one entry per batch row, read at b: FLASH's code generator cannot read a tensor at a constant
-# index (see flash.py), so a single entry read at 0 would keep a given scale off FLASH
-_SCALE = ir.Tensor(SCALE_KEY, (ir.Var("B"),), "float")
-
-
-@functools.lru_cache(maxsize=256)
-def scaled(spec: ir.AttentionIR) -> ir.AttentionIR:
-    """``spec`` with its logits multiplied by ``scale[b]`` before the score pipeline: the ratio of
-    the call's scale to the kernel's default (``scale`` cannot be a binding's name)."""
-    logit = ir.Binary("*", ir.SCORE, ir.Lookup(_SCALE, (ir.Var("b"),)))
-    return ir.AttentionIR(spec.mask, ir.substitute(spec.score, {ir.SCORE_VAR: logit}), spec.align)
 
 
 def small_block_tiles(q_block: int, kv_block: int) -> FlexKernelOptions:

@@ -3,7 +3,7 @@
 mask: full or causal attention, sliding windows, and packed documents given as contiguous runs of
 ids (run as variable-length sequences), optionally with a constant scale and a softcap.
 
-:func:`native_form` reads that structure off the IR. Documents need one look at the ids per call
+:func:`flexspec.ir.forms.native_form` reads that structure off the IR. Documents need one look at the ids per call
 (:func:`document_segments`, O(S) on the device plus one host read of the number of documents):
 ids that are not contiguous runs, such as ``[0, 0, 1, 1, 0]``, are valid flexspec documents that
 FA4's variable-length interface cannot express, so those calls run on the backend ``auto`` would
@@ -18,7 +18,6 @@ Q_LEN == KV_LEN, the only case this backend takes.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 
@@ -26,169 +25,12 @@ import torch
 
 from flexspec import ir
 from flexspec.errors import BindingError
-from flexspec.ir.forms import logit_factor
+from flexspec.ir.forms import NativeForm, native_form
 from flexspec.limits import fits_int
 from flexspec.runtime.backends.base import (REGISTRY, Backend, BackendError, Choice, Rank,
                                             Request, auto_order)
 from flexspec.runtime.backends.flash import fa4_unavailable, too_small
 from flexspec.runtime.inputs import capturing
-
-
-@dataclass(frozen=True)
-class NativeForm:
-    """A spec FA4's own interface runs: visible keys ``q - left <= kv <= q + right`` (``None``:
-    unbounded on that side), within the query's document when ``documents`` names the ids, with
-    logits times ``factor`` then soft-capped at ``softcap``."""
-
-    left: int | None = None
-    right: int | None = None
-    documents: ir.Tensor | None = None
-    softcap: float | None = None
-    factor: float = 1.0
-
-    @property
-    def causal(self) -> bool:
-        return self.left is None and self.right == 0
-
-    @property
-    def window(self) -> tuple:
-        """FA4's ``window_size`` (``(None, None)``: no window)."""
-        return (None, None) if self.causal else (self.left, self.right)
-
-
-@functools.lru_cache(maxsize=512)
-def native_form(spec: ir.AttentionIR) -> NativeForm | None:
-    """The native form of ``spec``, or ``None`` when FA4's own kernels cannot run it exactly.
-
-    >>> from flexspec import parse
-    >>> native_form(parse("sliding_window(1024)").ir)
-    NativeForm(left=1024, right=0, documents=None, softcap=None, factor=1.0)
-    >>> native_form(parse("causal & doc + softcap(30)").ir).documents.name
-    'doc_ids'
-    >>> native_form(parse("causal + alibi").ir) is None
-    True
-    """
-    if spec.align != "start":
-        return None
-    low, high, documents = -math.inf, math.inf, None
-    atoms = spec.mask.args if isinstance(spec.mask, ir.And) else (spec.mask,)
-    for atom in atoms:
-        if atom == ir.TRUE:
-            continue
-        tensor = _same_document(atom)
-        if tensor is not None and documents in (None, tensor):
-            documents = tensor
-            continue
-        bounds = _distance_bounds(atom)
-        if bounds is None:
-            return None
-        low, high = max(low, bounds[0]), min(high, bounds[1])
-    # FA4 takes non-negative window sizes: the diagonal must be visible
-    if not low <= 0 <= high:
-        return None
-    score = _score_form(spec.score)
-    if score is None:
-        return None
-    softcap, factor = score
-    return NativeForm(left=None if high == math.inf else int(high),
-                      right=None if low == -math.inf else int(-low),
-                      documents=documents, softcap=softcap, factor=factor)
-
-
-def _same_document(atom: ir.Expr) -> ir.Tensor | None:
-    """``T`` when ``atom`` is ``T[b, q] == T[b, kv]`` (the batch index may be a broadcast 0)."""
-    if not (isinstance(atom, ir.Binary) and atom.op == "=="):
-        return None
-    left, right = atom.left, atom.right
-    if not (isinstance(left, ir.Lookup) and isinstance(right, ir.Lookup)
-            and left.tensor == right.tensor and len(left.index) == 2):
-        return None
-    row = left.index[0]
-    if right.index[0] != row or row not in (ir.Var("b"), ir.Const(0)):
-        return None
-    if {left.index[1], right.index[1]} != {ir.Var("q"), ir.Var("kv")}:
-        return None
-    return left.tensor
-
-
-def _distance_bounds(atom: ir.Expr) -> tuple | None:
-    """``(low, high)`` with ``atom`` equivalent to ``low <= q - kv <= high`` (ints or
-    infinities), or ``None`` when it is not a bound on the distance."""
-    if not isinstance(atom, ir.Binary) or atom.op not in ir.COMPARE_OPS:
-        return None
-    if (atom.op == "<=" and isinstance(atom.left, ir.Call) and atom.left.fn == "abs"
-            and isinstance(atom.right, ir.Const) and type(atom.right.value) is int):
-        inner = _difference(atom.left.args[0])
-        if inner is None or abs(inner[0]) != 1 or inner[1] != 0:
-            return None
-        return (-atom.right.value, atom.right.value)
-    difference = _difference(ir.Binary("-", atom.left, atom.right))
-    if difference is None or difference[0] == 0:
-        return None
-    sign, constant = difference  # atom: sign * (q - kv) + constant  op  0
-    op = atom.op if sign > 0 else {"<": ">", "<=": ">=", ">": "<", ">=": "<="}.get(atom.op,
-                                                                                   atom.op)
-    bound = -constant * sign      # (q - kv)  op  bound
-    if op == "==":
-        return (bound, bound)
-    if op == "<=":
-        return (-math.inf, bound)
-    if op == "<":
-        return (-math.inf, bound - 1)
-    if op == ">=":
-        return (bound, math.inf)
-    if op == ">":
-        return (bound + 1, math.inf)
-    return None  # "!=" is not a window
-
-
-def _difference(node: ir.Expr) -> tuple | None:
-    """``(s, c)`` when ``node`` equals ``s * (q - kv) + c`` for ints s and c, else ``None``."""
-    linear = _linear(node)
-    if linear is None:
-        return None
-    q, kv, constant = linear
-    return (q, constant) if q == -kv else None
-
-
-def _linear(node: ir.Expr) -> tuple | None:
-    """``(a, b, c)`` with ``node == a*q + b*kv + c`` for int sums and differences of ``q``,
-    ``kv`` and int constants."""
-    if node == ir.Var("q"):
-        return (1, 0, 0)
-    if node == ir.Var("kv"):
-        return (0, 1, 0)
-    if isinstance(node, ir.Const) and type(node.value) is int:
-        return (0, 0, node.value)
-    if isinstance(node, ir.Unary) and node.op == "-":
-        inner = _linear(node.operand)
-        return None if inner is None else tuple(-n for n in inner)
-    if isinstance(node, ir.Binary) and node.op in ("+", "-"):
-        left, right = _linear(node.left), _linear(node.right)
-        if left is None or right is None:
-            return None
-        sign = 1 if node.op == "+" else -1
-        return tuple(a + sign * b for a, b in zip(left, right))
-    return None
-
-
-def _score_form(score: ir.Expr) -> tuple | None:
-    """``(softcap, factor)`` when ``score`` is ``c * tanh(x / c)`` (softcap c) or ``x``, with x
-    the logit times positive constants; ``None`` otherwise."""
-    softcap = None
-    if isinstance(score, ir.Binary) and score.op == "*":
-        for cap, rest in ((score.left, score.right), (score.right, score.left)):
-            if (isinstance(cap, ir.Const) and isinstance(rest, ir.Call) and rest.fn == "tanh"
-                    and isinstance(rest.args[0], ir.Binary) and rest.args[0].op == "/"
-                    and rest.args[0].right == cap):
-                softcap, score = float(cap.value), rest.args[0].left
-                break
-    factor = logit_factor(score)
-    if factor is None:
-        return None
-    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
-        return None
-    return softcap, factor
 
 
 def document_segments(ids: torch.Tensor) -> tuple | None:
@@ -381,4 +223,4 @@ def _not_native(spec: ir.AttentionIR) -> str:
             f"has mask `{ir.to_text(spec.mask)}` and score `{ir.to_text(spec.score)}`")
 
 
-__all__ = ["NativeBackend", "NativeForm", "document_segments", "native_form"]
+__all__ = ["NativeBackend", "document_segments"]

@@ -6,43 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
-
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flexspec import ir
-from flexspec.ir.forms import logit_factor
+from flexspec.ir.forms import SdpaForm, sdpa_form
 from flexspec.runtime.backends.base import Backend, Rank, Request
-
-
-@dataclass(frozen=True)
-class SdpaForm:
-    """A spec SDPA can run: ``causal`` or full attention, logits times ``factor``."""
-
-    causal: bool
-    factor: float
-
-
-def sdpa_form(spec: ir.AttentionIR) -> SdpaForm | None:
-    """The SDPA form of a spec, or ``None`` when SDPA cannot run it exactly.
-
-    >>> from flexspec import parse
-    >>> sdpa_form(parse("causal + scale(2.0)").ir)
-    SdpaForm(causal=True, factor=2.0)
-    >>> sdpa_form(parse("causal & window(8)").ir) is None
-    True
-    """
-    mask = spec.mask
-    if mask == ir.Const(True):
-        causal = False
-    elif mask in (ir.Binary(">=", ir.Var("q"), ir.Var("kv")),
-                  ir.Binary("<=", ir.Var("kv"), ir.Var("q"))) and spec.align == "start":
-        causal = True  # is_causal is top-left: an end-aligned causal is another mask
-    else:
-        return None
-    factor = logit_factor(spec.score)
-    return None if factor is None else SdpaForm(causal=causal, factor=factor)
 
 
 def not_sdpa(spec: ir.AttentionIR) -> str:
