@@ -82,10 +82,10 @@ def measure(batch: int, length: int, device, calls: int = 60) -> dict:
 
     block_mask()  # compiles the program; makes the input plan
     plan = next(iter(attn._mask_plans.values()))
-    program = fused_blocks._program(plan.spec.mask, attn.block_size, plan.mask.batch,
-                                    plan.mask.heads, str(device), fused_blocks.COMPILER)
+    program = fused_blocks._program(plan.spec.mask, attn.block_size, plan.masks.batch,
+                                    plan.masks.heads, str(device), fused_blocks.COMPILER)
     lengths = {"B": batch, "H": 1, "Q_LEN": length, "KV_LEN": length}
-    (key,) = plan.mask.reads
+    (key,) = plan.masks.reads
     row = {"shape": f"{batch}x{length}", "block_mask": median_ms(block_mask, device, calls),
            "program": median_ms(lambda: program({key: fresh()}, lengths), device, calls)}
     ids = fresh()

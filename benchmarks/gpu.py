@@ -40,7 +40,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flexspec  # noqa: E402
-from flexspec.runtime.backends import flash_installed  # noqa: E402
+from flexspec.runtime.fa4 import installed as flash_installed  # noqa: E402
 
 SPECS = ["full", "causal", "sliding_window(1024)", "causal & doc", "prefix_lm(2048)",
          "chunked(2048)", "causal + alibi", "causal + softcap(30)",

@@ -36,8 +36,8 @@ def breakdown(text: str, device, calls: int, rounds: int) -> list[str]:
     case = OverheadCase.build(text, device)
     case.ours()  # builds the plan
     q, k, v = case.qkv
-    plan = next(iter(case.attn._plans.values()))
-    call = plan.prepared  # a FlexCall: the plan of the flex and flash backends
+    plan = next(iter(case.attn._calls.plans.values()))
+    call = plan.state  # a FlexCall: the state of the flex and flash backends
     our_mask = call.block_mask if call.block_mask is not None else call.last[1]
     fresh_entry = compiled.compiled_entry(call.lowered)
     entry = call.entry

@@ -42,7 +42,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import flexspec
-from flexspec.runtime.backends import flash_installed
+from flexspec.runtime.fa4 import installed as flash_installed
 
 POOL = 8
 DOCUMENTS = 8

@@ -30,7 +30,7 @@ def compile(spec, *, library: Library | None = None, backend: str = "auto", bloc
 
     ``backend`` is ``"auto"`` (per call, the fastest backend that can run it; ``explain`` says
     which) or one of the backends registered in :mod:`flexspec.runtime.backends`
-    (``flexspec.runtime.backends.BACKENDS`` lists every name). ``block_size`` is an int or a
+    (:func:`backends` lists every name). ``block_size`` is an int or a
     (q, kv) pair; ``block_masks`` picks how block masks are built: ``"exact"`` (interval
     analysis refined inside partial tiles; the default), ``"intervals"`` (the analysis alone) or
     ``"dense"`` (torch's ``create_block_mask``).
@@ -39,6 +39,14 @@ def compile(spec, *, library: Library | None = None, backend: str = "auto", bloc
 
     return Attention(parse(spec, library=library), backend=backend, block_size=block_size,
                      block_masks=block_masks)
+
+
+def backends() -> tuple[str, ...]:
+    """The names ``compile(..., backend=...)`` takes: ``"auto"`` and every registered backend
+    (importing them imports torch)."""
+    from flexspec.runtime.backends import BACKENDS
+
+    return BACKENDS
 
 
 def patterns() -> list[Pattern]:
@@ -65,6 +73,6 @@ def __getattr__(name):
 
 
 __all__ = ["Attention", "BackendError", "BindingError", "CompileLimitError", "Library",
-           "MultiheadAttention", "Pattern",
-           "RegistryError", "Spec", "SpecAttention", "SpecCheckError", "SpecError", "SpecSyntaxError", "compile", "load",
+           "MultiheadAttention", "Pattern", "RegistryError", "Spec", "SpecAttention",
+           "SpecCheckError", "SpecError", "SpecSyntaxError", "backends", "compile", "load",
            "loads", "parse", "pattern", "patterns"]

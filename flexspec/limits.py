@@ -3,9 +3,8 @@
 Two kinds of limit:
 
 * **ranges**: what the kernels' dtypes hold. Positions and integer arithmetic are int64 in the
-  reference and FlexAttention's CPU kernels, int32 in FlexAttention's GPU kernels (measured on an
-  H200: ``q * 16777216 >= kv * 16777216`` wraps from q = 128 on and the output differs by 0.75);
-  scores are float32. A number beyond its dtype would be computed wrongly where the reference,
+  reference and FlexAttention's CPU kernels, int32 in FlexAttention's GPU kernels
+  (flexspec.workarounds: gpu-int32-indices); scores are float32. A number beyond its dtype would be computed wrongly where the reference,
   in float64 and Python ints, is exact, so it is refused before anything runs.
 * **sizes**: what flexspec builds for a user's numbers (lengths, parameters, ``--bind`` text,
   files). Every such allocation is checked first against :data:`MEMORY_BUDGET`, counting what

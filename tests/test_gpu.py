@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flexspec
-from flexspec.runtime.backends import flash_installed
+from flexspec.runtime.fa4 import installed as flash_installed
 
 pytestmark = pytest.mark.gpu
 

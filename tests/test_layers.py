@@ -15,9 +15,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "flexspec"
 # Bottom to top; a module may import its own layer and those below it.
-LAYERS = ("errors", "resources", "limits", "ir", "lang", "kernels", "runtime", "tools")
-RANK = {"errors": 0, "resources": 0, "limits": 0, "ir": 1, "lang": 2, "kernels": 2, "runtime": 3,
-        "tools": 4}
+LAYERS = ("errors", "resources", "limits", "workarounds", "ir", "lang", "kernels", "runtime",
+          "tools")
+RANK = {"errors": 0, "resources": 0, "limits": 0, "workarounds": 0, "ir": 1, "lang": 2,
+        "kernels": 2, "runtime": 3, "tools": 4}
 
 
 def _modules():
@@ -74,7 +75,7 @@ def test_third_party_imports_stay_in_their_rooms(path, parts):
         assert where == "lang/parser", f"only the parser imports lark, not {where}"
     if "yaml" in roots:
         assert where == "lang/registry", f"only the registry reads YAML, not {where}"
-    if parts[0] in ("ir", "lang", "errors", "resources", "limits"):
+    if parts[0] in ("ir", "lang", "errors", "resources", "limits", "workarounds"):
         assert "torch" not in roots, f"{where} is front end and must not import torch"
 
 
@@ -99,3 +100,69 @@ def test_parsing_and_loading_import_no_torch():
     result = subprocess.run([sys.executable, "-c", code, str(ROOT / "examples" / "model.attn")],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _graph() -> dict:
+    """Module -> the flexspec modules it imports (``from a import b`` counts ``a.b`` where that is
+    a module, else ``a``)."""
+    modules = {_module_name(path): path for path, _ in _modules()}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in _imports(path):
+            if imported in modules:
+                targets.add(imported)
+            elif imported.rsplit(".", 1)[0] in modules:
+                targets.add(imported.rsplit(".", 1)[0])
+        graph[name] = targets - {name}
+    return graph
+
+
+def test_the_import_graph_has_no_circle():
+    graph = _graph()
+    # a package's __init__ that re-exports its modules is not a circle with them
+    graph = {name: {t for t in targets if not name.startswith(t + ".")}
+             for name, targets in graph.items()}
+    state: dict = {}
+    circle: list = []
+
+    def visit(node, path):
+        state[node] = "open"
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == "open":
+                circle.extend(path[path.index(target):] + [target] if target in path else
+                              [node, target])
+                return True
+            if target not in state and visit(target, path + [target]):
+                return True
+        state[node] = "done"
+        return False
+
+    for node in sorted(graph):
+        if node not in state and visit(node, [node]):
+            break
+    assert circle == []
+
+
+BACKENDS = PACKAGE / "runtime" / "backends"
+# What a backend may not import: another backend, and the runtime above the contract
+ABOVE_BACKENDS = ("flexspec.runtime.plan", "flexspec.runtime.masks", "flexspec.runtime.attention",
+                  "flexspec.runtime.calls", "flexspec.runtime.positions",
+                  "flexspec.runtime.module", "flexspec.runtime.multihead",
+                  "flexspec.runtime.explanation")
+
+
+@pytest.mark.parametrize("path", sorted(p for p in BACKENDS.glob("*.py")
+                                        if p.name != "__init__.py"), ids=lambda p: p.stem)
+def test_a_backend_imports_no_other_backend_and_nothing_above_the_contract(path):
+    imported = _imports(path)
+    siblings = sorted(name for name in imported
+                      if name.startswith("flexspec.runtime.backends")
+                      and name != "flexspec.runtime.backends")
+    assert siblings == []
+    assert sorted(name for name in imported if name.startswith(ABOVE_BACKENDS)) == []

@@ -9,13 +9,13 @@
 from flexspec.ir.nodes import (ALIGNMENTS, ALL_VARS, ARITH_OPS, COMPARE_OPS, FALSE, FUNCTIONS,
                                INDEX_VARS, OPERATORS, SCORE, SCORE_VAR, SIZE_VARS, TRUE, Align,
                                And, AttentionIR, Binary, Call, Const, Expr, Lookup, Or, Param,
-                               Tensor, Unary, Var, children, depends_on, depth, format_number,
-                               free_vars, rebuild, size, substitute, tensor_key, tensor_keys,
-                               to_text, transform, type_of, walk)
+                               Tensor, Unary, Var, children, depends_on, depth, direct_vars,
+                               format_number, free_vars, rebuild, size, substitute, tensor_key,
+                               tensor_keys, to_text, transform, type_of, walk)
 
 __all__ = ["ALIGNMENTS", "ALL_VARS", "ARITH_OPS", "COMPARE_OPS", "FALSE", "FUNCTIONS",
            "INDEX_VARS", "OPERATORS", "SCORE", "SCORE_VAR", "SIZE_VARS", "TRUE", "Align", "And",
            "AttentionIR", "Binary", "Call", "Const", "Expr", "Lookup", "Or", "Param", "Tensor",
-           "Unary", "Var", "children", "depends_on", "depth", "format_number", "free_vars",
-           "rebuild", "size", "substitute", "tensor_key", "tensor_keys", "to_text", "transform",
-           "type_of", "walk"]
+           "Unary", "Var", "children", "depends_on", "depth", "direct_vars", "format_number",
+           "free_vars", "rebuild", "size", "substitute", "tensor_key", "tensor_keys", "to_text",
+           "transform", "type_of", "walk"]

@@ -97,27 +97,37 @@ class Analyzer:
 
     # ---- numbers
     def number(self, node: ir.Expr):
-        ops = self.ops
-        if isinstance(node, ir.Const):
-            value = ops.const(float(node.value))
-            return value, value
-        if isinstance(node, ir.Var):
-            if node.name in self.ranges:
-                lo, hi = self.ranges[node.name]
-                return ops.const(lo), ops.const(hi)
-            return ops.const(-INF), ops.const(INF)
-        if isinstance(node, ir.Unary) and node.op == "neg":
-            lo, hi = self.number(node.operand)
-            return -hi, -lo
-        if isinstance(node, ir.Binary):
-            rule = getattr(self, "_" + OPERATORS[node.op].interval)
-            return rule(self.number(node.left), self.number(node.right))
-        if isinstance(node, ir.Call):
-            return self._call(node)
-        if isinstance(node, ir.Lookup):
-            found = ops.lookup(node, [self.number(i) for i in node.index])
-            return found if found is not None else (ops.const(-INF), ops.const(INF))
-        return ops.const(-INF), ops.const(INF)
+        rule = _NUMBER_RULES.get(type(node))
+        return rule(self, node) if rule is not None else self._unknown()
+
+    def _unknown(self):
+        return self.ops.const(-INF), self.ops.const(INF)
+
+    def _const_number(self, node: ir.Const):
+        value = self.ops.const(float(node.value))
+        return value, value
+
+    def _var_number(self, node: ir.Var):
+        if node.name in self.ranges:
+            lo, hi = self.ranges[node.name]
+            return self.ops.const(lo), self.ops.const(hi)
+        return self._unknown()
+
+    def _unary_number(self, node: ir.Unary):
+        if node.op != "neg":
+            return self._unknown()
+        lo, hi = self.number(node.operand)
+        return -hi, -lo
+
+    def _binary_number(self, node: ir.Binary):
+        rule = _OPERATOR_RULES.get(OPERATORS[node.op].interval)
+        if rule is None:  # a comparison: a boolean, bounded by boolean()
+            return self._unknown()
+        return rule(self, self.number(node.left), self.number(node.right))
+
+    def _lookup_number(self, node: ir.Lookup):
+        found = self.ops.lookup(node, [self.number(i) for i in node.index])
+        return found if found is not None else self._unknown()
 
     def _corners(self, values):
         ops = self.ops
@@ -179,11 +189,11 @@ class Analyzer:
         return self._unless_zero(spans_zero, lo, hi)
 
     # ---- function rules, named by the operator table's ``interval``
-    def _call(self, node: ir.Call):
+    def _call_number(self, node: ir.Call):
         fn = FUNCTIONS[node.fn]
         if fn.interval == "where":
             return self._where(node)
-        return getattr(self, "_" + fn.interval)(fn, [self.number(a) for a in node.args])
+        return _FUNCTION_RULES[fn.interval](self, fn, [self.number(a) for a in node.args])
 
     def _where(self, node: ir.Call):
         ops = self.ops
@@ -210,7 +220,8 @@ class Analyzer:
         return self._min(fn, [self._max(fn, args[:2]), args[2]])
 
     def _round(self, fn, args):
-        rounding = getattr(self.ops, fn.name)  # ops.floor, ops.ceil: safe on infinities
+        # ops.floor and ops.ceil: safe on infinities
+        rounding = {"floor": self.ops.floor, "ceil": self.ops.ceil}[fn.name]
         return rounding(args[0][0]), rounding(args[0][1])
 
     def _periodic(self, fn, args):
@@ -268,39 +279,54 @@ class Analyzer:
 
     # ---- booleans
     def boolean(self, node: ir.Expr):
+        rule = _BOOLEAN_RULES.get(type(node))
+        found = rule(self, node) if rule is not None else None
+        return found if found is not None else (self.ops.const(False), self.ops.const(True))
+
+    def _const_boolean(self, node: ir.Const):
+        value = self.ops.const(bool(node.value))
+        return value, value
+
+    def _unary_boolean(self, node: ir.Unary):
+        if node.op != "not":
+            return None
+        must, may = self.boolean(node.operand)
+        return self.ops.logical_not(may), self.ops.logical_not(must)
+
+    def _connective_boolean(self, node):
+        parts = [self.boolean(a) for a in node.args]
+        combine = self.ops.all if isinstance(node, ir.And) else self.ops.any
+        return combine(*[p[0] for p in parts]), combine(*[p[1] for p in parts])
+
+    def _binary_boolean(self, node: ir.Binary):
+        if node.op not in ir.COMPARE_OPS:
+            return None
+        if node.left.type == "bool":
+            return self._bool_equality(node)
+        must, may = self._compare(node.op, self.number(node.left), self.number(node.right))
+        nan = self.ops.any(self.may_be_nan(node.left), self.may_be_nan(node.right))
+        # a NaN operand makes every comparison false, except != which it makes true
+        if node.op == "!=":
+            return must, self.ops.any(may, nan)
+        return self.ops.all(must, self.ops.logical_not(nan)), may
+
+    def _call_boolean(self, node: ir.Call):
+        if node.fn != "where":
+            return None
         ops = self.ops
-        if isinstance(node, ir.Const):
-            value = ops.const(bool(node.value))
-            return value, value
-        if isinstance(node, ir.Unary) and node.op == "not":
-            must, may = self.boolean(node.operand)
-            return ops.logical_not(may), ops.logical_not(must)
-        if isinstance(node, (ir.And, ir.Or)):
-            parts = [self.boolean(a) for a in node.args]
-            combine = ops.all if isinstance(node, ir.And) else ops.any
-            return combine(*[p[0] for p in parts]), combine(*[p[1] for p in parts])
-        if isinstance(node, ir.Binary) and node.op in ir.COMPARE_OPS:
-            if node.left.type == "bool":
-                return self._bool_equality(node)
-            must, may = self._compare(node.op, self.number(node.left), self.number(node.right))
-            nan = self.ops.any(self.may_be_nan(node.left), self.may_be_nan(node.right))
-            # a NaN operand makes every comparison false, except != which it makes true
-            if node.op == "!=":
-                return must, self.ops.any(may, nan)
-            return self.ops.all(must, self.ops.logical_not(nan)), may
-        if isinstance(node, ir.Call) and node.fn == "where":
-            cond = self.boolean(node.args[0])
-            a, b = self.boolean(node.args[1]), self.boolean(node.args[2])
-            pick = [ops.where(cond[0], a[i], ops.where(ops.logical_not(cond[1]), b[i],
-                                                        (ops.all if i == 0 else ops.any)(a[i], b[i])))
-                    for i in (0, 1)]
-            return pick[0], pick[1]
-        if isinstance(node, ir.Lookup):
-            found = ops.lookup(node, [self.number(i) for i in node.index])
-            if found is not None:
-                lo, hi = found
-                return lo >= 1, hi >= 1
-        return ops.const(False), ops.const(True)
+        cond = self.boolean(node.args[0])
+        a, b = self.boolean(node.args[1]), self.boolean(node.args[2])
+        pick = [ops.where(cond[0], a[i], ops.where(ops.logical_not(cond[1]), b[i],
+                                                    (ops.all if i == 0 else ops.any)(a[i], b[i])))
+                for i in (0, 1)]
+        return pick[0], pick[1]
+
+    def _lookup_boolean(self, node: ir.Lookup):
+        found = self.ops.lookup(node, [self.number(i) for i in node.index])
+        if found is None:
+            return None
+        lo, hi = found
+        return lo >= 1, hi >= 1
 
     def may_be_nan(self, node: ir.Expr):
         """Whether a numeric node can be NaN somewhere in the ranges: a square root or logarithm
@@ -360,6 +386,33 @@ class Analyzer:
         if node.op == "==":
             return equal_must, equal_may
         return differ_must, ops.logical_not(equal_must)
+
+
+# The rules by node kind (a node of another kind is unbounded) and by the operator table's
+# ``interval`` names (the names the node rules handle themselves: compare, neg, not, and, or,
+# where).
+_NUMBER_RULES = {ir.Const: Analyzer._const_number, ir.Var: Analyzer._var_number,
+                 ir.Unary: Analyzer._unary_number, ir.Binary: Analyzer._binary_number,
+                 ir.Call: Analyzer._call_number, ir.Lookup: Analyzer._lookup_number}
+_BOOLEAN_RULES = {ir.Const: Analyzer._const_boolean, ir.Unary: Analyzer._unary_boolean,
+                  ir.And: Analyzer._connective_boolean, ir.Or: Analyzer._connective_boolean,
+                  ir.Binary: Analyzer._binary_boolean, ir.Call: Analyzer._call_boolean,
+                  ir.Lookup: Analyzer._lookup_boolean}
+_OPERATOR_RULES = {"add": Analyzer._add, "sub": Analyzer._sub, "mul": Analyzer._mul,
+                   "div": Analyzer._div, "floordiv": Analyzer._floordiv, "mod": Analyzer._mod}
+_FUNCTION_RULES = {"abs": Analyzer._abs, "min": Analyzer._min, "max": Analyzer._max,
+                   "clamp": Analyzer._clamp, "round": Analyzer._round,
+                   "periodic": Analyzer._periodic, "increasing": Analyzer._increasing}
+
+def always(expr: ir.Expr, ranges: dict) -> bool:
+    """Whether the boolean ``expr`` provably holds everywhere in ``ranges`` (a mask every query
+    row and key of a call satisfies).
+
+    >>> from flexspec.ir import Binary, Var
+    >>> always(Binary(">=", Var("q"), Var("kv")), {"q": (9, 9), "kv": (0, 9)})
+    True
+    """
+    return bool(Analyzer(ScalarOps, ranges).boolean(expr)[0])
 
 
 def bounds(expr: ir.Expr, ranges: dict):

@@ -184,17 +184,9 @@ class AttentionIR:
 
 
 def children(node: Expr) -> tuple:
-    if isinstance(node, (Unary,)):
-        return (node.operand,)
-    if isinstance(node, Binary):
-        return (node.left, node.right)
-    if isinstance(node, (And, Or, Call)):
-        return node.args
-    if isinstance(node, Lookup):
-        return (node.tensor,) + tuple(node.index)
-    if isinstance(node, Tensor):
-        return tuple(node.shape) + tuple(node.args)
-    return ()
+    """The child nodes of ``node``, in a fixed order (leaves have none)."""
+    rule = _CHILDREN.get(type(node))
+    return rule(node) if rule is not None else ()
 
 
 def walk(node: Expr) -> Iterator[Expr]:
@@ -208,23 +200,32 @@ def walk(node: Expr) -> Iterator[Expr]:
 
 def rebuild(node: Expr, new_children: tuple) -> Expr:
     """``node`` with its children replaced (same order as :func:`children`)."""
-    if isinstance(node, Unary):
-        return Unary(node.op, new_children[0])
-    if isinstance(node, Binary):
-        return Binary(node.op, new_children[0], new_children[1])
-    if isinstance(node, And):
-        return And(tuple(new_children))
-    if isinstance(node, Or):
-        return Or(tuple(new_children))
-    if isinstance(node, Call):
-        return Call(node.fn, tuple(new_children))
-    if isinstance(node, Lookup):
-        return Lookup(new_children[0], tuple(new_children[1:]))
-    if isinstance(node, Tensor):
-        n = len(node.shape)
-        return Tensor(node.name, tuple(new_children[:n]), node.dtype, node.origin, node.builtin,
-                      tuple(new_children[n:]), node.init)
-    return node
+    rule = _REBUILD.get(type(node))
+    return rule(node, tuple(new_children)) if rule is not None else node
+
+
+def _rebuilt_tensor(node: Tensor, kids: tuple) -> Tensor:
+    n = len(node.shape)
+    return Tensor(node.name, kids[:n], node.dtype, node.origin, node.builtin, kids[n:],
+                  node.init)
+
+
+# Each inner node kind's children and how it is rebuilt from new ones.
+_CHILDREN = {
+    Unary: lambda n: (n.operand,),
+    Binary: lambda n: (n.left, n.right),
+    And: lambda n: n.args, Or: lambda n: n.args, Call: lambda n: n.args,
+    Lookup: lambda n: (n.tensor,) + tuple(n.index),
+    Tensor: lambda n: tuple(n.shape) + tuple(n.args),
+}
+_REBUILD = {
+    Unary: lambda n, kids: Unary(n.op, kids[0]),
+    Binary: lambda n, kids: Binary(n.op, kids[0], kids[1]),
+    And: lambda n, kids: And(kids), Or: lambda n, kids: Or(kids),
+    Call: lambda n, kids: Call(n.fn, kids),
+    Lookup: lambda n, kids: Lookup(kids[0], kids[1:]),
+    Tensor: _rebuilt_tensor,
+}
 
 
 def transform(node: Expr, fn: Callable[[Expr], Expr]) -> Expr:
@@ -272,6 +273,24 @@ def free_vars(node: Expr) -> frozenset:
     return frozenset(n.name for n in walk(node) if isinstance(n, Var))
 
 
+def direct_vars(node: Expr) -> frozenset:
+    """The variables ``node`` reads itself, not through a tensor's declared shape (a
+    ``doc_ids[b, q]`` of shape ``[B, KV_LEN]`` does not read the size ``B``).
+
+    >>> ids = Tensor("doc_ids", (Var("B"), Var("KV_LEN")), dtype="int")
+    >>> sorted(direct_vars(Lookup(ids, (Var("b"), Var("q")))))
+    ['b', 'q']
+    """
+    found, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, Var):
+            found.add(current.name)
+        elif not isinstance(current, Tensor):
+            stack.extend(children(current))
+    return frozenset(found)
+
+
 def depends_on(node: Expr, name: str) -> bool:
     return name in free_vars(node)
 
@@ -307,24 +326,37 @@ def tensor_keys(e: Expr) -> frozenset:
 
 def type_of(node: Expr) -> str:
     """``bool``, ``int``, ``float`` or ``tensor`` (for a bare tensor). Assumes a checked tree."""
-    if isinstance(node, Const):
-        return "bool" if isinstance(node.value, bool) else (
-            "int" if isinstance(node.value, int) else "float")
-    if isinstance(node, Var):
-        return "float" if node.name == SCORE_VAR else "int"
-    if isinstance(node, Param):
-        return "tensor" if node.shape else node.param_type
-    if isinstance(node, Tensor):
-        return "tensor"
-    if isinstance(node, Lookup):
-        tensor = node.tensor
-        return tensor.dtype if isinstance(tensor, Tensor) else tensor.param_type
-    if isinstance(node, (And, Or)):
-        return "bool"
-    if isinstance(node, (Unary, Binary, Call)):
-        rule = (FUNCTIONS[node.fn] if isinstance(node, Call) else OPERATORS[node.op]).result
+    kind = type(node)
+    if kind in _APPLIED:
+        # the operator table's result rule over the children's types, written here rather than
+        # in a rule of _TYPES: a frame less per level for the deepest trees the checker takes
+        rule = (FUNCTIONS[node.fn] if kind is Call else OPERATORS[node.op]).result
         return ops.result_type(rule, (type_of(child) for child in children(node)))
-    raise TypeError(f"not an IR node: {node!r}")
+    rule = _TYPES.get(kind)
+    if rule is None:
+        raise TypeError(f"not an IR node: {node!r}")
+    return rule(node)
+
+
+def _const_type(node: Const) -> str:
+    return "bool" if isinstance(node.value, bool) else (
+        "int" if isinstance(node.value, int) else "float")
+
+
+def _lookup_type(node: Lookup) -> str:
+    tensor = node.tensor
+    return tensor.dtype if isinstance(tensor, Tensor) else tensor.param_type
+
+
+_APPLIED = (Unary, Binary, Call)  # typed by the operator table (see type_of)
+_TYPES = {
+    Const: _const_type,
+    Var: lambda n: "float" if n.name == SCORE_VAR else "int",
+    Param: lambda n: "tensor" if n.shape else n.param_type,
+    Tensor: lambda n: "tensor",
+    Lookup: _lookup_type,
+    And: lambda n: "bool", Or: lambda n: "bool",
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,33 +387,52 @@ def _prec(node: Expr) -> int:
 
 def to_text(node: Expr) -> str:
     """Readable text for an IR expression, in the definition language's syntax."""
-    def wrap(child: Expr, minimum: int) -> str:
-        text = to_text(child)
-        return f"({text})" if _prec(child) < minimum else text
+    rule = _TEXT.get(type(node))
+    if rule is None:
+        raise TypeError(f"not an IR node: {node!r}")
+    return rule(node)
 
-    if isinstance(node, Const):
-        return format_number(node.value)
-    if isinstance(node, (Var, Param)):
-        return node.name
-    if isinstance(node, Tensor):
-        if node.origin == "builtin":
-            return f"{node.builtin}({', '.join(to_text(a) for a in node.args)})"
-        return node.name
-    if isinstance(node, Lookup):
-        return f"{to_text(node.tensor)}[{', '.join(to_text(i) for i in node.index)}]"
-    if isinstance(node, Unary):
-        op = OPERATORS[node.op]
-        # `-(-x)`, not `--x`; `~~x` reads fine
-        return op.source + wrap(node.operand, op.prec + (op.symbol == "neg"))
-    if isinstance(node, Binary):
-        op = OPERATORS[node.op]
-        left = op.prec if op.associative else op.prec + 1
-        return f"{wrap(node.left, left)} {op.source} {wrap(node.right, op.prec + 1)}"
-    if isinstance(node, (And, Or)):
-        op = OPERATORS["and" if isinstance(node, And) else "or"]
-        if not node.args:
-            return "true" if isinstance(node, And) else "false"
-        return f" {op.source} ".join(wrap(a, op.prec + 1) for a in node.args)
-    if isinstance(node, Call):
-        return f"{node.fn}({', '.join(to_text(a) for a in node.args)})"
-    raise TypeError(f"not an IR node: {node!r}")
+
+def _wrapped(texts, nodes, minimum: int) -> list:
+    """Each node's text, in parentheses where it binds looser than ``minimum``."""
+    return [f"({text})" if _prec(node) < minimum else text for text, node in zip(texts, nodes)]
+
+
+def _tensor_text(node: Tensor) -> str:
+    if node.origin == "builtin":
+        return f"{node.builtin}({', '.join(to_text(a) for a in node.args)})"
+    return node.name
+
+
+def _unary_text(node: Unary) -> str:
+    op = OPERATORS[node.op]
+    # `-(-x)`, not `--x`; `~~x` reads fine
+    (operand,) = _wrapped([to_text(node.operand)], [node.operand], op.prec + (op.symbol == "neg"))
+    return op.source + operand
+
+
+def _binary_text(node: Binary) -> str:
+    op = OPERATORS[node.op]
+    (left,) = _wrapped([to_text(node.left)], [node.left],
+                       op.prec if op.associative else op.prec + 1)
+    (right,) = _wrapped([to_text(node.right)], [node.right], op.prec + 1)
+    return f"{left} {op.source} {right}"
+
+
+def _connective_text(node) -> str:
+    op = OPERATORS["and" if isinstance(node, And) else "or"]
+    if not node.args:
+        return "true" if isinstance(node, And) else "false"
+    return f" {op.source} ".join(_wrapped([to_text(a) for a in node.args], node.args,
+                                          op.prec + 1))
+
+
+_TEXT = {
+    Const: lambda n: format_number(n.value),
+    Var: lambda n: n.name, Param: lambda n: n.name,
+    Tensor: _tensor_text,
+    Lookup: lambda n: f"{to_text(n.tensor)}[{', '.join(to_text(i) for i in n.index)}]",
+    Unary: _unary_text, Binary: _binary_text,
+    And: _connective_text, Or: _connective_text,
+    Call: lambda n: f"{n.fn}({', '.join(to_text(a) for a in n.args)})",
+}

@@ -51,9 +51,9 @@ def _resolve(spec: TorchFn, torch) -> Callable:
     return target
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Op:
-    """An operator of the IR.
+    """An operator of the IR (built with named fields only).
 
     ``operands``: ``num`` (numbers), ``int`` (numbers, and then ints only), ``bool``, or ``eq``
     (numbers, or two bools). ``result``: a type, or ``num`` for the join of the operand types.
@@ -101,9 +101,9 @@ class Form:
     arg_prec: int = PY_COND
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Function:
-    """A function of the language.
+    """A function of the language (built with named fields only).
 
     ``operands``: ``num`` (every argument a number) or ``where`` (a bool, then two bools or two
     numbers). ``result``: ``num`` (join of the argument types), ``float``, ``int`` or ``where``.
@@ -158,15 +158,17 @@ def result_type(rule: str, arg_types) -> str:
 # Operators
 
 
-def _arith(symbol, prec, python, torch, interval, **more) -> Op:
-    return Op(symbol, 2, more.pop("operands", "num"), more.pop("result", "num"), symbol, prec,
-              python, torch, (symbol, PY_ADD if prec == ADD else PY_MUL), interval,
+def _arith(symbol, prec, python, torch, interval, operands="num", result="num", **more) -> Op:
+    return Op(symbol=symbol, arity=2, operands=operands, result=result, source=symbol,
+              prec=prec, python=python, torch=torch,
+              py_tensor=(symbol, PY_ADD if prec == ADD else PY_MUL), interval=interval,
               in_shapes=True, **more)
 
 
 def _compare(symbol, python, torch, negation, operands="num") -> Op:
-    return Op(symbol, 2, operands, "bool", symbol, COMPARE, python, torch, (symbol, PY_CMP),
-              "compare", negation=negation, associative=False)
+    return Op(symbol=symbol, arity=2, operands=operands, result="bool", source=symbol,
+              prec=COMPARE, python=python, torch=torch, py_tensor=(symbol, PY_CMP),
+              interval="compare", negation=negation, associative=False)
 
 
 def _all(*values):
@@ -195,14 +197,18 @@ _OPERATOR_LIST = [
     _compare(">=", operator.ge, "torch.ge", "<"),
     _compare("==", operator.eq, "torch.eq", "!=", operands="eq"),
     _compare("!=", operator.ne, "torch.ne", "==", operands="eq"),
-    Op("neg", 1, "num", "num", "-", NEG, operator.neg, "torch.neg", ("-", PY_UNARY), "neg",
+    Op(symbol="neg", arity=1, operands="num", result="num", source="-", prec=NEG,
+       python=operator.neg, torch="torch.neg", py_tensor=("-", PY_UNARY), interval="neg",
        in_shapes=True),
-    Op("not", 1, "bool", "bool", "~", NOT, operator.not_, "torch.logical_not", ("~", PY_UNARY),
-       "not", py_scalar=("not", PY_NOT)),
+    Op(symbol="not", arity=1, operands="bool", result="bool", source="~", prec=NOT,
+       python=operator.not_, torch="torch.logical_not", py_tensor=("~", PY_UNARY),
+       interval="not", py_scalar=("not", PY_NOT)),
     # n-ary in the IR (ir.And, ir.Or); called with no operands they give their neutral element
-    Op("and", 2, "bool", "bool", "&", AND, _all, "torch.logical_and", ("&", PY_BAND), "and",
+    Op(symbol="and", arity=2, operands="bool", result="bool", source="&", prec=AND,
+       python=_all, torch="torch.logical_and", py_tensor=("&", PY_BAND), interval="and",
        py_scalar=("and", PY_AND)),
-    Op("or", 2, "bool", "bool", "|", OR, _any, "torch.logical_or", ("|", PY_BOR), "or",
+    Op(symbol="or", arity=2, operands="bool", result="bool", source="|", prec=OR,
+       python=_any, torch="torch.logical_or", py_tensor=("|", PY_BOR), interval="or",
        py_scalar=("or", PY_OR)),
 ]
 
@@ -242,17 +248,20 @@ def _clamp_torch(torch):
 
 
 def _rounding(name, python) -> Function:
-    return Function(name, 1, "num", "int", python, f"torch.{name}", "round",
-                    Form(f"torch.{name}({{0}}).to(torch.int64)"), Form(f"math.{name}({{0}})"),
-                    int_identity=True)
+    return Function(name=name, arity=1, operands="num", result="int", python=python,
+                    torch=f"torch.{name}", interval="round",
+                    tensor_form=Form(f"torch.{name}({{0}}).to(torch.int64)"),
+                    scalar_form=Form(f"math.{name}({{0}})"), int_identity=True)
 
 
 def _float_fn(name, python, scalar_form: Form | None = None, interval="increasing",
               **more) -> Function:
     """A float function of one number: ``torch.name`` on tensors, ``math.name`` on numbers."""
-    return Function(name, 1, "num", "float", python, f"torch.{name}", interval,
-                    Form(f"torch.{name}({{0}})"), scalar_form or Form(f"math.{name}({{0}})"),
-                    float_math=True, **more)
+    return Function(name=name, arity=1, operands="num", result="float", python=python,
+                    torch=f"torch.{name}", interval=interval,
+                    tensor_form=Form(f"torch.{name}({{0}})"),
+                    scalar_form=scalar_form or Form(f"math.{name}({{0}})"), float_math=True,
+                    **more)
 
 
 # On Python numbers (expressions of sizes only) the lowering writes these functions so that they
@@ -272,14 +281,18 @@ def _ieee_log(name: str, pole: int) -> Form:
 
 
 _FUNCTION_LIST = [
-    Function("abs", 1, "num", "num", abs, "torch.abs", "abs", Form("torch.abs({0})"),
-             Form("abs({0})")),
-    Function("sign", 1, "num", "num", _sign, "torch.sign", "increasing",
-             Form("torch.sign({0})")),
-    Function("min", 2, "num", "num", min, "torch.minimum", "min", in_shapes=True),
-    Function("max", 2, "num", "num", max, "torch.maximum", "max", in_shapes=True),
-    Function("clamp", 3, "num", "num", _clamp, _clamp_torch, "clamp"),
-    Function("where", 3, "where", "where", _where, "torch.where", "where"),
+    Function(name="abs", arity=1, operands="num", result="num", python=abs, torch="torch.abs",
+             interval="abs", tensor_form=Form("torch.abs({0})"), scalar_form=Form("abs({0})")),
+    Function(name="sign", arity=1, operands="num", result="num", python=_sign,
+             torch="torch.sign", interval="increasing", tensor_form=Form("torch.sign({0})")),
+    Function(name="min", arity=2, operands="num", result="num", python=min,
+             torch="torch.minimum", interval="min", in_shapes=True),
+    Function(name="max", arity=2, operands="num", result="num", python=max,
+             torch="torch.maximum", interval="max", in_shapes=True),
+    Function(name="clamp", arity=3, operands="num", result="num", python=_clamp,
+             torch=_clamp_torch, interval="clamp"),
+    Function(name="where", arity=3, operands="where", result="where", python=_where,
+             torch="torch.where", interval="where"),
     _rounding("floor", math.floor),
     _rounding("ceil", math.ceil),
     _float_fn("tanh", math.tanh),

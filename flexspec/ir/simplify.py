@@ -60,8 +60,8 @@ def fold_constants(node: Expr) -> Expr:
         if isinstance(node, Binary) and node.op in COMPARE_OPS and (
                 _is_nan(node.left) or _is_nan(node.right)):
             # NaN compares false, and unequal, to everything; left unfolded, a NaN constant
-            # compared with a length broke torch.compile ("Invalid NaN comparison" of a
-            # symbolic size, torch 2.13)
+            # compared with a length breaks torch.compile (flexspec.workarounds:
+            # dynamo-nan-comparison)
             return Const(node.op == "!=")
     except (ArithmeticError, ValueError):
         return node

@@ -29,7 +29,7 @@ from flexspec import ir
 from flexspec.ir import tensor_key
 from flexspec.ir.intervals import INF, Analyzer
 from flexspec.kernels.block_tables import EMPTY, FULL, PARTIAL, tile_grid, to_block_mask
-from flexspec.kernels.reference import evaluate
+from flexspec.kernels.evaluate import evaluate
 
 # Tiles classified per step: bounds intermediates are float64 tensors of this many elements.
 TILES_PER_CHUNK = 1 << 22

@@ -14,10 +14,15 @@ matched by dynamo's guards, and their tensors become graph inputs, read anew eac
 ``exec`` of the same text makes a new code object, which recompiles every time. So each
 :class:`Lowered` compiles its source once, into a factory whose parameters are the sizes and the
 tensors, and :meth:`Lowered.make_mods` calls that factory: every call returns new closures over
-the same code. Measured (tests/kernels/test_lower.py): 4 calls with fresh closures and fresh ``doc_ids``
-compile 1 frame, 3 calls with a fresh ``exec`` each compile 3 (torch 2.13 CPU and torch 2.11 on
-an H200, inductor and the eager backend alike). A shared holder whose tensors are swapped would
-not recompile either, but a BlockMask made earlier would then silently read the new values.
+the same code. tests/kernels/test_lower.py counts it: calls with fresh closures and fresh
+``doc_ids`` compile one frame, calls with a fresh ``exec`` each compile once each (on the CPU
+and on a GPU, inductor and the eager backend alike). A shared holder whose tensors are swapped
+would not recompile either, but a BlockMask made earlier would then silently read the new
+values.
+
+Each kind of IR node has its rule (``_NODE_RULES``); functions the operator table leaves to the
+lowering have theirs (``SPECIAL_FORMS``); a code generator that needs other forms is a
+:class:`Dialect`, data the backends name (``Backend.dialect``).
 
 This module must not import the reference: tests compare the two.
 """
@@ -65,21 +70,21 @@ class _Code:
 
 
 class _Emitter:
-    """Emits one expression; records which free names (sizes, tensors, inf, math) it used.
-    ``cute``: FLASH's form (see :func:`lower`)."""
+    """Emits one expression in one :class:`Dialect`; records which free names (sizes, tensors,
+    inf, math) it used."""
 
-    def __init__(self, names: dict, cute: bool = False):
+    def __init__(self, names: dict, dialect: "Dialect"):
         self.names = names  # tensor_key -> Python identifier
         self.used: set[str] = set()
-        self.cute = cute
+        self.dialect = dialect
 
     def emit(self, node: ir.Expr) -> _Code:
-        method = getattr(self, "_" + type(node).__name__.lower(), None)
-        if method is None:
+        rule = _NODE_RULES.get(type(node))
+        if rule is None:
             raise SpecError(f"cannot lower '{ir.to_text(node)}' to FlexAttention")
-        return method(node)
+        return rule(self, node)
 
-    def _const(self, node: ir.Const) -> _Code:
+    def const(self, node: ir.Const) -> _Code:
         value = node.value
         if isinstance(value, float) and math.isinf(value):
             self.used.add("inf")
@@ -87,13 +92,13 @@ class _Emitter:
         text = repr(value)
         return _Code(text, _UNARY if text.startswith("-") else _ATOM, False)
 
-    def _var(self, node: ir.Var) -> _Code:
+    def var(self, node: ir.Var) -> _Code:
         if node.name in ir.SIZE_VARS:
             self.used.add(node.name)
             return _Code(node.name, _ATOM, False)
         return _Code(_INDEX_NAMES[node.name], _ATOM, True)
 
-    def _lookup(self, node: ir.Lookup) -> _Code:
+    def lookup(self, node: ir.Lookup) -> _Code:
         if not isinstance(node.tensor, ir.Tensor):
             raise SpecError(f"tensor parameter '{node.tensor.name}' has no value to lower")
         name = self.names[tensor_key(node.tensor)]
@@ -103,32 +108,28 @@ class _Emitter:
         index = ", ".join(self.emit(i).at(_OR_KW) for i in node.index)
         return _Code(f"{name}[{index}]", _ATOM, True)
 
-    def _unary(self, node: ir.Unary) -> _Code:
+    def unary(self, node: ir.Unary) -> _Code:
         x = self.emit(node.operand)
         entry = OPERATORS[node.op]
         symbol, prec = entry.py_tensor if x.tensor else entry.scalar
         space = " " if symbol.isalpha() else ""  # `not x`, `~x`, `-x`
         return _Code(f"{symbol}{space}{x.at(prec)}", prec, x.tensor)
 
-    def _binary(self, node: ir.Binary) -> _Code:
+    def binary(self, node: ir.Binary) -> _Code:
         left, right = self.emit(node.left), self.emit(node.right)
         tensor = left.tensor or right.tensor
-        if self.cute and node.op == "/" and tensor and ir.type_of(node.left) == "int" \
-                and ir.type_of(node.right) == "int":
-            # torch divides ints as floats. CuTeDSL 4.8.1 divides two int32 vectors in float32
-            # too, but labels the result Int32 (TensorSSA._apply_op keeps the operands' type,
-            # read in its source), so later conversions could misread it. A float tensor
-            # operand makes the division a float one throughout (verified on FLASH with a
-            # scalar dividend; t5_bias's error turned out to be the where of constants).
+        if self.dialect.float_int_division and node.op == "/" and tensor \
+                and ir.type_of(node.left) == "int" and ir.type_of(node.right) == "int":
+            # flexspec.workarounds: cute-int-division (a float operand makes the division a
+            # float one throughout, as torch divides ints)
             if left.tensor:
                 left = _Code(f"{left.at(_ATOM)}.to(torch.float32)", _ATOM, True)
             else:
                 right = _Code(f"{right.at(_ATOM)}.to(torch.float32)", _ATOM, True)
         if node.op in ("==", "!=") and "bool" in (ir.type_of(node.left), ir.type_of(node.right)):
             # a scalar bool here may be symbolic (a comparison of a length, which the compiled
-            # call marks dynamic): torch 2.13's dynamo and inductor failed on == and != of one
-            # with a bool or a bool tensor ("BooleanAtom not allowed in this context"), and
-            # compare it as an int
+            # call marks dynamic): compared as an int (flexspec.workarounds:
+            # dynamo-bool-equality)
             left, right = (c if c.tensor else _Code(f"int({c.text})", _ATOM, False)
                            for c in (left, right))
         entry = OPERATORS[node.op]
@@ -137,10 +138,10 @@ class _Emitter:
         left_prec = prec if entry.associative else prec + 1
         return _Code(f"{left.at(left_prec)} {symbol} {right.at(prec + 1)}", prec, tensor)
 
-    def _and(self, node: ir.And) -> _Code:
+    def conjunction(self, node: ir.And) -> _Code:
         return self._chain(node.args, OPERATORS["and"], "True")
 
-    def _or(self, node: ir.Or) -> _Code:
+    def disjunction(self, node: ir.Or) -> _Code:
         return self._chain(node.args, OPERATORS["or"], "False")
 
     def _chain(self, args, entry, empty) -> _Code:
@@ -153,7 +154,7 @@ class _Emitter:
         symbol, prec = entry.py_tensor if tensor else entry.scalar
         return _Code(f" {symbol} ".join(c.at(prec + 1) for c in codes), prec, tensor)
 
-    def _call(self, node: ir.Call) -> _Code:
+    def call(self, node: ir.Call) -> _Code:
         fn = FUNCTIONS.get(node.fn)
         if fn is None:
             raise SpecError(f"cannot lower function '{node.fn}' to FlexAttention")
@@ -161,13 +162,12 @@ class _Emitter:
         arg_types = [ir.type_of(a) for a in node.args]
         if fn.int_identity and "float" not in arg_types:
             return args[0]
-        special = getattr(self, "_fn_" + fn.name, None)  # forms that depend on which are tensors
         tensor = any(a.tensor for a in args)
-        if tensor and self.cute and hasattr(self, "_cute_" + fn.name):
-            return getattr(self, "_cute_" + fn.name)(args, arg_types)
+        if tensor and fn.name in self.dialect.functions:
+            return self.dialect.functions[fn.name](self, args, arg_types)
         form = fn.tensor_form if tensor else fn.scalar_form
-        if form is None:
-            return special(args, arg_types)
+        if form is None:  # a form that depends on which arguments are tensors
+            return SPECIAL_FORMS[fn.name](self, args, arg_types)
         if tensor and fn.float_math:
             # Float math needs a float tensor; the indices are ints.
             args = [_Code(f"{a.at(_ATOM)}.to(torch.float32)", _ATOM, True)
@@ -177,104 +177,162 @@ class _Emitter:
         text = form.template.format(*(a.at(form.arg_prec) for a in args))
         return _Code(text, form.prec, tensor)
 
-    def _fn_sign(self, args, arg_types) -> _Code:
-        x = args[0]
-        code = _Code(f"({x.at(_CMP + 1)} > 0) - ({x.at(_CMP + 1)} < 0)", _ADD, False)
-        return _call("float", code) if arg_types[0] == "float" else code
 
-    def _fn_min(self, args, arg_types) -> _Code:
-        return self._minmax("min", *args)
+# How each kind of node is emitted (a node of another kind cannot be lowered).
+_NODE_RULES = {ir.Const: _Emitter.const, ir.Var: _Emitter.var, ir.Lookup: _Emitter.lookup,
+               ir.Unary: _Emitter.unary, ir.Binary: _Emitter.binary, ir.And: _Emitter.conjunction,
+               ir.Or: _Emitter.disjunction, ir.Call: _Emitter.call}
 
-    def _fn_max(self, args, arg_types) -> _Code:
-        return self._minmax("max", *args)
 
-    def _fn_clamp(self, args, arg_types) -> _Code:
-        x, lo, hi = args
-        if x.tensor and lo.tensor == hi.tensor:
-            return _call("torch.clamp", x, lo, hi)
-        return self._minmax("min", self._minmax("max", x, lo), hi)
+# ---- functions whose form depends on which arguments are tensors --------------------------------
 
-    # CuTeDSL (FLASH) rejected torch.maximum (FA4 4.0.0b36): the same values through where
-    def _cute_abs(self, args, arg_types) -> _Code:
-        x = args[0]
-        return _Code(f"torch.where({x.at(_CMP + 1)} < 0, -{x.at(_UNARY)}, {x.text})", _ATOM, True)
 
-    def _cute_sign(self, args, arg_types) -> _Code:
-        # two converted comparisons, not a where of constants (see _chosen)
-        x = args[0]
-        dtype = "torch.float32" if arg_types[0] == "float" else "torch.int32"
-        return _Code(f"({x.at(_CMP + 1)} > 0).to({dtype}) - ({x.at(_CMP + 1)} < 0).to({dtype})",
-                     _ADD, True)
+def _sign(em: _Emitter, args, arg_types) -> _Code:
+    x = args[0]
+    code = _Code(f"({x.at(_CMP + 1)} > 0) - ({x.at(_CMP + 1)} < 0)", _ADD, False)
+    return _call("float", code) if arg_types[0] == "float" else code
 
-    def _cute_min(self, args, arg_types) -> _Code:
-        return self._where_minmax("<", *args)
 
-    def _cute_max(self, args, arg_types) -> _Code:
-        return self._where_minmax(">", *args)
+def _min(em: _Emitter, args, arg_types) -> _Code:
+    return _minmax("min", *args)
 
-    def _cute_clamp(self, args, arg_types) -> _Code:
-        x, lo, hi = args
-        return self._where_minmax("<", self._where_minmax(">", x, lo), hi)
 
-    # torch 2.11's CuTeDSL code generator has no `floor` or `ceil` (torch 2.13's has): the float
-    # truncated toward zero by the conversion to int, then moved one step where it overshot. The
-    # int is int32, FLASH's index type (an int64 index failed there: "store Int64 to Tensor
-    # with element type Int32"); ir/overflow keeps FLASH's ints in int32's range.
-    def _cute_floor(self, args, arg_types) -> _Code:
-        return self._rounded(args[0], ">", "-")
+def _max(em: _Emitter, args, arg_types) -> _Code:
+    return _minmax("max", *args)
 
-    def _cute_ceil(self, args, arg_types) -> _Code:
-        return self._rounded(args[0], "<", "+")
 
-    def _rounded(self, x: _Code, overshot: str, step: str) -> _Code:
-        truncated = f"{x.at(_ATOM)}.to(torch.int32)"
-        return _Code(f"torch.where({truncated} {overshot} {x.at(_CMP + 1)}, {truncated} {step} 1, "
-                     f"{truncated})", _ATOM, True)
+def _clamp(em: _Emitter, args, arg_types) -> _Code:
+    x, lo, hi = args
+    if x.tensor and lo.tensor == hi.tensor:
+        return _call("torch.clamp", x, lo, hi)
+    return _minmax("min", _minmax("max", x, lo), hi)
 
-    def _where_minmax(self, keep_first_if: str, a: _Code, b: _Code) -> _Code:
-        if not (a.tensor or b.tensor):
-            return _call("min" if keep_first_if == "<" else "max", a, b)
-        cond = f"{a.at(_CMP + 1)} {keep_first_if} {b.at(_CMP + 1)}"
-        return _Code(f"torch.where({cond}, {a.text}, {b.text})", _ATOM, True)
 
-    def _fn_where(self, args, arg_types) -> _Code:
-        cond, a, b = args
-        if not cond.tensor:
-            if a.tensor == b.tensor:
-                return _Code(f"{a.at(_OR_KW)} if {cond.at(_OR_KW)} else {b.at(_COND)}", _COND,
-                             a.tensor)
-            # One branch is a Python scalar: a Python `if` would give a scalar on some calls
-            # and a tensor on others, so make the condition a tensor and let torch choose.
-            cond = _Code(f"torch.full_like(q_idx, {cond.text}, dtype=torch.bool)", _ATOM, True)
-        if self.cute and not (a.tensor or b.tensor):
-            return self._chosen(cond, a, b, _where_type(arg_types[1:]))
-        return _call("torch.where", cond, a, b)
+def _where(em: _Emitter, args, arg_types) -> _Code:
+    cond, a, b = args
+    if not cond.tensor:
+        if a.tensor == b.tensor:
+            return _Code(f"{a.at(_OR_KW)} if {cond.at(_OR_KW)} else {b.at(_COND)}", _COND,
+                         a.tensor)
+        # One branch is a Python scalar: a Python `if` would give a scalar on some calls
+        # and a tensor on others, so make the condition a tensor and let torch choose.
+        cond = _Code(f"torch.full_like(q_idx, {cond.text}, dtype=torch.bool)", _ATOM, True)
+    if not (a.tensor or b.tensor):
+        return em.dialect.where_of_scalars(cond, a, b, _where_type(arg_types[1:]))
+    return _call("torch.where", cond, a, b)
 
-    def _chosen(self, cond: _Code, a: _Code, b: _Code, kind: str) -> _Code:
-        """FLASH's form of ``where`` with two Python scalar branches. torch 2.11's CuTeDSL gave
-        wrong values for it (hand-written too: relative error 0.63 for ``where(kv > q, 4, 0)``
-        on an H200, FA4 4.0.0b36) but right ones for a product with a converted condition and
-        for a ``where`` with a tensor branch. So: ``cond * a + (1 - cond) * b``, exact for
-        finite values; where a branch may be infinite (``inf * 0`` is NaN), a ``where`` whose
-        second branch is made a tensor by adding ``cond * 0.0``."""
-        dtype = "torch.float32" if kind == "float" else "torch.int32"
-        flag = f"{cond.at(_ATOM)}.to({dtype})"
-        if kind == "float" and "inf" in a.text + b.text:
-            tensor_b = _Code(f"{flag} * 0.0 + {b.at(_ADD + 1)}", _ADD, True)
-            return _call("torch.where", cond, a, tensor_b)
-        chosen = _Code(f"{flag} * {a.at(_MUL + 1)} + (1 - {flag}) * {b.at(_MUL + 1)}", _ADD, True)
-        return _Code(f"{chosen.at(_CMP + 1)} != 0", _CMP, True) if kind == "bool" else chosen
 
-    def _minmax(self, fn: str, a: _Code, b: _Code) -> _Code:
-        if a.tensor and b.tensor:
-            return _call("torch.minimum" if fn == "min" else "torch.maximum", a, b)
-        if a.tensor or b.tensor:
-            # torch.minimum wants two tensors; clamp takes a Python number and promotes the
-            # dtype (int tensor, float bound -> float) the same way.
-            t, s = (a, b) if a.tensor else (b, a)
-            bound = "max" if fn == "min" else "min"
-            return _Code(f"torch.clamp({t.text}, {bound}={s.text})", _ATOM, True)
-        return _call(fn, a, b)
+def _minmax(fn: str, a: _Code, b: _Code) -> _Code:
+    if a.tensor and b.tensor:
+        return _call("torch.minimum" if fn == "min" else "torch.maximum", a, b)
+    if a.tensor or b.tensor:
+        # torch.minimum wants two tensors; clamp takes a Python number and promotes the
+        # dtype (int tensor, float bound -> float) the same way.
+        t, s = (a, b) if a.tensor else (b, a)
+        bound = "max" if fn == "min" else "min"
+        return _Code(f"torch.clamp({t.text}, {bound}={s.text})", _ATOM, True)
+    return _call(fn, a, b)
+
+
+# Functions whose operator-table entry leaves a form to the lowering (tensor_form or scalar_form
+# None): their forms, by function name.
+SPECIAL_FORMS = {"sign": _sign, "min": _min, "max": _max, "clamp": _clamp, "where": _where}
+
+
+def _torch_where_of_scalars(cond: _Code, a: _Code, b: _Code, kind: str) -> _Code:
+    return _call("torch.where", cond, a, b)
+
+
+# ---- the cute dialect (FLASH's CuTeDSL code generator) -------------------------------------------
+
+
+def _cute_abs(em: _Emitter, args, arg_types) -> _Code:
+    x = args[0]
+    return _Code(f"torch.where({x.at(_CMP + 1)} < 0, -{x.at(_UNARY)}, {x.text})", _ATOM, True)
+
+
+def _cute_sign(em: _Emitter, args, arg_types) -> _Code:
+    # two converted comparisons, not a where of constants (see _chosen)
+    x = args[0]
+    dtype = "torch.float32" if arg_types[0] == "float" else "torch.int32"
+    return _Code(f"({x.at(_CMP + 1)} > 0).to({dtype}) - ({x.at(_CMP + 1)} < 0).to({dtype})",
+                 _ADD, True)
+
+
+def _cute_min(em: _Emitter, args, arg_types) -> _Code:
+    return _where_minmax("<", *args)
+
+
+def _cute_max(em: _Emitter, args, arg_types) -> _Code:
+    return _where_minmax(">", *args)
+
+
+def _cute_clamp(em: _Emitter, args, arg_types) -> _Code:
+    x, lo, hi = args
+    return _where_minmax("<", _where_minmax(">", x, lo), hi)
+
+
+# flexspec.workarounds: cute-floor-ceil. The float truncated toward zero by the conversion to
+# int, then moved one step where it overshot; the int is int32, FLASH's index type
+# (flexspec.workarounds: flash-nested-lookup), which ir/overflow keeps FLASH's ints inside.
+def _cute_floor(em: _Emitter, args, arg_types) -> _Code:
+    return _rounded(args[0], ">", "-")
+
+
+def _cute_ceil(em: _Emitter, args, arg_types) -> _Code:
+    return _rounded(args[0], "<", "+")
+
+
+def _rounded(x: _Code, overshot: str, step: str) -> _Code:
+    truncated = f"{x.at(_ATOM)}.to(torch.int32)"
+    return _Code(f"torch.where({truncated} {overshot} {x.at(_CMP + 1)}, {truncated} {step} 1, "
+                 f"{truncated})", _ATOM, True)
+
+
+def _where_minmax(keep_first_if: str, a: _Code, b: _Code) -> _Code:
+    if not (a.tensor or b.tensor):
+        return _call("min" if keep_first_if == "<" else "max", a, b)
+    cond = f"{a.at(_CMP + 1)} {keep_first_if} {b.at(_CMP + 1)}"
+    return _Code(f"torch.where({cond}, {a.text}, {b.text})", _ATOM, True)
+
+
+def _chosen(cond: _Code, a: _Code, b: _Code, kind: str) -> _Code:
+    """The cute form of ``where`` with two Python scalar branches (flexspec.workarounds:
+    cute-where-of-scalars): ``cond * a + (1 - cond) * b``, exact for finite values; where a
+    branch may be infinite (``inf * 0`` is NaN), a ``where`` whose second branch is made a
+    tensor by adding ``cond * 0.0``."""
+    dtype = "torch.float32" if kind == "float" else "torch.int32"
+    flag = f"{cond.at(_ATOM)}.to({dtype})"
+    if kind == "float" and "inf" in a.text + b.text:
+        tensor_b = _Code(f"{flag} * 0.0 + {b.at(_ADD + 1)}", _ADD, True)
+        return _call("torch.where", cond, a, tensor_b)
+    chosen = _Code(f"{flag} * {a.at(_MUL + 1)} + (1 - {flag}) * {b.at(_MUL + 1)}", _ADD, True)
+    return _Code(f"{chosen.at(_CMP + 1)} != 0", _CMP, True) if kind == "bool" else chosen
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """A code generator's form of the lowering: ``functions`` replace the table's tensor forms
+    of those functions (by name), ``where_of_scalars`` writes a ``where`` of a tensor condition
+    and two scalar branches, and ``float_int_division`` makes the tensor operand of ``/`` of two
+    ints a float."""
+
+    name: str
+    functions: types.MappingProxyType
+    where_of_scalars: Callable
+    float_int_division: bool = False
+
+
+TORCH = Dialect("torch", types.MappingProxyType({}), _torch_where_of_scalars)
+# FLASH's CuTeDSL (flexspec.workarounds: cute-maximum, cute-floor-ceil, cute-where-of-scalars,
+# cute-int-division): min, max, clamp and abs of tensors through torch.where over comparisons
+# (equal values except for NaN operands, which where does not propagate), sign as two converted
+# comparisons, floor and ceil as a conversion to int32 corrected by one
+CUTE = Dialect("cute", types.MappingProxyType({
+    "abs": _cute_abs, "sign": _cute_sign, "min": _cute_min, "max": _cute_max,
+    "clamp": _cute_clamp, "floor": _cute_floor, "ceil": _cute_ceil}), _chosen,
+    float_int_division=True)
+DIALECTS: dict[str, Dialect] = {dialect.name: dialect for dialect in (TORCH, CUTE)}
 
 
 def _where_type(branch_types) -> str:
@@ -341,7 +399,7 @@ class Lowered:
     """The FlexAttention functions of one IR, as source, and a way to build them.
 
     ``mask_source`` / ``score_source`` are ``None`` when the spec has no mask / no score
-    modifier. ``tensor_names`` maps each :func:`~flexspec.kernels.tensors.tensor_key` to the Python name
+    modifier. ``tensor_names`` maps each :func:`~flexspec.ir.tensor_key` to the Python name
     the source uses for it; ``size_names`` lists the sizes the source reads.
     """
 
@@ -383,28 +441,24 @@ class Lowered:
 
 
 @functools.lru_cache(maxsize=512)
-def lower(spec: ir.AttentionIR, *, cute: bool = False) -> Lowered:
-    """The :class:`Lowered` functions of an IR; equal IR gives the very same object.
+def lower(spec: ir.AttentionIR, *, dialect: str = "torch") -> Lowered:
+    """The :class:`Lowered` functions of an IR in one of :data:`DIALECTS` (``"torch"``, or
+    ``"cute"`` for FLASH's code generator); equal IR gives the very same object.
 
     The IR should already be specialized to the actual tensor shapes
-    (:func:`flexspec.kernels.tensors.specialize_ir`), so a broadcast tensor gives a mask without ``b``.
-
-    ``cute=True`` is the form for FLASH, whose CuTeDSL code generator rejected
-    ``torch.maximum``, ``floor`` and ``ceil`` and computed a ``torch.where`` of two constants
-    wrongly (torch 2.11): ``min``, ``max``, ``clamp`` and ``abs`` of tensors become
-    ``torch.where`` over comparisons (equal values except for NaN operands, which ``where`` does
-    not propagate), ``sign`` two comparisons converted to numbers, ``floor`` and ``ceil`` a
-    conversion to int32 corrected by one where it truncated the wrong way, a ``where`` of two
-    Python scalars a product with the converted condition (int32, FLASH's index type, for
-    ints), and the tensor operand of ``/`` of two ints a float.
+    (:func:`flexspec.ir.specialize.specialize_ir`), so a broadcast tensor gives a mask without
+    ``b``.
     """
+    if dialect not in DIALECTS:
+        raise SpecError(f"unknown dialect of the lowering '{dialect}'; dialects: "
+                        f"{', '.join(DIALECTS)}")
     taken = set(_RESERVED)
     names = {}
     for t in spec.tensors():
         key = tensor_key(t)
         names[key] = _identifier(key, taken)
         taken.add(names[key])
-    emitter = _Emitter(names, cute)
+    emitter = _Emitter(names, DIALECTS[dialect])
     mask_source = _mask_source(spec.mask, emitter) if spec.has_mask else None
     score_source = _score_source(spec.score, emitter) if spec.has_score else None
     size_names = tuple(n for n in ir.SIZE_VARS if n in emitter.used)

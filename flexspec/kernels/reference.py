@@ -1,22 +1,11 @@
-"""The eager reference: what a spec means, computed densely in float64.
+"""The eager reference: what a spec's attention means, computed densely in float64.
 
-This module *is* the semantics of flexspec. It interprets the IR with plain torch ops on
-broadcastable index grids and computes attention the textbook way, so every fast path (the
-FlexAttention lowering, block masks, other backends) is tested against it. It must never import
-the lowering nor call FlexAttention, or those tests would compare the code with itself.
-
-Semantics of the IR, as implemented by :func:`evaluate`:
-
-* indices, sizes and int constants are int64; ``//`` floors and ``%`` takes the sign of the
-  divisor (Python's rules); ``/`` is true division in float64; every float is float64;
-* comparisons give bools; ``&``, ``|``, ``~`` work on bools only;
-* each operator and function is the torch function the operator table
-  (:mod:`flexspec.ir.ops`) names for it; a float function (``tanh exp log ...``) first turns its
-  argument to float64; ``floor`` and ``ceil`` give int64 and leave an int unchanged;
-  ``clamp(x, lo, hi)`` is ``min(max(x, lo), hi)``; ``sign`` keeps its argument's type;
-* a tensor lookup reads the value at the evaluated indices; a tensor with fewer dimensions
-  than indices gains leading size-1 dimensions, and a size-1 dimension is read at index 0
-  whatever the index (broadcasting); an index out of range is an error.
+The spec's mask and scores are evaluated on index grids by :mod:`flexspec.kernels.evaluate`
+(the semantics of expressions) and attention is computed the textbook way, so every fast path
+(the FlexAttention lowering, block masks, other backends) is tested against it. It has two
+roles: the test oracle, and the ``reference`` backend of last resort (inputs in float64, CPU
+backward passes, short CPU sequences). It must never import the lowering nor call
+FlexAttention, or those tests would compare the code with itself.
 
 Attention: logits ``q @ k^T * scale`` go through the score pipeline at every position, masked
 positions become ``-inf``, then softmax. A query row with no finite logit returns zeros (never
@@ -31,36 +20,15 @@ import torch
 
 from flexspec import ir
 from flexspec.errors import SpecError
-from flexspec.ir.ops import FUNCTIONS, OPERATORS
 from flexspec.ir.overflow import check_int_ranges, position_ranges
 from flexspec.ir.rewrites import default_offset
-from flexspec.kernels.tensors import tensor_key
+from flexspec.kernels.evaluate import FLOAT as _FLOAT, INT as _INT
+from flexspec.kernels.evaluate import as_bool, evaluate, index_grid, query_offsets
 from flexspec.limits import MAX_DENSE_ARRAY_BYTES, check_dense
 
 # The largest dense [B, H, Q_LEN, KV_LEN] float64 array the reference builds (its share of
 # flexspec.limits.MEMORY_BUDGET), under the name the reference's callers know.
 MAX_BYTES = MAX_DENSE_ARRAY_BYTES
-
-_FLOAT = torch.float64
-_INT = torch.int64
-
-
-def index_grid(batch: int, heads: int, q_len: int, kv_len: int, device="cpu",
-               q_offset=None) -> dict:
-    """The variables of the IR for a dense evaluation: broadcastable int64 index grids for
-    ``b h q kv`` (shaped ``[B,1,1,1]``, ``[1,H,1,1]``, ...) and the sizes as Python ints.
-
-    ``q`` holds absolute query positions: row ``i`` stands at ``q_offset + i`` (``q_offset`` an
-    int, or an int tensor of one offset per batch row, ``[B]`` or ``[1]``; 0 when ``None``)."""
-    def axis(n: int, dim: int) -> torch.Tensor:
-        shape = [1, 1, 1, 1]
-        shape[dim] = n
-        return torch.arange(n, dtype=_INT, device=device).reshape(shape)
-    positions = axis(q_len, 2)
-    if q_offset is not None:
-        positions = positions + query_offsets(q_offset, batch, device)
-    return {"b": axis(batch, 0), "h": axis(heads, 1), "q": positions, "kv": axis(kv_len, 3),
-            "B": batch, "H": heads, "Q_LEN": q_len, "KV_LEN": kv_len}
 
 
 def placement(spec: ir.AttentionIR, q_offset, kv_lengths, q_len: int, kv_len: int):
@@ -87,132 +55,6 @@ def check_ranges(spec: ir.AttentionIR, batch: int, heads: int, q_len: int, kv_le
     check_int_ranges(spec, position_ranges(sizes, low, high + q_len - 1), "int64",
                      f"for B={batch}, H={heads}, Q_LEN={q_len}, KV_LEN={kv_len}"
                      + (f" and query positions from {low}" if low or high else ""))
-
-
-def query_offsets(q_offset, batch: int, device="cpu") -> torch.Tensor:
-    """``q_offset`` (an int, or an int tensor ``[B]`` or ``[1]``) as an int64 tensor shaped
-    ``[B or 1, 1, 1, 1]``, to add to the rows of a grid."""
-    offsets = torch.as_tensor(q_offset, device=device)
-    if offsets.dtype.is_floating_point or offsets.dtype == torch.bool or offsets.dim() > 1 \
-            or (offsets.dim() == 1 and offsets.shape[0] not in (1, batch)):
-        raise SpecError(f"q_offset must be an int or an int tensor of shape [{batch}] or [1], "
-                        f"got {offsets.dtype} of shape {list(offsets.shape)}")
-    return offsets.to(_INT).reshape(-1, 1, 1, 1)
-
-
-def evaluate(expr: ir.Expr, grid: dict, tensors: dict) -> torch.Tensor:
-    """The value of ``expr`` as a tensor broadcastable to ``[B, H, Q_LEN, KV_LEN]``.
-
-    ``grid`` holds the index grids and sizes of :func:`index_grid`, and ``score`` (a float64
-    ``[B, H, Q_LEN, KV_LEN]`` tensor) when the expression reads it. ``tensors`` maps
-    :func:`flexspec.kernels.tensors.tensor_key` to each tensor's value.
-    """
-    device = grid["b"].device if "b" in grid else "cpu"
-    return _Evaluator(grid, tensors, device).eval(expr)
-
-
-class _Evaluator:
-    def __init__(self, grid: dict, tensors: dict, device):
-        self.grid = grid
-        self.tensors = tensors
-        self.device = device
-
-    def eval(self, node: ir.Expr) -> torch.Tensor:
-        method = getattr(self, "_" + type(node).__name__.lower(), None)
-        if method is None:
-            raise SpecError(f"the reference cannot evaluate '{ir.to_text(node)}'")
-        return method(node)
-
-    def _const(self, node: ir.Const) -> torch.Tensor:
-        value = node.value
-        if isinstance(value, bool):
-            dtype = torch.bool
-        else:
-            dtype = _INT if isinstance(value, int) else _FLOAT
-        return torch.tensor(value, dtype=dtype, device=self.device)
-
-    def _var(self, node: ir.Var) -> torch.Tensor:
-        if node.name not in self.grid:
-            raise SpecError(f"no value for '{node.name}' in this evaluation")
-        value = self.grid[node.name]
-        if isinstance(value, torch.Tensor):
-            return value.to(_FLOAT) if node.name == ir.SCORE_VAR else value
-        return torch.tensor(int(value), dtype=_INT, device=self.device)
-
-    def _param(self, node: ir.Param) -> torch.Tensor:
-        raise SpecError(f"parameter '{node.name}' has no value; only resolved specs can run")
-
-    def _lookup(self, node: ir.Lookup) -> torch.Tensor:
-        tensor = node.tensor
-        if not isinstance(tensor, ir.Tensor):
-            raise SpecError(f"tensor parameter '{tensor.name}' has no value")
-        key = tensor_key(tensor)
-        if key not in self.tensors:
-            raise SpecError(f"no value was given for tensor '{key}'")
-        value = self.tensors[key].to(self.device)
-        if value.dim() > len(node.index):
-            raise SpecError(f"tensor '{key}' has {value.dim()} dimensions but is read with "
-                            f"{len(node.index)} indices")
-        value = value.reshape((1,) * (len(node.index) - value.dim()) + tuple(value.shape))
-        index = []
-        for position, (expr, size) in enumerate(zip(node.index, value.shape)):
-            i = self.eval(expr)
-            if i.dtype != _INT:
-                raise SpecError(f"index {position} of '{ir.to_text(node)}' is not an int")
-            # A size-1 dimension broadcasts: read at 0 whatever the index says.
-            index.append(torch.zeros_like(i) if size == 1 else i)
-        if any(((i < 0) | (i >= size)).any() for i, size in zip(index, value.shape)):
-            raise SpecError(f"'{ir.to_text(node)}' reads outside tensor '{key}' of shape "
-                            f"{list(value.shape)}")
-        result = value[tuple(index)]
-        if result.dtype.is_floating_point:
-            return result.to(_FLOAT)
-        return result if result.dtype == torch.bool else result.to(_INT)
-
-    def _apply(self, entry, operands: tuple) -> torch.Tensor:
-        """``entry`` (an operator or function of the table) on the values of ``operands``."""
-        args = [self.eval(a) for a in operands]
-        args = [_bool(x, a) if entry.wants_bool(i) else x
-                for i, (x, a) in enumerate(zip(args, operands))]
-        if entry.float_math:
-            args = [x.to(_FLOAT) for x in args]
-        if entry.int_identity and all(x.dtype == _INT for x in args):
-            return args[0]
-        value = entry.torch_fn(torch)(*args)
-        return value.to(_INT) if entry.result == "int" else value
-
-    def _unary(self, node: ir.Unary) -> torch.Tensor:
-        return self._apply(OPERATORS[node.op], (node.operand,))
-
-    def _binary(self, node: ir.Binary) -> torch.Tensor:
-        if node.op not in OPERATORS:
-            raise SpecError(f"unknown operator '{node.op}'")
-        return self._apply(OPERATORS[node.op], (node.left, node.right))
-
-    def _and(self, node: ir.And) -> torch.Tensor:
-        return self._chain(OPERATORS["and"], node.args)
-
-    def _or(self, node: ir.Or) -> torch.Tensor:
-        return self._chain(OPERATORS["or"], node.args)
-
-    def _chain(self, entry, args) -> torch.Tensor:
-        # the table's Python function of no operands is the neutral element (all() is True)
-        result = torch.tensor(entry.python(), device=self.device)
-        combine = entry.torch_fn(torch)
-        for arg in args:
-            result = combine(result, _bool(self.eval(arg), arg))
-        return result
-
-    def _call(self, node: ir.Call) -> torch.Tensor:
-        if node.fn not in FUNCTIONS:
-            raise SpecError(f"unknown function '{node.fn}'")
-        return self._apply(FUNCTIONS[node.fn], node.args)
-
-
-def _bool(value: torch.Tensor, node: ir.Expr) -> torch.Tensor:
-    if value.dtype != torch.bool:
-        raise SpecError(f"'{ir.to_text(node)}' is not a boolean")
-    return value
 
 
 def dense_mask(spec: ir.AttentionIR, batch: int, heads: int, q_len: int, kv_len: int,
@@ -243,7 +85,7 @@ def _mask_on(spec: ir.AttentionIR, grid: dict, tensors: dict | None,
              kv_lengths=None) -> torch.Tensor:
     """The mask evaluated on an index grid (broadcastable bool); with ``kv_lengths`` (valid keys
     per batch row, ``[B]`` or ``[1]``), keys from ``kv_lengths[b]`` on are hidden too."""
-    mask = _bool(evaluate(spec.mask, grid, tensors or {}), spec.mask)
+    mask = as_bool(evaluate(spec.mask, grid, tensors or {}), spec.mask)
     if kv_lengths is None:
         return mask
     lengths = torch.as_tensor(kv_lengths, device=grid["kv"].device).to(_INT).reshape(-1, 1, 1, 1)

@@ -1,11 +1,18 @@
-"""Running specs on real tensors: the backends and their choice (:mod:`.backends`), a call's
-inputs (:mod:`.inputs`), block masks (:mod:`.masks`), plans (:mod:`.plan`), compiled entry points
-(:mod:`.compiled`), the :class:`Attention` facade ``flexspec.compile`` returns
-(:mod:`.attention`), its ``explain`` report (:mod:`.explanation`), the ``SpecAttention``
-module (:mod:`.module`) and ``MultiheadAttention`` with projections (:mod:`.multihead`)."""
+"""Running specs on real tensors.
+
+Bottom to top: a call's inputs (:mod:`.checks` of q, k, v and sizes; :mod:`.bindings`, the
+tensors a spec reads; :mod:`.lookups`, their index checks; :mod:`.identity` and
+:mod:`.capture`, what caches see), the contract between the runtime and its backends
+(:mod:`.contract`), ``auto``'s order (:mod:`.order`), what both FA4 paths need (:mod:`.fa4`),
+the FlexAttention call two backends make (:mod:`.flexattention`), compiled entry points
+(:mod:`.compiled`), the backends and their choice (:mod:`.backends`), block masks
+(:mod:`.masks`), query positions (:mod:`.positions`), plans (:mod:`.plan`), the call path
+(:mod:`.calls`), ``explain``'s report (:mod:`.explanation`), the :class:`Attention` facade
+``flexspec.compile`` returns (:mod:`.attention`), the ``SpecAttention`` module (:mod:`.module`)
+and ``MultiheadAttention`` with projections (:mod:`.multihead`)."""
 
 from flexspec.runtime.attention import Attention
-from flexspec.runtime.backends import BackendError
+from flexspec.runtime.contract import BackendError
 from flexspec.runtime.compiled import CompileLimitError
 from flexspec.runtime.module import SpecAttention
 from flexspec.runtime.multihead import MultiheadAttention

@@ -8,6 +8,7 @@ import contextlib
 import functools
 import itertools
 import linecache
+import threading
 
 import torch
 from torch.nn.attention.flex_attention import flex_attention
@@ -68,7 +69,7 @@ def split_lse(result) -> tuple:
 
 
 # Dynamo settings for the calls that may compile: an error instead of a silent eager fallback at
-# the recompile limit. Shapes are static on an entry's first compile and dynamic in the lengths
+# the recompile limit (flexspec.workarounds: dynamo-recompile-fallback). Shapes are static on an entry's first compile and dynamic in the lengths
 # from its second on (see mark_lengths_dynamic): two compiles serve every length.
 COMPILE_SETTINGS = {"fail_on_recompile_limit_hit": True}
 # Entries that have compiled, with the (Q_LEN, KV_LEN) of their first compile.
@@ -112,7 +113,21 @@ def run_compiled(entry, *args):
     ``fullgraph=True`` would), turning torch's recompile limit into :class:`CompileLimitError`
     (by default dynamo would silently fall back to an unfused kernel that materialises the
     scores). Calls of a warm plan skip this: dynamo's guards depend only on what the plan's key
-    holds, so they cannot recompile."""
+    holds, so they cannot recompile.
+
+    dynamo's settings are process-wide: compiling calls take a lock, so that two threads'
+    first calls never interleave their changes of them (a thread's compile then waits for
+    another's; later calls do not come here)."""
+    with _COMPILING:
+        return _run_with_settings(entry, args)
+
+
+# Held by a call that changes dynamo's settings (see run_compiled); reentrant, as torch may
+# compile a nested entry inside one.
+_COMPILING = threading.RLock()
+
+
+def _run_with_settings(entry, args: tuple):
     config = torch._dynamo.config
     before = {name: getattr(config, name) for name in COMPILE_SETTINGS}
     for name, value in COMPILE_SETTINGS.items():

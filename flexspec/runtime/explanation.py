@@ -10,7 +10,7 @@ import torch
 from flexspec import ir
 from flexspec.kernels.block_tables import tile_classes, tile_grid
 from flexspec.kernels.blocks import count_visible
-from flexspec.runtime.backends import Choice
+from flexspec.runtime.contract import Choice
 
 # Forward+backward work in forwards: the backward does 2.5 forwards' matrix products (five
 # against two), as FlashAttention counts it.
@@ -78,7 +78,7 @@ def explain_plan(plan, values: dict, block_mask, text: str, q, k, v) -> Explanat
 
     The visible pairs are the area of the block mask's full tiles plus the pairs counted cell by
     cell inside its partial ones (its tables say which tiles are partial, not how full)."""
-    sizes, spec, mask = plan.sizes, plan.spec, plan.mask
+    sizes, spec, mask = plan.sizes, plan.spec, plan.masks
     block_size = plan.request.block_size
     visible = count_visible(spec.mask, sizes, block_size, values, q.device,
                             batch=mask.batch, heads=mask.heads,

@@ -1,5 +1,6 @@
 """Block masks for the runtime: which extents a mask needs, a small key standing for a mask at
-given sizes, and the bounded cache of built block masks one :class:`Attention` keeps."""
+given sizes, the bounded cache of built block masks one :class:`Attention` keeps, and the
+handle a plan holds of it (:class:`BoundMasks`, what backends see)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from flexspec.kernels import fused_blocks
 from flexspec.kernels.blocks import build_block_mask
 from flexspec.kernels.lower import lower
 from flexspec.limits import MAX_FUSED_TILES, check_block_mask
-from flexspec.runtime.inputs import capturing, identity
+from flexspec.runtime.capture import capturing
+from flexspec.runtime.identity import identity
 
 # Devices where masks that read tensors are built by one compiled program each (fused_blocks):
 # on the CPU a program's first compile (about 20 s on a 2-core machine) outweighs what it saves.
@@ -38,15 +40,42 @@ PROBATION_SIZE = 2
 
 @dataclass(frozen=True, slots=True)
 class MaskKey:
-    """A mask at given sizes and device, in one form of the lowering: a small int ``token``
+    """A mask at given sizes and device, in one dialect of the lowering: a small int ``token``
     standing for them (so hot paths never hash the IR), its batch and head extents, the keys of
-    the tensors it reads, and whether its block masks carry FLASH's form of ``mask_mod``."""
+    the tensors it reads, and the dialect of the ``mask_mod`` its block masks carry (the one
+    the kernel reading them compiles inside partial tiles)."""
 
     token: int
     batch: int
     heads: int
     reads: tuple
-    cute: bool = False
+    dialect: str = "torch"
+
+
+@dataclass(frozen=True)
+class BoundMasks:
+    """The block masks of one mask at one plan's sizes: what a plan holds of its Attention's
+    cache (see flexspec.runtime.contract.PlanMasks)."""
+
+    cache: "BlockMasks"
+    spec: ir.AttentionIR
+    sizes: dict
+    key: MaskKey
+
+    @property
+    def reads(self) -> tuple:
+        return self.key.reads
+
+    @property
+    def batch(self) -> int:
+        return self.key.batch
+
+    @property
+    def heads(self) -> int:
+        return self.key.heads
+
+    def get(self, values: dict, device) -> BlockMask:
+        return self.cache.get(self.spec, self.sizes, values, device, self.key)
 
 
 def mask_extent(mask: ir.Expr, sizes: dict) -> tuple:
@@ -81,17 +110,21 @@ class BlockMasks:
         self._lock = threading.Lock()
         self._untraceable: set = set()  # tokens of masks the fused program could not trace
 
-    def key(self, spec: ir.AttentionIR, sizes: dict, device, cute: bool = False) -> MaskKey:
-        """The :class:`MaskKey` of ``spec``'s mask at ``sizes`` on ``device``; ``cute`` for the
-        block masks a FLASH kernel reads (they carry FLASH's form of ``mask_mod``, which its
-        kernel compiles inside partial tiles)."""
+    def key(self, spec: ir.AttentionIR, sizes: dict, device, dialect: str = "torch") -> MaskKey:
+        """The :class:`MaskKey` of ``spec``'s mask at ``sizes`` on ``device``, its block masks
+        carrying the ``mask_mod`` of the lowering's ``dialect``."""
         batch, heads, reads = mask_extent(spec.mask, sizes)
-        full = (spec.mask, batch, heads, sizes["Q_LEN"], sizes["KV_LEN"], str(device), cute)
+        full = (spec.mask, batch, heads, sizes["Q_LEN"], sizes["KV_LEN"], str(device), dialect)
         token = self._tokens.get(full)
         if token is None:
             with self._lock:
                 token = self._tokens.setdefault(full, len(self._tokens))
-        return MaskKey(token, batch, heads, tuple(sorted(reads)), cute)
+        return MaskKey(token, batch, heads, tuple(sorted(reads)), dialect)
+
+    def bind(self, spec: ir.AttentionIR, sizes: dict, device,
+             dialect: str = "torch") -> BoundMasks:
+        """The handle of ``spec``'s block masks at ``sizes`` a plan holds."""
+        return BoundMasks(self, spec, sizes, self.key(spec, sizes, device, dialect))
 
     def _fused(self, key: MaskKey, sizes: dict, device) -> bool:
         """Whether to build with the compiled program (:mod:`flexspec.kernels.fused_blocks`):
@@ -124,7 +157,7 @@ class BlockMasks:
                 self._admit(cache_key, *waiting)
                 return waiting[0]
         self._check_size(key, sizes)
-        mask_mod, _ = lower(spec, cute=key.cute).make_mods(sizes, values)
+        mask_mod, _ = lower(spec, dialect=key.dialect).make_mods(sizes, values)
         if self.mode == "dense":
             block_mask = create_block_mask(mask_mod or noop_mask, key.batch, key.heads,
                                            sizes["Q_LEN"], sizes["KV_LEN"], device=device,

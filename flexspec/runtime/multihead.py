@@ -83,8 +83,8 @@ class MultiheadAttention(nn.Module):
         v = self.v_proj(value).view(batch, kv_len, self.num_kv_heads, self.head_dim) \
             .transpose(1, 2)
         if key_padding_mask is None:
-            out = self._unpadded._call(q, k, v, None, bindings, self.attention.learnables(),
-                                       q_offset)
+            out = self._unpadded.call(q, k, v, bindings=bindings,
+                                      learnables=self.attention.learnables(), q_offset=q_offset)
         else:
             out = self.attention(q, k, v, q_offset=q_offset,
                                  valid=self._valid(key_padding_mask, batch, kv_len), **bindings)

@@ -1,20 +1,21 @@
 """Planning: everything about a call that depends only on its input signature (shapes, dtypes,
 devices, strides, ``requires_grad``, grad mode, scale and binding names), decided once and kept
-in a :class:`Plan`.
+in a :class:`~flexspec.runtime.contract.Plan`.
 
 :func:`make_plan` checks the inputs, specializes the IR to the bindings' shapes, proves tensor
-lookups in range where it can, chooses the backend and lets it prepare what its calls reuse.
+lookups in range where it can, chooses the backend and lets it prepare what its calls reuse;
+where the backend may hand calls back, it plans the fallback they run on too.
 :func:`make_mask_plan` does the part of that a block mask needs (``Attention.block_mask``, which
-training steps with fresh ``doc_ids`` call every step).
+training steps with fresh ``doc_ids`` call every step). :class:`Failures` remembers the
+backends whose compile of a spec failed, so later plans of that spec go elsewhere.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import threading
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -23,84 +24,20 @@ from flexspec.errors import BindingError
 from flexspec.ir import tensor_key
 from flexspec.ir.overflow import check_int_ranges, position_ranges
 from flexspec.ir.specialize import declared_shape
-from flexspec.kernels.lower import lower
-from flexspec.kernels.tensors import add_leading_dims
 from flexspec.limits import dense_fits
-from flexspec.runtime.backends import REGISTRY, Backend, Choice, Request, choose
-from flexspec.runtime.inputs import (Tensors, check_lookups, check_qkv, check_scale, contiguous,
-                                     identity, meta, shapes_key, unproven_lookups)
-from flexspec.runtime.masks import BlockMasks, MaskKey
+from flexspec.runtime.backends import REGISTRY, choose
+from flexspec.runtime.bindings import Tensors
+from flexspec.runtime.capture import capturing
+from flexspec.runtime.checks import check_qkv, check_scale
+from flexspec.runtime.contract import (BackendError, Choice, InputPlan, Plan, Replan, Request,
+                                       Slot)
+from flexspec.runtime.identity import meta
+from flexspec.runtime.lookups import LookupCheck
+from flexspec.runtime.masks import BlockMasks
 
 PLAN_CACHE_SIZE = 64
-
-
-class Slot(NamedTuple):
-    """A tensor given by name at each call: its name, tensor key and declared dimensions."""
-
-    name: str
-    key: str
-    ndim: int
-
-
-@dataclass(eq=False, kw_only=True)
-class InputPlan:
-    """What the tensors of calls with one input signature need, decided once: the IR
-    specialized to the bindings' shapes, the values that do not change between calls, a slot
-    per tensor passed by name, the key of the block mask, and the lookups to check by value.
-    :meth:`Attention.block_mask <flexspec.runtime.attention.Attention.block_mask>` keeps one per
-    signature; a :class:`Plan` is one with the backend's choices added."""
-
-    sizes: dict
-    spec: ir.AttentionIR            # specialized to the bindings' shapes
-    fixed: dict                     # tensor values that do not change between calls
-    slots: tuple                    # a Slot per tensor passed by name
-    mask: MaskKey
-    unproven: tuple                 # lookups whose indices are checked by value
-    # Under no_grad, run on detached tensors: FlexAttention refuses inputs that require
-    # gradients where it has no backward, and FLASH captured tables that do, even though
-    # nothing is recorded under no_grad
-    detach: bool = False
-    checked: tuple = ()             # identity of the values whose lookups were last checked
-
-    def values(self, bindings: dict) -> dict:
-        """The tensor values of one call: the plan's fixed ones and this call's bindings."""
-        if not self.slots:
-            return self.fixed
-        values = dict(self.fixed)
-        for name, key, ndim in self.slots:
-            value = contiguous(bindings[name])
-            value = value if value.dim() == ndim else add_leading_dims(value, ndim)
-            values[key] = value.detach() if self.detach else value
-        return values
-
-    def check_lookups(self, values: dict) -> None:
-        """The lookups interval analysis could not prove in range, checked on these values
-        unless they are the very ones checked last."""
-        found = self.lookup_identity(values)
-        if found != self.checked:
-            check_lookups(self.spec, self.sizes, values, self.unproven)
-            self.checked = found
-
-    def lookup_identity(self, values: dict) -> tuple:
-        return tuple(identity(values[tensor_key(t)]) for t, _, _ in self.unproven)
-
-
-@dataclass(eq=False, kw_only=True)
-class Plan(InputPlan):
-    """Everything about a call that depends only on its input signature (see the module
-    docstring); ``prepared`` is what the chosen backend keeps (see Backend.prepare)."""
-
-    text: str                       # the spec as the user wrote it, for messages
-    asked: str                      # the backend asked for ("auto", "flex", ...)
-    device: torch.device
-    request: Request
-    choice: Choice
-    backend: Backend
-    score_keys: frozenset           # keys of the tensors the score reads
-    gqa: bool
-    scale: float | None = None      # the call's scale (None: 1 / sqrt(D))
-    needs_values: bool = False      # calls gather their tensor values (see Plan.values)
-    prepared: object = None
+# Failed compiles remembered, (backend, spec) pairs, the least recently failed out first.
+FAILURES_KEPT = 256
 
 
 def make_mask_plan(*, tensors: Tensors, masks: BlockMasks, sizes: dict, bindings: dict,
@@ -109,14 +46,11 @@ def make_mask_plan(*, tensors: Tensors, masks: BlockMasks, sizes: dict, bindings
     checked, its IR specialized to their shapes, its integer arithmetic checked at these sizes
     (positions as in :func:`check_ranges`) and its lookups proven in range where they can be."""
     values, spec = tensors.gather(sizes, bindings, device, mask_only=True)
+    lookups = LookupCheck(spec, sizes, values)
     check_ranges(spec, sizes, "int64")
     slots = _slots(spec, sizes, bindings)
-    plan = InputPlan(sizes=sizes, spec=spec, fixed=_fixed(values, slots), slots=slots,
-                     mask=masks.key(spec, sizes, device),
-                     unproven=unproven_lookups(spec, tuple(sorted(sizes.items())),
-                                               shapes_key(values)))
-    plan.checked = plan.lookup_identity(values)
-    return plan
+    return InputPlan(sizes=sizes, spec=spec, fixed=_fixed(values, slots), slots=slots,
+                     masks=masks.bind(spec, sizes, device), lookups=lookups)
 
 
 def _slots(spec: ir.AttentionIR, sizes: dict, bindings: dict) -> tuple:
@@ -161,6 +95,41 @@ class PlanCache:
         with self._lock:
             return list(self._plans.values())
 
+    def __getstate__(self):  # a copy of an Attention plans anew (plans hold tensors, locks)
+        return {}
+
+    def __setstate__(self, state):
+        self.__init__()
+
+
+class Failures:
+    """The backends that failed to compile a spec (backend name, specialized IR) -> what went
+    wrong, at most :data:`FAILURES_KEPT` of them, shared by every Attention of the process."""
+
+    def __init__(self, kept: int = FAILURES_KEPT):
+        self._kept = kept
+        self._failed: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, backend: str, spec: ir.AttentionIR, what: str) -> None:
+        with self._lock:
+            self._failed[(backend, spec)] = what
+            self._failed.move_to_end((backend, spec))
+            while len(self._failed) > self._kept:
+                self._failed.popitem(last=False)
+
+    def of(self, spec: ir.AttentionIR) -> tuple:
+        """``(backend, what went wrong)`` for each backend that failed to compile ``spec``."""
+        with self._lock:
+            return tuple((name, what) for (name, failed), what in self._failed.items()
+                         if failed == spec)
+
+    def __len__(self) -> int:
+        return len(self._failed)
+
+
+FAILURES = Failures()
+
 
 def check_ranges(spec: ir.AttentionIR, sizes: dict, dtype: str) -> None:
     """The spec's integer arithmetic must fit the kernel's int ``dtype`` at these sizes, or it
@@ -172,8 +141,8 @@ def check_ranges(spec: ir.AttentionIR, sizes: dict, dtype: str) -> None:
 
 @functools.lru_cache(maxsize=256)
 def _check_ranges(spec: ir.AttentionIR, sizes: tuple, dtype: str) -> None:
-    # remembered when it passes: Attention.block_mask checks on every call (0.1-0.35 ms of
-    # interval analysis each time), and the answer depends only on these arguments
+    # remembered when it passes: Attention.block_mask checks on every call, and the answer
+    # depends only on these arguments
     sizes = dict(sizes)
     last = max(sizes["Q_LEN"], sizes["KV_LEN"]) - 1
     where = f"for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}"
@@ -195,23 +164,24 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, blo
               return_lse: bool = False, written: ir.AttentionIR | None = None) -> Plan:
     """Check a call's inputs and decide everything that depends only on their signature.
     ``written`` is the spec before its query positions were placed (see check_ranges)."""
-    sizes = check_qkv(q, k, v, allow_float64=asked == "reference").as_dict()
+    float64 = asked != "auto" and REGISTRY[asked].float64
+    sizes = check_qkv(q, k, v, allow_float64=float64).as_dict()
     check_scale(scale)
     if not isinstance(return_lse, bool):
         raise BindingError(f"return_lse must be True or False, got {return_lse!r}")
     device = q.device
     values, spec = tensors.gather(sizes, bindings, device, learnables)
+    lookups = LookupCheck(spec, sizes, values)
     slots = _slots(spec, sizes, bindings)
     grad_on = torch.is_grad_enabled()
-    if not grad_on:  # see Plan.detach
+    if not grad_on:  # see InputPlan.detach
         values = {key: value.detach() for key, value in values.items()}
     score_keys = ir.tensor_keys(spec.score)
     table_grads = grad_on and any(values[key].requires_grad for key in score_keys)
     grads = table_grads or (grad_on and (q.requires_grad or k.requires_grad or v.requires_grad))
-    lowered = lower(spec)
     facts = {}
     for backend in REGISTRY.values():
-        facts.update(backend.facts(device, lowered))
+        facts.update(backend.facts(device))
     request = Request(
         device_type=device.type,
         capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
@@ -221,20 +191,78 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, blo
         # a given scale reaches FlexAttention's kernels as a tensor the score reads (flex.py)
         score_tensors=bool(score_keys) or scale is not None, block_size=block_size,
         reference_fits=dense_fits(*q.shape[:3], k.shape[2]),
-        lse=bool(return_lse), scale=scale, **facts)
-    if q.dtype == torch.float64 and asked == "reference":
-        choice = Choice("reference", "backend='reference' was asked for")
-    else:
-        choice = choose(asked, request, spec)
+        lse=bool(return_lse), scale=scale, facts=tuple(sorted(facts.items())),
+        failed=FAILURES.of(spec))
+    choice = choose(asked, request, spec)
     check_ranges(written or spec, sizes, REGISTRY[choice.backend].index_dtype(device.type))
-    unproven = unproven_lookups(spec, tuple(sorted(sizes.items())), shapes_key(values))
-    plan = Plan(text=text, asked=asked, sizes=sizes, device=device, spec=spec, request=request,
-                choice=choice, backend=REGISTRY[choice.backend],
-                fixed=_fixed(values, slots), slots=slots, score_keys=score_keys,
-                mask=masks.key(spec, sizes, device, REGISTRY[choice.backend].cute),
-                unproven=unproven,
-                gqa=k.shape[1] != q.shape[1], detach=not grad_on, scale=scale,
-                needs_values=bool(unproven))
-    plan.checked = plan.lookup_identity(values)
-    plan.backend.prepare(plan, values, masks)
-    return plan
+    draft = Plan(text=text, asked=asked, sizes=sizes, device=device, spec=spec, request=request,
+                 choice=choice, backend=REGISTRY[choice.backend], fixed=_fixed(values, slots),
+                 slots=slots, score_keys=score_keys, lookups=lookups,
+                 masks=masks.bind(spec, sizes, device, REGISTRY[choice.backend].dialect),
+                 gqa=k.shape[1] != q.shape[1], detach=not grad_on, scale=scale)
+    return _prepared(draft, values, masks)
+
+
+def _prepared(plan: Plan, values: dict, masks: BlockMasks) -> Plan:
+    """``plan`` with what its backend prepared, and a fallback plan where the backend may hand
+    calls back."""
+    prepared = plan.backend.prepare(plan, values)
+    fallback = None
+    if prepared.hands_back is not None:
+        fallback = _fallback(plan, values, masks, prepared.hands_back)
+    return dataclasses.replace(plan, state=prepared.state, fallback=fallback,
+                               needs_values=bool(plan.lookups) or prepared.needs_values)
+
+
+def _fallback(plan: Plan, values: dict, masks: BlockMasks, why: str):
+    """The plan of the best other backend that can run ``plan``'s calls, prepared (and warmed,
+    outside a capture), for the calls the backend hands back (``why``); a
+    :class:`BackendError` saying why when no other backend can."""
+    if not plan.choice.viable:
+        reasons = "; ".join(f"{name}: {reason}" for name, reason in plan.choice.rejected)
+        return BackendError(f"backend '{plan.backend.name}' hands back {why}, and no other "
+                            f"backend can run this call ({reasons})")
+    name, because = plan.choice.viable[0]
+    backend = REGISTRY[name]
+    choice = Choice(name, f"{because} (for {why})", plan.choice.rejected,
+                    plan.choice.viable[1:])
+    fallback = _prepared(dataclasses.replace(
+        plan, choice=choice, backend=backend, state=None, fallback=None,
+        masks=masks.bind(plan.spec, plan.sizes, plan.device, backend.dialect)), values, masks)
+    if not capturing(plan.device):
+        # a capture after a warm-up may hand its calls to the fallback: what its first call
+        # would build (a block-mask program's compile) is built now
+        backend.warm(fallback, values)
+    return fallback
+
+
+def run(plan: Plan, q, k, v, scale, bindings: dict):
+    """One call on ``plan``: its values gathered where read, lookups checked, the backend run;
+    a call the backend hands back for this call alone runs on the plan's fallback. A lasting
+    hand-back (:class:`Replan`) propagates to the caller, who plans anew (see :func:`replanned`).
+    """
+    # gathering the values costs a dict and a view per binding: only where they are read
+    values = plan.values(bindings) if plan.needs_values else None
+    if plan.lookups:
+        plan.lookups.check(values)
+    try:
+        return plan.backend.run(plan, q, k, v, scale, bindings, values)
+    except Replan as signal:
+        if signal.lasting:
+            raise
+        if isinstance(plan.fallback, BackendError):
+            raise plan.fallback from None
+        if plan.fallback is None:
+            raise BackendError(f"backend '{plan.backend.name}' handed back a call it said it "
+                               f"would run ({signal.reason}); please report it") from None
+        return run(plan.fallback, q, k, v, scale, bindings)
+
+
+def failed(plan: Plan, signal: Replan) -> None:
+    """Remember that ``plan``'s backend can never run its spec (``signal``); a
+    :class:`BackendError` when that backend was asked for."""
+    FAILURES.remember(plan.backend.name, plan.spec, signal.reason)
+    if plan.asked != "auto":
+        raise BackendError(f"backend '{plan.asked}' could not compile this spec: "
+                           f"{signal.reason}. backend='auto' runs it on another backend") \
+            from signal

@@ -7,14 +7,15 @@ new tensor contents, never new code (no recompilation):
 
 * ``q_offset`` (an int, or an int tensor with one offset per batch row) becomes the tensor
   ``q_offset: int[B]``, and every ``q`` of the spec reads ``q + q_offset[b]`` (the rewrite is
-  :func:`flexspec.ir.rewrites.placed`). Without it, the
-  offset is 0, or ``KV_LEN - Q_LEN`` for a spec aligned at the end (``causal_bottom_right``);
+  :func:`flexspec.ir.rewrites.placed`). Without it, the offset is 0, or ``KV_LEN - Q_LEN`` for a
+  spec aligned at the end (``causal_bottom_right``);
 * ``kv_lengths`` (an int tensor ``[B]``: how many keys of a preallocated cache are valid in each
   batch row) adds ``kv < kv_lengths[b]`` to the mask; an end-aligned spec then counts from each
   row's own end: ``q_offset = kv_lengths - Q_LEN``.
 
 Both names are reserved: a spec's own bindings cannot take them (the checker says so).
-This module makes and checks the tensors; the IR they enter is rewritten in ``ir.rewrites``.
+:class:`Placement` is one spec's policy: which calls need the tensors at all, the spec each way of
+placing rows reads, and whether a call's rows provably see every key (then it runs unmasked).
 """
 
 from __future__ import annotations
@@ -25,24 +26,95 @@ import torch
 
 from flexspec import ir
 from flexspec.errors import BindingError
-from flexspec.ir.intervals import Analyzer, ScalarOps
-from flexspec.ir.rewrites import KV_LENGTHS, Q_OFFSET, default_offset, reads_positions
+from flexspec.ir.intervals import always
+from flexspec.ir.overflow import position_ranges
+from flexspec.ir.rewrites import KV_LENGTHS, Q_OFFSET, default_offset, placed, reads_positions
 from flexspec.limits import check_position
+from flexspec.runtime.bindings import Tensors
+from flexspec.runtime.checks import as_device, check_qkv
 
 # Ints given as q_offset are turned into tensors once per (value, device): the block-mask cache
 # then sees the same tensor when the same offset comes again.
 _OFFSET_TENSORS_KEPT = 256
+# Calls whose "sees every key" answer is kept per Placement (then forgotten all at once).
+_SEEN_KEPT = 64
 
 
-def sees_every_key(spec: ir.AttentionIR, offset: int, batch: int, heads: int, q_len: int,
-                   kv_len: int) -> bool:
-    """Whether the mask provably holds for every query row (at positions ``offset ..
-    offset + Q_LEN - 1``) and every key: a single decoded token under ``causal`` sees the whole
-    cache, so that call is plain attention over all keys."""
-    ranges = {"b": (0, batch - 1), "h": (0, heads - 1), "q": (offset, offset + q_len - 1),
-              "kv": (0, kv_len - 1), "B": (batch, batch), "H": (heads, heads),
-              "Q_LEN": (q_len, q_len), "KV_LEN": (kv_len, kv_len)}
-    return bool(Analyzer(ScalarOps, ranges).boolean(spec.mask)[0])
+class Placement:
+    """Where one spec's calls put their queries (see the module docstring)."""
+
+    def __init__(self, spec: ir.AttentionIR):
+        self.ir = spec
+        # an end-aligned spec that reads positions places its rows even without q_offset
+        self.default_offset = spec.align == "end" and reads_positions(spec)
+        # a Tensors per way a call places its queries: (q_offset read, kv_lengths read)
+        self._tensors = {(False, False): Tensors(spec)}
+        self._sees: dict = {}
+
+    def tensors_for(self, bindings: dict) -> Tensors:
+        """The gatherer of the spec as placed by the position tensors ``bindings`` hold."""
+        variant = (Q_OFFSET in bindings, KV_LENGTHS in bindings)
+        tensors = self._tensors.get(variant)
+        if tensors is None:
+            tensors = self._tensors[variant] = Tensors(placed(self.ir, *variant))
+        return tensors
+
+    def bindings(self, bindings: dict, q_offset, kv_lengths, batch: int, q_len: int,
+                 kv_len: int, device) -> dict:
+        """``bindings`` with the tensors that place the queries, when the call or the spec's
+        alignment asks for them."""
+        if q_offset is None and kv_lengths is None and not self.default_offset:
+            return bindings
+        added = call_tensors(self.ir, q_offset, kv_lengths, batch, q_len, kv_len,
+                             as_device(device))
+        return {**bindings, **added} if added else bindings
+
+    def for_call(self, q, k, bindings: dict, q_offset, kv_lengths) -> dict:
+        """:meth:`bindings` for a call, sized by q and k (checked first when they are not what
+        a call takes, so that the error names them)."""
+        if type(q_offset) is int and q_offset == 0 and not self.default_offset:
+            # where the queries stand anyway (transformers' integration passes it on every
+            # call): the spec runs as written, so forms such as fa4's documents still apply
+            q_offset = None
+        if q_offset is None and kv_lengths is None and not self.default_offset:
+            return bindings
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+                and q.dim() == k.dim() == 4):
+            check_qkv(q, k, k)
+        return self.bindings(bindings, q_offset, kv_lengths, q.shape[0], q.shape[2],
+                             k.shape[2], q.device)
+
+    def for_reference(self, q_offset, kv_lengths, batch: int, q_len: int, kv_len: int,
+                      device) -> tuple:
+        """``(q_offset, kv_lengths)`` of a call, checked as a call checks them, for the
+        reference (which places the queries of an end-aligned spec itself)."""
+        checked = call_tensors(self.ir, q_offset, kv_lengths, batch, q_len, kv_len,
+                               as_device(device))
+        return (checked.get(Q_OFFSET) if q_offset is not None else None,
+                checked.get(KV_LENGTHS))
+
+    def sees_every_key(self, q, k, q_offset, kv_lengths) -> bool:
+        """Whether a call's rows provably see every key (a decoded token under ``causal``):
+        only for positions the host knows (an int ``q_offset`` or none, no ``kv_lengths``) and
+        q and k that are what a call takes."""
+        if (kv_lengths is not None
+                or not (q_offset is None or (isinstance(q_offset, int)
+                                             and not isinstance(q_offset, bool)))
+                or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+                        and q.dim() == k.dim() == 4)):
+            return False
+        batch, heads, q_len, kv_len = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        if q_offset is None:
+            q_offset = kv_len - q_len if self.default_offset else 0
+        key = (q_offset, batch, heads, q_len, kv_len)
+        sees = self._sees.get(key)
+        if sees is None:
+            if len(self._sees) > _SEEN_KEPT:
+                self._sees.clear()
+            sizes = {"B": batch, "H": heads, "Q_LEN": q_len, "KV_LEN": kv_len}
+            sees = self._sees[key] = always(
+                self.ir.mask, position_ranges(sizes, q_offset, q_offset + q_len - 1))
+        return sees
 
 
 def call_tensors(spec: ir.AttentionIR, q_offset, kv_lengths, batch: int, q_len: int,
@@ -90,6 +162,6 @@ def _per_row(name: str, value, batch: int, device) -> torch.Tensor:
 @functools.lru_cache(maxsize=_OFFSET_TENSORS_KEPT)
 def _int_tensor(value: int, batch: int, device: str) -> torch.Tensor:
     # one entry per batch row, not one broadcast entry: a lookup then stays at index b, where a
-    # single entry would be read at the constant index 0, which FLASH's code generator
-    # (CuTeDSL) cannot compile
+    # single entry would be read at the constant index 0 (flexspec.workarounds:
+    # flash-constant-index)
     return torch.full((batch,), value, dtype=torch.int64, device=device)

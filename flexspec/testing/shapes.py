@@ -64,7 +64,8 @@ def lookups_fit(spec, shape: Shape, *, exact: bool = True) -> bool:
     """
     from flexspec.ir.intervals import lookup_ranges
     from flexspec.ir.specialize import declared_shape
-    from flexspec.kernels.reference import evaluate, index_grid, placement
+    from flexspec.kernels.evaluate import evaluate, index_grid
+    from flexspec.kernels.reference import placement
 
     spec_ir = as_ir(spec)
     sizes = shape.sizes

@@ -82,9 +82,9 @@ class _BackendOption(argparse.Action):
 
     @property
     def help(self):
-        from flexspec.runtime.backends import BACKENDS
+        from flexspec import backends
 
-        return f"{self._help}: {', '.join(BACKENDS)}"
+        return f"{self._help}: {', '.join(backends())}"
 
     @help.setter
     def help(self, text):
@@ -100,7 +100,7 @@ def _explain_call(spec, args):
     import torch
 
     from flexspec import compile as compile_spec
-    from flexspec.runtime.inputs import as_device
+    from flexspec.runtime.checks import as_device
     from flexspec.tools.values import bindings_from_text, parse_binds
 
     kv_len = args.q_len if args.kv_len is None else args.kv_len

@@ -29,7 +29,7 @@ import torch
 
 from flexspec import ir
 from flexspec.errors import SpecError
-from flexspec.kernels.reference import evaluate, index_grid
+from flexspec.kernels.evaluate import evaluate, index_grid
 from flexspec.kernels.tensors import prepare
 from flexspec.limits import check_dense
 from flexspec.tools.values import DEFAULT_HEADS, attention_of, demo_bindings

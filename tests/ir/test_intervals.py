@@ -390,9 +390,10 @@ def test_where_narrows_a_float_branch_without_an_integer_step():
     # ints do step by one: where(q < 6, q, 0) is at most 5
     assert num(call("where", op("<", q, C(6)), q, C(0)), q=(0, 9)) == (0, 5)
 
-_SINE = ops.Function("sine", 1, "num", "float", math.sin, "torch.sin", "periodic",
-                     peak=math.pi / 2)
-_COSINE = ops.Function("cosine", 1, "num", "float", math.cos, "torch.cos", "periodic", peak=0.0)
+_SINE = ops.Function(name="sine", arity=1, operands="num", result="float", python=math.sin,
+                     torch="torch.sin", interval="periodic", peak=math.pi / 2)
+_COSINE = ops.Function(name="cosine", arity=1, operands="num", result="float", python=math.cos,
+                       torch="torch.cos", interval="periodic", peak=0.0)
 
 
 @pytest.mark.parametrize("fn, lo, hi, expected", [
@@ -1075,3 +1076,13 @@ def test_a_symbolic_parameter_is_unbounded():
     # a parameter left symbolic (a definition checked without arguments) has no bounds
     assert num(ir.Param("n", "int"), q=(0, 3)) == (-INF, INF)
     assert num(op("+", ir.Param("n", "int"), q), q=(0, 3)) == (-INF, INF)
+
+
+def test_every_interval_rule_the_operator_table_names_exists():
+    """A rule named in the operator table and missing here would leave its nodes unbounded
+    (or fail): every name is a rule of the tables or one the node rules handle."""
+    from flexspec.ir import intervals
+    from flexspec.ir.ops import FUNCTIONS, OPERATORS
+    by_node = {"compare", "neg", "not", "and", "or"}
+    assert {op.interval for op in OPERATORS.values()} == set(intervals._OPERATOR_RULES) | by_node
+    assert {fn.interval for fn in FUNCTIONS.values()} == set(intervals._FUNCTION_RULES) | {"where"}

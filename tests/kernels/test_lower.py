@@ -35,9 +35,13 @@ def sizes(batch, heads, q_len, kv_len):
     return {"B": batch, "H": heads, "Q_LEN": q_len, "KV_LEN": kv_len}
 
 
+def _dialect(cute: bool) -> str:
+    return "cute" if cute else "torch"
+
+
 def lowered_mask(spec_, batch, heads, q_len, kv_len, tensors=None, cute=False):
     """The lowered mask_mod evaluated at every position by FlexAttention's own create_mask."""
-    mask_mod, _ = lower(spec_, cute=cute).make_mods(sizes(batch, heads, q_len, kv_len),
+    mask_mod, _ = lower(spec_, dialect=_dialect(cute)).make_mods(sizes(batch, heads, q_len, kv_len),
                                                     tensors or {})
     return create_mask(mask_mod, batch, heads, q_len, kv_len, device="cpu")
 
@@ -49,7 +53,7 @@ def lowered_scores(spec_, logits, tensors=None, cute=False):
     """The lowered score_mod applied to ``logits [B, H, Q_LEN, KV_LEN]`` at every position, the
     way FlexAttention's create_mask maps a mod over the index grid."""
     batch, heads, q_len, kv_len = logits.shape
-    _, score_mod = lower(spec_, cute=cute).make_mods(sizes(batch, heads, q_len, kv_len),
+    _, score_mod = lower(spec_, dialect=_dialect(cute)).make_mods(sizes(batch, heads, q_len, kv_len),
                                                      tensors or {})
     grid = [torch.arange(n) for n in logits.shape]
     with TransformGetItemToIndex():
@@ -153,7 +157,7 @@ def _golden_return(text: str, cute: bool) -> str:
     context = Definition("fixture", "score", (), None)
     expr = simplify(Checker(Scope()).expr(parse_expr(Source(text, "lowering.txt")),
                                           {"score": ir.SCORE}, context))
-    lowered = lower(spec(expr) if expr.type == "bool" else spec(score=expr), cute=cute)
+    lowered = lower(spec(expr) if expr.type == "bool" else spec(score=expr), dialect=_dialect(cute))
     source = lowered.mask_source if expr.type == "bool" else lowered.score_source
     return source.splitlines()[-1]
 
@@ -512,7 +516,7 @@ def test_the_cute_form_has_no_minimum_maximum_clamp_abs_or_sign():
     mask = op("<", call("abs", op("-", q, kv)), call("clamp", kv, C(5), op("-", KV_LEN, C(3))))
     score = op("+", SCORE, op("*", call("sign", op("-", q, kv)),
                               call("max", call("min", q, kv), C(2.5))))
-    lowered = lower(spec(mask, score), cute=True)
+    lowered = lower(spec(mask, score), dialect="cute")
     text = lowered.mask_source + lowered.score_source
     for name in ("torch.abs", "torch.clamp", "torch.minimum", "torch.maximum", "torch.sign"):
         assert name not in text
@@ -576,7 +580,7 @@ def test_eager_flex_attention_matches_the_reference(name, cute):
                "bias": torch.linspace(-1.0, 1.0, heads),
                "lengths": torch.tensor([130, 77][:batch])}
     needed = {key: value for key, value in tensors.items() if key in lower(spec_).tensor_names}
-    got = flex(lower(spec_, cute=cute), q_, k_, v_, needed)
+    got = flex(lower(spec_, dialect=_dialect(cute)), q_, k_, v_, needed)
     expected = reference_attention(spec_, q_, k_, v_, tensors=needed)
     assert not got.isnan().any()
     assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
@@ -655,3 +659,19 @@ def test_every_construct_compiles_with_inductor():
 def test_every_construct_compiles_on_cuda():
     everything_runs("cuda")
     assert compiled_frames("inductor", [lower(DOC_ALIBI)] * 3, device="cuda") == 1
+
+
+def test_every_function_has_a_lowering_in_every_dialect():
+    """A function the operator table leaves to the lowering (no tensor or no scalar form) has
+    a special form by name, and a dialect replaces only functions that exist: a renamed
+    function cannot silently lose its lowering."""
+    from flexspec.ir.ops import FUNCTIONS
+    from flexspec.kernels.lower import DIALECTS, SPECIAL_FORMS
+    for name, fn in FUNCTIONS.items():
+        if fn.tensor_form is None or fn.scalar_form is None:
+            assert name in SPECIAL_FORMS, name
+    assert set(SPECIAL_FORMS) <= set(FUNCTIONS)
+    for dialect in DIALECTS.values():
+        assert set(dialect.functions) <= set(FUNCTIONS), dialect.name
+    with pytest.raises(SpecError, match="unknown dialect of the lowering 'triton'"):
+        lower(spec(CAUSAL), dialect="triton")

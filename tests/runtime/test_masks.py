@@ -137,8 +137,8 @@ def test_a_key_stands_for_the_mask_its_extents_lengths_and_device():
     assert block_masks.key(per_row, {**SIZES, "H": 7}, cpu) == first
     assert block_masks.key(spec_of("causal"), {**SIZES, "B": 5, "H": 1}, cpu) == others[4]
     # FLASH's form of the mask_mod is another entry with the same extents and tensors
-    flash = block_masks.key(per_row, SIZES, cpu, cute=True)
-    assert flash.token not in tokens and flash.cute and not first.cute
+    flash = block_masks.key(per_row, SIZES, cpu, "cute")
+    assert flash.token not in tokens and flash.dialect == "cute" and first.dialect == "torch"
     assert (flash.batch, flash.heads, flash.reads) == (first.batch, first.heads, first.reads)
 
 
@@ -199,7 +199,7 @@ def test_a_block_mask_for_flash_carries_flashs_form_of_the_mask(mode):
     spec, sizes, cpu = attn.ir, {"B": 1, "H": 1, "Q_LEN": 30, "KV_LEN": 30}, torch.device("cpu")
     block_masks = BlockMasks(mode, (16, 16))
     plain = block_masks.get(spec, sizes, {}, cpu)
-    flash = block_masks.get(spec, sizes, {}, cpu, block_masks.key(spec, sizes, cpu, cute=True))
+    flash = block_masks.get(spec, sizes, {}, cpu, block_masks.key(spec, sizes, cpu, "cute"))
     assert flash is not plain
     assert {"clamp", "abs"} <= _aten_ops(plain.mask_mod)
     assert not {"clamp", "abs", "maximum", "minimum"} & _aten_ops(flash.mask_mod)
@@ -212,7 +212,7 @@ def test_a_mask_built_again_after_the_fused_builder_fails_keeps_flashs_form(monk
     attn = flexspec.compile("natten(6, 5, 3, 3)", block_masks="intervals", block_size=16)
     spec, sizes, cpu = attn.ir, {"B": 1, "H": 1, "Q_LEN": 30, "KV_LEN": 30}, torch.device("cpu")
     block_masks = BlockMasks("intervals", (16, 16))
-    flash = block_masks.get(spec, sizes, {}, cpu, block_masks.key(spec, sizes, cpu, cute=True))
+    flash = block_masks.get(spec, sizes, {}, cpu, block_masks.key(spec, sizes, cpu, "cute"))
     assert not {"clamp", "abs", "maximum", "minimum"} & _aten_ops(flash.mask_mod)
     assert_is_the_reference(flash, attn, 30, 30, exact=False)
 

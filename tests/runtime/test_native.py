@@ -15,11 +15,11 @@ from hypothesis import given, settings, strategies as st
 
 import flexspec
 from flexspec.ir.forms import native_form
-from flexspec.runtime.backends.native import NativeCall, document_segments
+from flexspec.runtime.backends.native import document_segments
 
 ATOMS = ["causal", "window({n})", "sliding_window({n})", "left({n})", "right({n})",
          "left_open({n})", "behind({n})", "causal", "abs_window({n})", "doc", "full",
-         "ahead({n})"]
+         "ahead({n})", "negated({n})"]
 # hand-written masks, as an .attn file would define them
 LIBRARY = flexspec.loads("""
 mask left(n: int) = q - kv <= n
@@ -30,6 +30,7 @@ mask abs_window(n: int) = abs(kv - q) <= n
 mask ahead(n: int) = q + n >= kv
 mask strictly_causal = q - kv >= 1
 mask tall = q - kv <= KV_LEN
+mask negated(n: int) = -(q - kv) >= -n
 score halve = score / 2.0
 """)
 SCORES = ["", " + scale(0.5)", " + softcap(2.0)", " + scale(3.0) + softcap(0.7)"]
@@ -136,36 +137,84 @@ def test_ids_that_come_back_are_not_segments():
 
 
 def _plan_on_a_gpu_that_is_not_there(text, **facts):
-    """A real CPU plan of ``text`` whose request says it runs on an H200 with FA4 (the choice of
-    a fallback reads only the request)."""
+    """A real CPU plan of ``text`` whose request says it runs on an H200 with FA4, chosen for
+    that request (the choice of a fallback reads only the request and the choice)."""
     import dataclasses
+    from flexspec.runtime.backends import REGISTRY, choose
+    from flexspec.runtime.fa4 import INSTALLED
     attn = flexspec.compile(text)
     q, k, v = (torch.randn(1, 2, 256, 64) for _ in range(3))
     ids = torch.arange(256) // 100
-    plan = attn._plan(q, k, v, None, {"doc_ids": ids}, None)
+    plan = attn._calls.plan(q, k, v, None, {"doc_ids": ids}, None)
     request = dataclasses.replace(plan.request, device_type="cuda", capability=(9, 0),
-                                  flash_installed=True, dtype=torch.bfloat16, batch=4, heads=16,
-                                  q_len=8192, kv_len=8192, **facts)
+                                  facts=((INSTALLED, True),), dtype=torch.bfloat16, batch=4,
+                                  heads=16, q_len=8192, kv_len=8192, **facts)
+    choice = choose("auto", request, plan.spec)
     values = plan.values({"doc_ids": ids})
-    return dataclasses.replace(plan, request=request), values, attn._masks
+    return (dataclasses.replace(plan, request=request, choice=choice,
+                                backend=REGISTRY[choice.backend]), values, attn._masks)
 
 
 def test_ids_that_are_not_runs_go_where_auto_would_send_them_without_fa4():
-    from flexspec.runtime.backends.native import _fallback_plan
+    from flexspec.runtime import plan as planning
+    from flexspec.runtime.backends import native
     plan, values, masks = _plan_on_a_gpu_that_is_not_there("causal & doc")
-    fallback = _fallback_plan(plan, values, masks)
+    assert plan.choice.backend == "fa4"
+    assert [name for name, _ in plan.choice.viable] == ["flash", "flex"]
+    fallback = planning._fallback(plan, values, masks, native.HANDS_BACK)
     assert fallback.choice.backend == "flash" and fallback.backend.name == "flash"
     assert "not contiguous runs" in fallback.choice.reason
-    assert fallback.prepared is not None and plan.prepared is not fallback.prepared
+    assert fallback.state is not None and fallback.state is not plan.state
+    assert [name for name, _ in fallback.choice.viable] == ["flex"]
     # its block masks carry FLASH's form of the mask (FLASH compiles it in partial tiles)
-    assert fallback.mask == masks.key(plan.spec, plan.sizes, plan.device, cute=True)
-    assert not plan.mask.cute
+    assert fallback.masks.key == masks.key(plan.spec, plan.sizes, plan.device, "cute")
+    assert plan.masks.key.dialect == "torch"
     # training with blocks Triton's backward cannot tile: nothing else can run it, said in words
     plan, values, masks = _plan_on_a_gpu_that_is_not_there("causal & doc", grads=True,
                                                              block_size=(64, 64))
-    error = _fallback_plan(plan, values, masks)
+    error = planning._fallback(plan, values, masks, native.HANDS_BACK)
     assert isinstance(error, flexspec.BackendError)
     assert "no other backend can run this call (flash: FLASH needs block sizes" in str(error)
+
+
+def test_a_fallback_plan_is_warmed_outside_a_capture_only(monkeypatch):
+    """A capture after a warm-up hands documents to the fallback: what its first call would
+    build (its block mask, whose program compiles) is built when it is planned."""
+    from flexspec.runtime import plan as planning
+    from flexspec.runtime.backends import REGISTRY, native
+    warmed = []
+    monkeypatch.setattr(REGISTRY["flash"], "warm", lambda plan, values: warmed.append(plan))
+    plan, values, masks = _plan_on_a_gpu_that_is_not_there("causal & doc")
+    fallback = planning._fallback(plan, values, masks, native.HANDS_BACK)
+    assert warmed == [fallback]
+    monkeypatch.setattr(planning, "capturing", lambda device: True)
+    planning._fallback(plan, values, masks, native.HANDS_BACK)
+    assert len(warmed) == 1
+
+
+def test_warming_builds_the_block_mask_of_bindings_and_skips_one_too_large():
+    import dataclasses
+    from types import SimpleNamespace
+    from flexspec.runtime.backends import REGISTRY
+    attn = flexspec.compile("causal & doc")
+    q = torch.randn(1, 2, 150, 16)
+    ids = torch.arange(150) // 30
+    plan = attn._calls.plan(q, q, q, None, {"doc_ids": ids}, None)
+    values = plan.values({"doc_ids": ids})
+    assert plan.backend.name == "flex" and plan.state.mask_bindings == ("doc_ids",)
+    built = []
+    stub = SimpleNamespace(get=lambda values, device: built.append((values, device)))
+    REGISTRY["flex"].warm(dataclasses.replace(plan, masks=stub), values)
+    assert built == [(values, q.device)]
+
+    def too_large(values, device):
+        raise flexspec.BindingError("the block mask would take too much memory")
+    REGISTRY["flex"].warm(dataclasses.replace(plan, masks=SimpleNamespace(get=too_large)),
+                          values)
+    # a plan whose mask reads no binding built its block mask when it was prepared
+    plain = flexspec.compile("causal & window(4)")._calls.plan(q, q, q, None, {}, None)
+    REGISTRY["flex"].warm(dataclasses.replace(plain, masks=stub), {})
+    assert len(built) == 1
 
 
 def test_documents_beyond_int32_positions_run_elsewhere():
@@ -242,17 +291,19 @@ def fa4_interface(monkeypatch):
     return calls
 
 
-def _run_on_fa4(attn, q, k, v, bindings, return_lse=False, **kept):
-    """One CPU call through the fa4 backend's own ``run``: the call's plan, handed to fa4 with
-    what its ``prepare`` keeps on a GPU (``NativeCall`` of the spec's form and ``kept``: a
-    fallback, the plan's masks). Returns the output, the plan and its values."""
+def _run_on_fa4(attn, q, k, v, bindings, return_lse=False, fallback=None):
+    """One CPU call through the fa4 backend's own ``run``, as the runtime makes it
+    (:func:`flexspec.runtime.plan.run`): the call's plan, handed to fa4 with what its
+    ``prepare`` keeps on a GPU and ``fallback`` as the plan calls handed back run on. Returns
+    the output, the plan and its values."""
     import dataclasses
+    from flexspec.runtime import plan as planning
     from flexspec.runtime.backends import REGISTRY
-    plan = attn._plan(q, k, v, None, bindings, None, return_lse=return_lse)
-    plan = dataclasses.replace(plan, backend=REGISTRY["fa4"],
-                               prepared=NativeCall(native_form(plan.spec), **kept))
-    values = plan.values(bindings)
-    return REGISTRY["fa4"].run(plan, q, k, v, None, bindings, values), plan, values
+    plan = attn._calls.plan(q, k, v, None, bindings, None, return_lse=return_lse)
+    prepared = REGISTRY["fa4"].prepare(plan, plan.values(bindings))
+    plan = dataclasses.replace(plan, backend=REGISTRY["fa4"], state=prepared.state,
+                               needs_values=prepared.needs_values, fallback=fallback)
+    return planning.run(plan, q, k, v, None, bindings), plan, plan.values(bindings)
 
 
 @pytest.mark.parametrize("text", ["causal & doc", "window(7) & doc + softcap(2.0)",
@@ -299,20 +350,24 @@ def _handed_to_the_fallback(ids):
     attn = flexspec.compile("causal & doc")
     q = k = v = torch.randn(1, 2, 150, 16)
     handed = []
-    fallback = SimpleNamespace(backend=SimpleNamespace(
+    fallback = SimpleNamespace(needs_values=False, lookups=None, backend=SimpleNamespace(
         run=lambda plan, *args: handed.append(plan) or "fallback's output"))
     out, plan, values = _run_on_fa4(attn, q, k, v, {"doc_ids": ids}, fallback=fallback)
     return out, fallback, handed, (plan, q, values)
 
 
 def test_ids_that_are_not_runs_are_handed_to_the_fallback_plan(fa4_interface):
-    from flexspec.runtime.backends import REGISTRY
+    import dataclasses
+    from flexspec.runtime import plan as planning
     ids = (torch.arange(150) // 30) % 2  # document 0 comes back
     out, fallback, handed, (plan, q, values) = _handed_to_the_fallback(ids)
     assert out == "fallback's output" and handed == [fallback] and fa4_interface == []
-    plan.prepared.fallback = flexspec.BackendError("nothing else")
+    plan = dataclasses.replace(plan, fallback=flexspec.BackendError("nothing else"))
     with pytest.raises(flexspec.BackendError, match="nothing else"):
-        REGISTRY["fa4"].run(plan, q, q, q, None, {"doc_ids": ids}, values)
+        planning.run(plan, q, q, q, None, {"doc_ids": ids})
+    # contiguous ids stay on fa4
+    out, _, handed, _ = _handed_to_the_fallback(torch.arange(150) // 30)
+    assert handed == [] and [call[0] for call in fa4_interface] == ["varlen"]
 
 
 def test_inside_a_cuda_graph_capture_documents_are_handed_to_the_fallback_plan(fa4_interface,
@@ -323,43 +378,3 @@ def test_inside_a_cuda_graph_capture_documents_are_handed_to_the_fallback_plan(f
     monkeypatch.setattr(native, "capturing", lambda device: True)
     out, fallback, handed, _ = _handed_to_the_fallback(torch.arange(150) // 30)
     assert out == "fallback's output" and handed == [fallback] and fa4_interface == []
-
-
-def test_the_first_documents_call_on_fa4_builds_the_fallbacks_block_mask_once(fa4_interface):
-    """A capture after a warm-up hands the documents to the fallback: its block mask is built
-    once by the warm-up (FA4's own kernel needs none), so that its program does not compile
-    for the first time inside the capture."""
-    from types import SimpleNamespace
-    from flexspec.runtime.backends import REGISTRY
-    attn = flexspec.compile("causal & doc")
-    q = k = v = torch.randn(1, 2, 150, 16)
-    ids = torch.arange(150) // 30
-    built = []
-    masks = SimpleNamespace(get=lambda *args: built.append(args))
-    fallback = SimpleNamespace(spec="fallback spec", sizes={"Q_LEN": 150}, mask="fallback key")
-    _, plan, values = _run_on_fa4(attn, q, k, v, {"doc_ids": ids}, fallback=fallback,
-                                  masks=masks)
-    for _ in range(2):
-        REGISTRY["fa4"].run(plan, q, k, v, None, {"doc_ids": ids}, values)
-    assert [call[0] for call in fa4_interface] == ["varlen"] * 3
-    assert built == [("fallback spec", {"Q_LEN": 150}, values, q.device, "fallback key")]
-    # no fallback (nothing else runs the call): nothing to build
-    plan.prepared = NativeCall(native_form(plan.spec), flexspec.BackendError("none"),
-                               masks=masks)
-    REGISTRY["fa4"].run(plan, q, k, v, None, {"doc_ids": ids}, values)
-    assert len(built) == 1
-
-
-def test_a_fallback_mask_too_large_to_build_does_not_stop_fa4s_own_call(fa4_interface):
-    from types import SimpleNamespace
-    attn = flexspec.compile("causal & doc")
-    q = k = v = torch.randn(1, 2, 150, 16)
-    ids = torch.arange(150) // 30
-
-    def too_large(*args):
-        raise flexspec.BindingError("the block mask would take too much memory")
-    fallback = SimpleNamespace(spec=None, sizes=None, mask=None)
-    out, _, _ = _run_on_fa4(attn, q, k, v, {"doc_ids": ids}, fallback=fallback,
-                            masks=SimpleNamespace(get=too_large))
-    expected = attn.reference(q.double(), k.double(), v.double(), doc_ids=ids)
-    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)

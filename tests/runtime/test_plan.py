@@ -14,11 +14,13 @@ import flexspec
 from flexspec import BindingError, SpecError, ir, limits
 from flexspec.lang.library import load_text
 from flexspec.runtime import plan as planning
-from flexspec.runtime.backends import Choice, Request, sdpa_form
-from flexspec.runtime.inputs import Tensors
+from flexspec.ir.forms import sdpa_form
+from flexspec.runtime import lookups
+from flexspec.runtime.bindings import Tensors
+from flexspec.runtime.contract import Request, Slot
+from flexspec.runtime.fa4 import INSTALLED
 from flexspec.runtime.masks import BlockMasks
-from flexspec.runtime.plan import (PlanCache, Slot, call_key, check_ranges, make_mask_plan,
-                                   make_plan)
+from flexspec.runtime.plan import PlanCache, call_key, check_ranges, make_mask_plan, make_plan
 from flexspec.testing import Shape
 
 LIBRARY = load_text(f"""
@@ -60,9 +62,8 @@ def test_the_request_holds_the_facts_of_the_call():
     assert plan.request == Request(
         device_type="cpu", capability=None, dtype=torch.float32, batch=2, heads=4, kv_heads=2,
         q_len=24, kv_len=40, head_dim=8, v_head_dim=12, grads=False, table_grads=False,
-        score_tensors=True, block_size=(16, 32), reference_fits=True, flash_installed=False,
-        flash_failed=None, constant_lookup="t[0]", nested_lookup=None,
-        lse=True, scale=0.5)
+        score_tensors=True, block_size=(16, 32), reference_fits=True, lse=True, scale=0.5,
+        facts=((INSTALLED, False),), failed=())
     assert (plan.sizes, plan.device, plan.text, plan.asked, plan.scale) == (
         {"B": 2, "H": 4, "Q_LEN": 24, "KV_LEN": 40}, torch.device("cpu"), "causal + first",
         "reference", 0.5)
@@ -123,28 +124,29 @@ def test_float64_runs_only_where_the_reference_was_asked_for(monkeypatch):
     with pytest.raises(BindingError, match="torch.float64, which only the reference backend"):
         plan_for("causal", q, k, v)
     plan = plan_for("causal", q, k, v, asked="reference")
-    assert plan.choice == Choice("reference", "backend='reference' was asked for")
+    assert (plan.choice.backend, plan.choice.reason) == ("reference",
+                                                         "backend='reference' was asked for")
     assert plan.backend.name == "reference"
-    # float64 runs on the reference even where its memory budget says no: nothing else can
+    # beyond its memory budget the reference runs nothing, in float64 or not
     monkeypatch.setattr(limits, "MAX_DENSE_ARRAY_BYTES", 8)
-    assert plan_for("causal", q, k, v, asked="reference").choice.backend == "reference"
-    with pytest.raises(flexspec.BackendError, match="memory budget"):
-        plan_for("causal", *qkv(), asked="reference")
+    for inputs in ((q, k, v), qkv()):
+        with pytest.raises(flexspec.BackendError, match="memory budget"):
+            plan_for("causal", *inputs, asked="reference")
 
 
 def test_the_choice_is_the_backend_rules_choice():
     q, k, v = qkv(Q_LEN=128, KV_LEN=128, Dv=8)
     plan = plan_for("causal", q, k, v)
     assert plan.choice.backend == "sdpa" and plan.backend.name == "sdpa"
-    assert plan.prepared == sdpa_form(plan.spec)  # prepared by the backend chosen
+    assert plan.state == sdpa_form(plan.spec)  # prepared by the backend chosen
     plan = plan_for("causal & window(3)", q, k, v)
     assert plan.choice.backend == "flex" and plan.backend.name == "flex"
-    assert plan.prepared.block_mask is not None
+    assert plan.state.block_mask is not None
     # the backend prepares with the call's values: the slopes the score reads
     plan = plan_for("causal & window(3) + alibi", q, k, v)
-    assert plan.choice.backend == "flex" and not plan.prepared.score_varies
+    assert plan.choice.backend == "flex" and not plan.state.score_varies
     # ALiBi's slope of head 1 of 4 is 2 ** -4; query 5 is 3 positions after key 2
-    score = plan.prepared.score_mod(torch.tensor(1.5), torch.tensor(0), torch.tensor(1),
+    score = plan.state.score_mod(torch.tensor(1.5), torch.tensor(0), torch.tensor(1),
                                     torch.tensor(5), torch.tensor(2))
     assert score.item() == 1.5 - 2 ** -4 * 3
 
@@ -207,7 +209,7 @@ def test_bindings_are_slots_and_everything_else_is_fixed():
     assert plan.slots == (Slot("doc_ids", doc, 2), Slot("t", t, 1))
     assert set(plan.fixed) == {slopes}
     assert plan.score_keys == frozenset({t, slopes})
-    assert plan.mask == plan.mask.__class__(plan.mask.token, 1, 1, (doc,))
+    assert plan.masks.key == plan.masks.key.__class__(plan.masks.key.token, 1, 1, (doc,))
 
 
 def test_the_plan_s_mask_key_is_its_spec_s_on_its_device():
@@ -218,18 +220,19 @@ def test_the_plan_s_mask_key_is_its_spec_s_on_its_device():
     plan = make_plan(text=text, asked="auto", tensors=Tensors(spec.ir), masks=masks,
                      block_size=(16, 32), q=q, k=k, v=v, scale=None,
                      bindings={"doc_ids": torch.zeros(40, dtype=torch.int64)}, learnables=None)
-    assert plan.mask == masks.key(plan.spec, plan.sizes, torch.device("cpu"))
+    assert plan.masks.key == masks.key(plan.spec, plan.sizes, torch.device("cpu"))
 
 
-def test_the_plan_s_mask_key_is_in_its_backend_s_form_of_the_lowering(monkeypatch):
-    # FLASH's form (cute) cannot be chosen on the CPU: flex is made to take it, as FLASH does
+def test_the_plan_s_mask_key_is_in_its_backend_s_dialect_of_the_lowering(monkeypatch):
+    # FLASH's dialect (cute) cannot be chosen on the CPU: flex is made to take it, as FLASH does
     from flexspec.runtime.backends import REGISTRY
     q, k, v = qkv(Q_LEN=200, KV_LEN=200)
     plain = plan_for("causal", q, k, v, asked="flex")
-    monkeypatch.setattr(REGISTRY["flex"], "cute", True)
+    monkeypatch.setattr(REGISTRY["flex"], "dialect", "cute")
     flash_like = plan_for("causal", q, k, v, asked="flex")
-    assert not plain.mask.cute and flash_like.mask.cute
-    assert (flash_like.mask.batch, flash_like.mask.heads) == (plain.mask.batch, plain.mask.heads)
+    assert plain.masks.key.dialect == "torch" and flash_like.masks.key.dialect == "cute"
+    assert (flash_like.masks.batch, flash_like.masks.heads) == (plain.masks.batch,
+                                                                plain.masks.heads)
 
 
 def test_a_learnable_table_is_a_slot_only_when_passed_by_name():
@@ -281,8 +284,8 @@ def test_a_mask_plan_holds_the_mask_s_tensors_and_its_key_only():
     plan, masks = mask_plan_for(text, sizes, doc_ids=ids, t=torch.zeros(40))
     doc = key_of(text, "doc_ids")
     assert plan.slots == (Slot("doc_ids", doc, 2),) and plan.fixed == {}  # no score tensors
-    assert plan.spec.score == ir.SCORE and plan.mask.reads == (doc,)
-    assert plan.mask == masks.key(plan.spec, sizes, torch.device("cpu"))
+    assert plan.spec.score == ir.SCORE and plan.masks.reads == (doc,)
+    assert plan.masks.key == masks.key(plan.spec, sizes, torch.device("cpu"))
     assert plan.values({"doc_ids": ids})[doc] is ids
 
 
@@ -292,12 +295,14 @@ def test_a_mask_plan_checks_its_mask_s_ranges_and_remembers_unproven_lookups():
         mask_plan_for("big64", sizes)
     group = torch.zeros(9, dtype=torch.int64)
     plan, _ = mask_plan_for("same_group", sizes, group=group)
-    assert [str(index) for _, _, index in plan.unproven] == ["group[q]"]
-    assert plan.checked == plan.lookup_identity(plan.values({"group": group}))  # checked once
+    assert [str(index) for _, _, index in plan.lookups.unproven] == ["group[q]"]
     wild = torch.zeros(9, dtype=torch.int64)
     wild[2] = 9  # group[group[2]] reads past the end
     with pytest.raises(BindingError, match=r"'group' is indexed by group\[q\] .* Q_LEN=9"):
-        plan.check_lookups(plan.values({"group": wild}))
+        plan.lookups.check(plan.values({"group": wild}))
+    # the values the plan was made with were checked then: they would have been refused
+    with pytest.raises(BindingError, match=r"'group' is indexed by group\[q\]"):
+        mask_plan_for("same_group", sizes, group=wild)
 
 
 # --- lookups checked by value ------------------------------------------------------------------
@@ -308,32 +313,32 @@ def test_lookups_are_checked_again_only_when_their_tensors_change(monkeypatch):
     group = torch.zeros(8, dtype=torch.int64)
     plan = plan_for("same_group", q, k, v, group=group)
     key = key_of("same_group", "group")
-    assert [str(index) for _, _, index in plan.unproven] == ["group[q]"]
+    assert [str(index) for _, _, index in plan.lookups.unproven] == ["group[q]"]
     assert plan.needs_values  # the lookups read the call's values
     checks = []
-    original = planning.check_lookups
-    monkeypatch.setattr(planning, "check_lookups",
-                        lambda *args: checks.append(args[2][key]) or original(*args))
-    plan.check_lookups(plan.values({"group": group}))
+    original = lookups.check_lookups
+    monkeypatch.setattr(lookups, "check_lookups",
+                        lambda *args: checks.append(args[2].get(key)) or original(*args))
+    plan.lookups.check(plan.values({"group": group}))
     assert checks == []  # checked when the plan was made
     other = torch.ones(8, dtype=torch.int64)
-    plan.check_lookups(plan.values({"group": other}))
-    plan.check_lookups(plan.values({"group": other}))
+    plan.lookups.check(plan.values({"group": other}))
+    plan.lookups.check(plan.values({"group": other}))
     assert len(checks) == 1
     other[0] = 9  # in place: checked again, and refused
     with pytest.raises(BindingError, match=r"'group' is indexed by group\[q\]"):
-        plan.check_lookups(plan.values({"group": other}))
+        plan.lookups.check(plan.values({"group": other}))
     assert len(checks) == 2
     # a kernel plan whose score reads no binding gathers values only for such lookups
     q, k, v = qkv(B=1, Hq=1, Hkv=1, Q_LEN=128, KV_LEN=128, Dv=8)
     group = torch.zeros(128, dtype=torch.int64)
     plan = plan_for("same_group", q, k, v, group=group)
-    assert plan.choice.backend == "flex" and plan.unproven and plan.needs_values
+    assert plan.choice.backend == "flex" and plan.lookups and plan.needs_values
     plan = plan_for("causal & document", q, k, v, doc_ids=group)
-    assert plan.choice.backend == "flex" and not plan.unproven and not plan.needs_values
+    assert plan.choice.backend == "flex" and not plan.lookups and not plan.needs_values
     # proven lookups are never evaluated
-    plan = plan_for("causal & document", q, k, v, doc_ids=group)
-    assert plan.unproven == () and plan.lookup_identity({}) == ()
+    assert plan.lookups.unproven == ()
+    plan.lookups.check({})  # reads no value
     assert not plan.needs_values or plan.backend.name == "reference"
 
 
@@ -388,3 +393,20 @@ def test_the_call_key_is_the_signature_of_the_inputs():
     assert call_key(q, k, v, None, {}, {"u": table}) != with_table
     table.requires_grad_()  # the same table, frozen no more: gradients change the plan
     assert call_key(q, k, v, None, {}, {"t": table}) != with_table
+
+
+def test_a_mask_free_spec_keeps_a_block_mask_off_cuda():
+    """flexspec.workarounds: cpu-mask-free-block-mask. The compiled CPU kernel is wrong with
+    block_mask=None and a score_mod: a spec without a mask gets an all-full block mask there;
+    on CUDA none (faster)."""
+    import dataclasses
+    from flexspec.runtime.backends import REGISTRY
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Q_LEN=200, KV_LEN=200, Dv=8)
+    plan = plan_for("alibi", q, k, v, asked="flex", block_size=(128, 128))
+    block_mask = plan.state.block_mask
+    assert block_mask is not None
+    # every tile of 2 x 2 is computed (the ragged ones as partial)
+    assert int(block_mask.full_kv_num_blocks.sum() + block_mask.kv_num_blocks.sum()) == 2 * 2
+    on_cuda = dataclasses.replace(plan, request=dataclasses.replace(plan.request,
+                                                                    device_type="cuda"))
+    assert REGISTRY["flex"].prepare(on_cuda, plan.values({})).state.block_mask is None

@@ -1,7 +1,7 @@
 """The backends and the rule that chooses one per call.
 
-A backend is one object (one file here) with ``why_not``, ``rank``, ``prepare`` and ``run``
-(:class:`~flexspec.runtime.backends.base.Backend`); :data:`REGISTRY` holds them by name:
+A backend is one file here that defines a :class:`~flexspec.runtime.contract.Backend` subclass
+and a ``BACKEND`` instance of it; :data:`REGISTRY` holds every one this package has, by name:
 
 * ``fa4`` (:mod:`.native`): FlashAttention-4's own kernels, for causal, windows and documents;
 * ``flash`` (:mod:`.flash`): FlexAttention with FlashAttention-4 kernels;
@@ -9,34 +9,37 @@ A backend is one object (one file here) with ``why_not``, ``rank``, ``prepare`` 
 * ``flex`` (:mod:`.flex`): compiled FlexAttention with its default kernel;
 * ``reference`` (:mod:`.reference`): the dense float64 semantics.
 
-Adding a backend is one new file and one :func:`register` line below. :func:`choose` takes the
-facts of one call (:class:`Request`) and the backend asked for, and returns a :class:`Choice`:
-the backend, the reason, and why each other backend was not taken. ``"auto"`` tries the
-backends in the order of their ``rank`` on the call's device; the measurements behind the ranks
-are in docs/performance.md#why-the-backend-rules-are-what-they-are.
-
-This package decides and runs one call; planning and caching belong to the runtime around it.
+Adding a backend is one new file and a row in ``auto``'s order (:mod:`flexspec.runtime.order`).
+:func:`choose` takes the facts of one call (:class:`Request`) and the backend asked for, and
+returns a :class:`Choice`: the backend, the reason, why each other backend was not taken, and
+the others that could run it (where a call it hands back goes).
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from flexspec import ir
 from flexspec.errors import did_you_mean
-from flexspec.runtime.backends.base import (REGISTRY, Backend, BackendError, BackendName, Choice,
-                                            Rank, Request, auto_order, register)
-from flexspec.runtime.backends.flash import (FLASH_MIN_FLOPS, FLASH_OPTIONS, FlashBackend,
-                                             flash_installed)
-from flexspec.runtime.backends.flex import SHORT_CPU_LENGTH, FlexBackend
-from flexspec.runtime.backends.native import NativeBackend
-from flexspec.runtime.backends.reference import ReferenceBackend
-from flexspec.runtime.backends.sdpa import SdpaBackend, not_sdpa
+from flexspec.runtime import order
+from flexspec.runtime.contract import Backend, BackendError, Choice, Request
 
-register(NativeBackend())
-register(FlashBackend())
-register(SdpaBackend())
-register(FlexBackend())
-register(ReferenceBackend())
 
+def discover() -> dict[str, Backend]:
+    """Every backend of this package's modules: the ``BACKEND`` each module defines, by name, in
+    the order ``auto``'s order table first names them (the rest after, by name)."""
+    found = {}
+    for module in pkgutil.iter_modules(__path__):
+        backend = getattr(importlib.import_module(f"{__name__}.{module.name}"), "BACKEND", None)
+        if isinstance(backend, Backend):
+            found[backend.name] = backend
+    ranked = [name for name in order.backend_names() if name in found]
+    return {name: found[name] for name in ranked + sorted(set(found) - set(ranked))}
+
+
+# Every backend by name, in the order ``auto`` lists those it did not try.
+REGISTRY: dict[str, Backend] = discover()
 # The names a user may ask for: "auto" and every registered backend.
 BACKENDS: tuple[str, ...] = ("auto", *REGISTRY)
 
@@ -44,45 +47,62 @@ BACKENDS: tuple[str, ...] = ("auto", *REGISTRY)
 def check_backend_name(backend: str) -> None:
     """A :class:`BackendError` unless ``backend`` is one of :data:`BACKENDS`."""
     if backend not in BACKENDS:
-        raise BackendError(f"unknown backend '{backend}'.{did_you_mean(backend, BACKENDS)} "
+        raise BackendError(f"unknown backend '{backend}'.{did_you_mean(str(backend), BACKENDS)} "
                            f"Backends: {', '.join(BACKENDS)}")
 
 
 def why_not(backend: str, request: Request, spec: ir.AttentionIR) -> str | None:
-    """Why ``backend`` cannot run ``spec`` for ``request``, or ``None`` when it can."""
+    """Why ``backend`` cannot run ``spec`` for ``request`` (its own rules, or a failed compile of
+    this spec before), or ``None`` when it can."""
     check_backend_name(backend)
     if backend == "auto":
         raise BackendError("'auto' is not one backend but a choice among them: use choose()")
+    failure = request.failure(backend)
+    if failure is not None:
+        return f"it failed to compile this spec before: {failure}"
     return REGISTRY[backend].why_not(request, spec)
+
+
+def _auto_refusal(name: str, request: Request, spec: ir.AttentionIR) -> str | None:
+    return why_not(name, request, spec) or REGISTRY[name].auto_veto(request, spec)
+
+
+def auto_order(request: Request) -> list[tuple[str, str]]:
+    """The backends ``auto`` tries for ``request``, best first, each with the reason it would be
+    chosen."""
+    return [(row.backend, order.reason(row, request)) for row in order.rows_for(request)
+            if row.backend in REGISTRY]
 
 
 def choose(backend: str, request: Request, spec: ir.AttentionIR) -> Choice:
     """The backend for one call: ``backend`` itself when it can run (else a
     :class:`BackendError` saying why), or for ``"auto"`` the first of :func:`auto_order` that
-    can run it and is not vetoed as slower."""
+    can run it and is not vetoed as slower. Either way the choice lists the other backends of
+    ``auto``'s order that could run it, best first."""
+    tried = auto_order(request)
     if backend != "auto":
         reason = why_not(backend, request, spec)
         if reason is not None:
             raise BackendError(f"backend '{backend}' cannot run this call: {reason}. "
                                "backend='auto' chooses one that can")
-        return Choice(backend, f"backend='{backend}' was asked for")
-    rejected = []
-    for name, because in auto_order(request):
-        candidate = REGISTRY[name]
-        reason = candidate.why_not(request, spec)
-        if reason is None:
-            reason = candidate.auto_veto(request, spec)
-        if reason is None:
-            taken = {name} | {n for n, _ in rejected}
-            rejected += [(n, other.why_not(request, spec) or "ranked lower for this call")
-                         for n, other in REGISTRY.items() if n not in taken]
-            return Choice(name, because, tuple(rejected))
-        rejected.append((name, reason))
-    reasons = "; ".join(f"{name}: {reason}" for name, reason in rejected)
-    raise BackendError(f"no backend can run this call ({reasons})")
+        viable = tuple((name, because) for name, because in tried
+                       if name != backend and _auto_refusal(name, request, spec) is None)
+        return Choice(backend, f"backend='{backend}' was asked for", viable=viable)
+    refusals = {name: _auto_refusal(name, request, spec) for name, _ in tried}
+    viable = [(name, because) for name, because in tried if refusals[name] is None]
+    if not viable:
+        reasons = "; ".join(f"{name}: {reason}" for name, reason in refusals.items())
+        raise BackendError(f"no backend can run this call ({reasons})")
+    (chosen, because), viable = viable[0], viable[1:]
+    # those tried before the chosen one in order, then every other backend by name
+    before = list(refusals)[:list(refusals).index(chosen)]
+    rejected = [(name, refusals[name]) for name in before]
+    for name in REGISTRY:
+        if name != chosen and name not in before:
+            reason = refusals.get(name) or why_not(name, request, spec)
+            rejected.append((name, reason or "ranked lower for this call"))
+    return Choice(chosen, because, tuple(rejected), tuple(viable))
 
 
-__all__ = ["BACKENDS", "FLASH_MIN_FLOPS", "FLASH_OPTIONS", "REGISTRY", "SHORT_CPU_LENGTH",
-           "Backend", "BackendError", "BackendName", "Choice", "NativeBackend", "Rank", "Request",
-           "auto_order", "check_backend_name", "choose", "flash_installed", "not_sdpa", "register",
-           "why_not"]
+__all__ = ["BACKENDS", "REGISTRY", "Backend", "BackendError", "Choice", "Request", "auto_order",
+           "check_backend_name", "choose", "discover", "why_not"]

@@ -1,78 +1,26 @@
 """The ``flex`` backend: FlexAttention through ``torch.compile`` with its default kernel (the
-Triton template on a GPU, the C++ template on the CPU). FLASH (:mod:`.flash`) is the same call
-with other kernel options, so it subclasses this one.
-
-A plan keeps the lowered spec, its compiled entry point, the kernel options, and the block mask
-and ``score_mod`` when they read no binding; a call fetches the block mask of its bindings and
-launches.
-"""
+Triton template on a GPU, the C++ template on the CPU). The call itself is
+:mod:`flexspec.runtime.flexattention`'s, which ``flash`` makes too with other kernel options."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-
-import torch
-from torch.nn.attention.flex_attention import BlockMask
-
-from flexspec import ir
-from flexspec.ir import rewrites
 from flexspec.kernels.fused_blocks import compile_error
-from flexspec.kernels.lower import Lowered, lower
 from flexspec.runtime import compiled
-from flexspec.runtime.backends.base import Backend, BackendError, Rank, Request
-from flexspec.runtime.inputs import capturing
+from flexspec.runtime.contract import BackendError
+from flexspec.runtime.flexattention import FlexAttentionBackend, FlexKernelOptions
 
-try:
-    from torch.nn.attention.flex_attention import FlexKernelOptions
-except ImportError:  # torch before FlexKernelOptions was public
-    FlexKernelOptions = dict
-
-# On the CPU, sequences shorter than one 128-position block run elsewhere: torch 2.13's compiled
-# CPU kernel gave wrong results for them (see docs/performance.md, the backend rules).
+# On the CPU, sequences shorter than one 128-position block run elsewhere (flexspec.workarounds:
+# cpu-short-sequences).
 SHORT_CPU_LENGTH = 128
-# A score that reads a tensor requiring gradients gets one pipeline stage in Triton's backward:
-# the default ran out of shared memory at D=128 on the H200 (see docs/performance.md).
+# A score that reads a tensor requiring gradients gets one pipeline stage in Triton's backward
+# (flexspec.workarounds: triton-table-grad-stages).
 TABLE_GRAD_OPTIONS: FlexKernelOptions = {"num_stages": 1}
 # Triton's tiles must divide the block mask's blocks, and its default tiles are up to 128 wide,
 # so smaller blocks get tiles of their own, at most this wide.
 LARGEST_SMALL_TILE = 64
 
 
-@dataclass(eq=False)
-class FlexCall:
-    """What a FlexAttention plan keeps between calls."""
-
-    lowered: Lowered
-    entry: object                            # compiled.compiled_entry(lowered)
-    kernel_options: FlexKernelOptions | None
-    masks: object                            # the Attention's BlockMasks cache
-    mask_bindings: tuple = ()                # names of the bindings the mask reads
-    block_mask: BlockMask | None = None      # the block mask when the mask reads no binding
-    # ((tensor, version) of the mask's bindings, block mask) of the last call: one tuple,
-    # replaced whole, so that concurrent calls never pair one call's bindings with another's mask
-    last: tuple | None = None
-    score_varies: bool = True                # the score_mod captures this call's bindings
-    score_mod: object = None
-    lse: dict | None = None                  # compiled.lse_request(return_lse)
-    scale_values: dict = field(default_factory=dict)  # the scale as a tensor (rewrites.scaled)
-    warm: bool = False                       # the compiled entry has run once for this plan
-
-    def last_block_mask(self, bindings: dict) -> BlockMask | None:
-        """The previous call's block mask when the mask's bindings are the very tensors of that
-        call, unchanged in place since (same object, same version counter): the cache lookup
-        (storage identity, hashing) is then skipped. ``None`` otherwise."""
-        last = self.last  # read once: another thread may replace it meanwhile
-        if last is None:
-            return None
-        for name, (value, version) in zip(self.mask_bindings, last[0]):
-            given = bindings[name]
-            if given is not value or given._version != version:
-                return None
-        return last[1]
-
-
-class FlexBackend(Backend):
+class FlexBackend(FlexAttentionBackend):
     name = "flex"
 
     def why_not(self, request, spec):
@@ -80,30 +28,23 @@ class FlexBackend(Backend):
         if request.grads and device in ("cpu", "mps"):
             return f"FlexAttention has no backward pass on {device}"
         if request.grads and device == "cuda" and not request.blocks_of_128:
-            return ("FlexAttention's Triton backward found no kernel for blocks of "
-                    f"{request.block_size[0]}x{request.block_size[1]} (torch filters its backward "
-                    "tiles, up to 128 wide, before it reads kernel options; H200, torch 2.11): "
-                    "use block_size=128 for training, or call without gradients")
+            # flexspec.workarounds: triton-backward-small-blocks
+            return ("FlexAttention's Triton backward finds no kernel for blocks of "
+                    f"{request.block_size[0]}x{request.block_size[1]}: use block_size=128 for "
+                    "training, or call without gradients")
         if device == "cpu" and min(request.q_len, request.kv_len) < SHORT_CPU_LENGTH:
-            return (f"torch's compiled CPU FlexAttention gave wrong results for sequences "
-                    f"shorter than one block ({SHORT_CPU_LENGTH} positions), so flexspec does "
-                    "not run it there")
+            return (f"torch's compiled CPU FlexAttention is wrong for sequences shorter than one "
+                    f"block ({SHORT_CPU_LENGTH} positions; flexspec.workarounds: "
+                    "cpu-short-sequences), so flexspec does not run it there")
         return None
 
-    def rank(self, request: Request) -> Rank:
-        # behind the specialised kernels, ahead of the reference where the kernel can run
-        place = 1 if request.device_type != "cuda" and not (
-            request.grads and request.device_type in ("cpu", "mps")) else 2
-        return Rank(place, "FlexAttention runs every spec; its block mask skips the empty tiles")
-
     def index_dtype(self, device_type):
-        # FlexAttention's GPU kernels (and FLASH's) pass b, h, q_idx and kv_idx as int32, and
-        # integer arithmetic on them stays int32: on an H200, q * 16777216 >= kv * 16777216
-        # wrapped from q = 128 on (output off by 0.75); its CPU kernels compute in int64
+        # FlexAttention's GPU kernels (and FLASH's) compute b, h, q_idx, kv_idx and integer
+        # arithmetic on them in int32 (flexspec.workarounds: gpu-int32-indices); its CPU
+        # kernels in int64
         return "int32" if device_type == "cuda" else "int64"
 
-    def kernel_options(self, request: Request) -> FlexKernelOptions | None:
-        """The kernel options of a compiled FlexAttention call for ``request``."""
+    def kernel_options(self, request) -> FlexKernelOptions | None:
         options = {}
         if request.device_type in ("cuda", "xpu") and not request.blocks_of_128:
             options.update(small_block_tiles(*request.block_size))
@@ -111,93 +52,17 @@ class FlexBackend(Backend):
             options.update(TABLE_GRAD_OPTIONS)
         return options or None
 
-    def prepare(self, plan, values, masks):
-        spec, scale_values = plan.spec, {}
-        if plan.scale is not None:
-            # the kernel keeps its default 1/sqrt(D) and the score is multiplied by a tensor:
-            # a new scale is a new value, not a new kernel
-            spec = rewrites.scaled(plan.spec)
-            ratio = float(plan.scale) * math.sqrt(plan.request.head_dim)
-            scale_values = {rewrites.SCALE: torch.full((plan.sizes["B"],), ratio,
-                                                  dtype=torch.float32, device=plan.device)}
-            values = {**values, **scale_values}
-        lowered = lower(spec, cute=self.cute)
-        call = FlexCall(lowered=lowered, entry=compiled.compiled_entry(lowered),
-                        kernel_options=self.kernel_options(plan.request), masks=masks,
-                        lse=compiled.lse_request(plan.request.lse), scale_values=scale_values)
-        call.mask_bindings = tuple(slot.name for slot in plan.slots
-                                   if slot.key in plan.mask.reads)
-        if not call.mask_bindings:
-            # a mask-free spec needs no block mask on a GPU (faster there); the CPU kernel needs
-            # one (see Attention.block_mask)
-            if plan.spec.mask != ir.Const(True) or plan.request.device_type != "cuda":
-                call.block_mask = masks.get(plan.spec, plan.sizes, values, plan.device, plan.mask)
-        score_keys = plan.score_keys
-        float64 = any(values[key].dtype == torch.float64 for key in score_keys)
-        if not (score_keys & {slot.key for slot in plan.slots}) and not float64:
-            call.score_mod = lowered.make_mods(plan.sizes, values)[1]
-            call.score_varies = False
-        plan.prepared = call
-        plan.needs_values = plan.needs_values or call.score_varies
-
-    def run(self, plan, q, k, v, scale, bindings, values):
-        call: FlexCall = plan.prepared
-        if not call.mask_bindings:
-            block_mask = call.block_mask
-        else:
-            # inside a CUDA graph capture the mask is built, so that replays rebuild it from
-            # what the bindings hold then (the last mask would be replayed as it was)
-            captured = capturing(q.device)
-            block_mask = None if captured else call.last_block_mask(bindings)
-            if block_mask is None:
-                seen = tuple((bindings[name], bindings[name]._version)
-                             for name in call.mask_bindings)
-                block_mask = call.masks.get(plan.spec, plan.sizes,
-                                            values or plan.values(bindings), q.device, plan.mask)
-                if not captured:
-                    call.last = (seen, block_mask)
-        if call.score_varies:
-            # the kernel computes scores in float32: a float64 table would turn them into float64
-            kernel_values = {key: value.float() if value.dtype == torch.float64 else value
-                             for key, value in values.items()}
-            score_mod = call.lowered.make_mods(plan.sizes,
-                                               {**kernel_values, **call.scale_values})[1]
-        else:
-            score_mod = call.score_mod
-        if plan.detach:
-            q, k, v = q.detach(), k.detach(), v.detach()
-        # a given scale is in the score_mod (see prepare): the kernel keeps its default
-        args = (q, k, v, score_mod, block_mask, None, plan.gqa, call.kernel_options, call.lse)
-        if call.warm:
-            # a warm plan cannot recompile (see compiled.run_compiled): no watch needed
-            out = call.entry(*args)
-        else:
-            out = self.launch(plan, args)
-            call.warm = True
-        return compiled.split_lse(out) if call.lse is not None else out
-
-    def launch(self, plan, args: tuple):
-        """The first call of a plan, which may compile: a compile that torch's compiler gives
-        up on is a :class:`BackendError` (no raw dynamo or inductor exception reaches the
-        caller)."""
-        try:
-            return self.compile_and_run(plan, args)
-        except Exception as err:  # noqa: BLE001 - narrowed below
-            if not compile_error(err):
-                raise
-            raise BackendError(
-                f"backend '{self.name}' could not compile this spec: torch.compile failed "
-                f"({compiled.first_line(err)}). This is a limit of the compiled path (torch's "
-                "compiler, or flexspec's lowering for it), not an error in the spec: please "
-                "report it; backend='reference' computes it densely (float64 math, memory "
-                "growing as Q_LEN x KV_LEN)") from err
-
-    def compile_and_run(self, plan, args: tuple):
-        """:meth:`launch` without turning compile failures into flexspec errors (FLASH's
-        launch catches them itself, to fall back to Triton)."""
-        entry = plan.prepared.entry
-        compiled.mark_lengths_dynamic(entry, *args[:5])
-        return compiled.run_compiled(entry, *args)
+    def compile_failed(self, plan, err):
+        """A compile that torch's compiler gives up on is a :class:`BackendError` (no raw
+        dynamo or inductor exception reaches the caller)."""
+        if not compile_error(err):
+            raise err
+        raise BackendError(
+            f"backend '{self.name}' could not compile this spec: torch.compile failed "
+            f"({compiled.first_line(err)}). This is a limit of the compiled path (torch's "
+            "compiler, or flexspec's lowering for it), not an error in the spec: please "
+            "report it; backend='reference' computes it densely (float64 math, memory "
+            "growing as Q_LEN x KV_LEN)") from err
 
 
 def small_block_tiles(q_block: int, kv_block: int) -> FlexKernelOptions:
@@ -213,3 +78,6 @@ def small_block_tiles(q_block: int, kv_block: int) -> FlexKernelOptions:
     # unprefixed ones
     return {"fwd_BLOCK_M": m, "fwd_BLOCK_N": n, "bwd_BLOCK_M1": both, "bwd_BLOCK_N1": both,
             "bwd_BLOCK_M2": both, "bwd_BLOCK_N2": both}
+
+
+BACKEND = FlexBackend()

@@ -3,13 +3,13 @@
 mask: full or causal attention, sliding windows, and packed documents given as contiguous runs of
 ids (run as variable-length sequences), optionally with a constant scale and a softcap.
 
-:func:`flexspec.ir.forms.native_form` reads that structure off the IR. Documents need one look at the ids per call
-(:func:`document_segments`, O(S) on the device plus one host read of the number of documents):
-ids that are not contiguous runs, such as ``[0, 0, 1, 1, 0]``, are valid flexspec documents that
-FA4's variable-length interface cannot express, so those calls run on the backend ``auto`` would
-have chosen without this one. So do documents inside a CUDA graph capture, where the host read
-cannot happen; the first call outside one builds that backend's block mask once, so that a
-capture after a warm-up does not compile its program.
+:func:`flexspec.ir.forms.native_form` reads that structure off the IR. Documents need one look
+at the ids per call (:func:`document_segments`, O(S) on the device plus one host read of the
+number of documents): ids that are not contiguous runs, such as ``[0, 0, 1, 1, 0]``, are valid
+flexspec documents that FA4's variable-length interface cannot express, so such a call is handed
+back to the runtime (:class:`~flexspec.runtime.contract.Replan`), which runs it on the plan's
+fallback: the backend ``auto`` would have chosen without this one. So are documents inside a
+CUDA graph capture, where the host read cannot happen.
 
 FA4 aligns causal masks and windows at the bottom right; they equal flexspec's top-left ones when
 Q_LEN == KV_LEN, the only case this backend takes.
@@ -17,20 +17,22 @@ Q_LEN == KV_LEN, the only case this backend takes.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 
 from flexspec import ir
-from flexspec.errors import BindingError
 from flexspec.ir.forms import NativeForm, native_form
 from flexspec.limits import fits_int
-from flexspec.runtime.backends.base import (REGISTRY, Backend, BackendError, Choice, Rank,
-                                            Request, auto_order)
-from flexspec.runtime.backends.flash import fa4_unavailable, too_small
-from flexspec.runtime.inputs import capturing
+from flexspec.runtime import fa4
+from flexspec.runtime.capture import capturing
+from flexspec.runtime.contract import Backend, Prepared, Replan
+
+# Why a call with documents may be handed back (see the module docstring).
+HANDS_BACK = ("document ids that are not contiguous runs, which FA4's own kernels cannot run, "
+              "or documents inside a CUDA graph capture")
+NOT_RUNS = "document ids that are not contiguous runs"
+CAPTURED = "documents inside a CUDA graph capture (their lengths need a host read)"
 
 
 def document_segments(ids: torch.Tensor) -> tuple | None:
@@ -71,17 +73,6 @@ def _runs_are_distinct(ids: torch.Tensor, starts: torch.Tensor) -> bool:
     return bool((starts.sum(1) == distinct).all())
 
 
-@dataclass(eq=False)
-class NativeCall:
-    """What a plan of this backend keeps: the form, and for documents the plan of the backend
-    that runs calls whose ids are not contiguous runs."""
-
-    form: NativeForm
-    fallback: object = None  # a Plan, or the BackendError that says why there is none
-    masks: object = None     # the plan's BlockMasks, which build the fallback's block masks
-    fallback_warm: bool = False  # the fallback's block mask was built once outside a capture
-
-
 class NativeBackend(Backend):
     name = "fa4"
 
@@ -89,7 +80,7 @@ class NativeBackend(Backend):
         return None if native_form(spec) is not None else _not_native(spec)
 
     def why_not(self, request, spec):
-        unavailable = fa4_unavailable(request, "FA4's own interface")
+        unavailable = fa4.unavailable(request, "FA4's own interface")
         if unavailable is not None:
             return unavailable
         form = native_form(spec)
@@ -104,52 +95,37 @@ class NativeBackend(Backend):
                     f"{request.kv_len}")
         return None
 
-    def rank(self, request: Request) -> Rank | None:
-        if request.device_type != "cuda":
-            return None
-        # ahead of FLASH (place 0): every place on a device is distinct, so the order is the
-        # places' and never the registry's
-        return Rank(-1, "FA4's own kernels ran this structure (causal, windows, documents as "
-                       "variable-length sequences) faster than any block-sparse kernel on the "
-                       "H200, and need no block mask")
-
     def auto_veto(self, request, spec):
-        small = too_small(request, "FA4's own interface")
+        small = fa4.too_small(request, "FA4's own interface")
         if small is not None:
             return small
         if native_form(spec).softcap is not None:
-            return ("FA4's own softcap ran at 0.90x the speed of FlexAttention's FLASH kernel "
-                    "(causal + softcap(30), 4x16x8192x128, H200)")
+            return ("FA4's own softcap ran slower than FlexAttention's FLASH kernel "
+                    "(docs/performance.md, the order auto tries)")
         return None
 
-    def prepare(self, plan, values, masks):
+    def facts(self, device):
+        return fa4.facts(device)
+
+    def prepare(self, plan, values):
         form = native_form(plan.spec)
-        call = NativeCall(form, masks=masks)
-        if form.documents is not None:
-            call.fallback = _fallback_plan(plan, values, masks)
-            plan.needs_values = True
-        plan.prepared = call
+        documents = form.documents is not None
+        return Prepared(state=form, needs_values=documents,
+                        hands_back=HANDS_BACK if documents else None)
 
     def run(self, plan, q, k, v, scale, bindings, values):
         from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
-        call: NativeCall = plan.prepared
-        form = call.form
+        form: NativeForm = plan.state
         segments = None
         if form.documents is not None:
             batch, length = q.shape[0], q.shape[2]
+            if capturing(q.device):
+                raise Replan(CAPTURED)
             ids = values[ir.tensor_key(form.documents)]
-            # cumulative lengths need a host read, which a CUDA graph capture cannot make: there
-            # the fallback runs the documents (its block mask is built inside the graph)
-            segments = None if capturing(q.device) else document_segments(
-                ids.expand(batch, length))
+            segments = document_segments(ids.expand(batch, length))
             if segments is None:
-                if isinstance(call.fallback, BackendError):
-                    raise call.fallback
-                return call.fallback.backend.run(call.fallback, q, k, v, scale, bindings, values)
-            if not call.fallback_warm:
-                call.fallback_warm = True
-                _warm_fallback_mask(call, values, q.device)
+                raise Replan(NOT_RUNS)
         if plan.detach:
             q, k, v = q.detach(), k.detach(), v.detach()
         base = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -175,52 +151,10 @@ class NativeBackend(Backend):
         return (out, lse) if plan.request.lse else out
 
 
-def _warm_fallback_mask(call: NativeCall, values: dict, device) -> None:
-    """Builds the fallback's block mask once, outside any capture. A CUDA graph captured after a
-    warm-up runs the documents on the fallback (see ``run``), whose block-mask program would
-    otherwise compile for the first time inside the capture, which can fail."""
-    fallback = call.fallback
-    if call.masks is None or isinstance(fallback, BackendError):
-        return
-    try:
-        call.masks.get(fallback.spec, fallback.sizes, values, device, fallback.mask)
-    except BindingError:
-        # a mask the fallback could not build (too large): FA4's own call needs none, and a
-        # capture, which would need it, gets the same error then
-        pass
-
-
-def _fallback_plan(plan, values, masks):
-    """A copy of ``plan`` for the backend ``auto`` would take without this one, prepared: it runs
-    the calls whose document ids are not contiguous runs. A :class:`BackendError` saying why
-    when no other backend can."""
-    rejected = []
-    for name, because in auto_order(plan.request):
-        if name == NativeBackend.name:
-            continue
-        backend = REGISTRY[name]
-        reason = backend.why_not(plan.request, plan.spec) or backend.auto_veto(plan.request,
-                                                                                plan.spec)
-        if reason is not None:
-            rejected.append((name, reason))
-            continue
-        choice = Choice(name, f"{because} (document ids that are not contiguous runs, which "
-                              "FA4's own kernels cannot run)", tuple(rejected))
-        fallback = dataclasses.replace(
-            plan, choice=choice, backend=backend, prepared=None,
-            mask=masks.key(plan.spec, plan.sizes, plan.device, backend.cute))
-        backend.prepare(fallback, values, masks)
-        return fallback
-    reasons = "; ".join(f"{name}: {reason}" for name, reason in rejected)
-    return BackendError("FA4's own kernels cannot run document ids that are not contiguous runs "
-                        f"(an id that comes back after another), and no other backend can run "
-                        f"this call ({reasons})")
-
-
 def _not_native(spec: ir.AttentionIR) -> str:
     return ("FA4's own kernels run full or causal attention, sliding windows and documents "
             "(`doc_ids[b, q] == doc_ids[b, kv]`), times a constant and soft-capped; this spec "
             f"has mask `{ir.to_text(spec.mask)}` and score `{ir.to_text(spec.score)}`")
 
 
-__all__ = ["NativeBackend", "document_segments"]
+BACKEND = NativeBackend()

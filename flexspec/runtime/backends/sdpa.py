@@ -1,17 +1,18 @@
 """The ``sdpa`` backend: ``torch.nn.functional.scaled_dot_product_attention`` (cuDNN first on a
 GPU), for specs whose IR is exactly full attention or top-left causal attention with
-Q_LEN == KV_LEN, times an optional positive constant."""
+Q_LEN == KV_LEN, times an optional positive constant (:func:`flexspec.ir.forms.sdpa_form`)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flexspec import ir
 from flexspec.ir.forms import SdpaForm, sdpa_form
-from flexspec.runtime.backends.base import Backend, Rank, Request
+from flexspec.runtime.contract import Backend, Prepared
 
 
 def not_sdpa(spec: ir.AttentionIR) -> str:
@@ -27,7 +28,7 @@ SMALLEST_SCALE = 1.1754943508222875e-38
 
 
 # Calls with at most this many query rows are decoding steps, whose key lengths change every
-# step: they run SDPA without cuDNN.
+# step: they run SDPA without cuDNN (flexspec.workarounds: cudnn-decode-plans).
 DECODING_ROWS = 16
 _NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -53,26 +54,16 @@ class SdpaBackend(Backend):
                     f"{request.q_len} and {request.kv_len}")
         return None
 
-    def rank(self, request: Request) -> Rank:
-        # first everywhere but behind FLASH on CUDA (see docs/performance.md, the backend rules)
-        device = request.device_type
-        if device == "cuda":
-            return Rank(1, "plain full or causal attention: cuDNN SDPA beat FlexAttention's "
-                           "Triton kernel for it")
-        if request.grads and device in ("cpu", "mps"):
-            return Rank(0, f"SDPA has a backward pass on {device}")
-        return Rank(0, "plain full or causal attention: SDPA beat compiled FlexAttention for it "
-                       f"on {device}")
-
-    def prepare(self, plan, values, masks):
-        plan.prepared = sdpa_form(plan.spec)
+    def prepare(self, plan, values):
+        return Prepared(state=sdpa_form(plan.spec))
 
     def run(self, plan, q, k, v, scale, bindings, values):
-        form: SdpaForm = plan.prepared
+        form: SdpaForm = plan.state
         base = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        # cuDNN builds a new plan for every new length (about 60 ms per step of a growing cache
-        # on the H200, docs/performance.md); FlashAttention-2 does not
         decoding = q.is_cuda and q.shape[2] <= DECODING_ROWS
         with sdpa_kernel(_NOT_CUDNN) if decoding else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, is_causal=form.causal,
                                                   scale=base * form.factor, enable_gqa=plan.gqa)
+
+
+BACKEND = SdpaBackend()

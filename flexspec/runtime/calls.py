@@ -1,0 +1,94 @@
+"""The call path of one compiled spec: a plan per input signature (made on the first call,
+cached), then a few cheap steps per call; calls whose rows provably see every key run on the
+spec without its mask; a backend that can never run a plan's calls (a failed compile) has the
+signature planned anew without it."""
+
+from __future__ import annotations
+
+import torch
+
+from flexspec import ir
+from flexspec.runtime import order
+from flexspec.runtime.contract import Plan, Replan
+from flexspec.runtime.masks import BlockMasks
+from flexspec.runtime.notices import warn_once
+from flexspec.runtime.plan import PlanCache, call_key, failed, make_plan, run
+from flexspec.runtime.positions import Placement
+
+
+class Calls:
+    """The calls of one spec (see the module docstring): ``text`` names it in messages,
+    ``asked`` is the backend asked for."""
+
+    def __init__(self, *, text: str, spec: ir.AttentionIR, asked: str, block_size: tuple,
+                 masks: BlockMasks, placement: Placement):
+        self.text, self.ir, self.asked, self.block_size = text, spec, asked, block_size
+        self.masks, self.placement = masks, placement
+        self.plans = PlanCache()
+        # the spec without its mask, for calls whose rows see every key: only for auto, a mask
+        # that reads no tensor and a score that does not read positions
+        self.unmasked: Calls | None = None
+        if (asked == "auto" and spec.has_mask
+                and not any(isinstance(n, ir.Tensor) for n in ir.walk(spec.mask))
+                and "q" not in ir.free_vars(spec.score)):
+            plain = ir.AttentionIR(ir.TRUE, spec.score, spec.align)
+            self.unmasked = Calls(text=text, spec=plain, asked=asked, block_size=block_size,
+                                  masks=BlockMasks(masks.mode, block_size),
+                                  placement=Placement(plain))
+
+    def unmasked_for(self, q, k, q_offset, kv_lengths) -> "Calls | None":
+        """The calls of the spec without its mask, when this call's rows provably see every
+        key (plain attention then runs on the fastest kernel for it and needs no block mask)."""
+        if self.unmasked is not None and self.placement.sees_every_key(q, k, q_offset,
+                                                                       kv_lengths):
+            return self.unmasked
+        return None
+
+    # Inside torch.compile(model), dynamo must not trace the planning (dictionaries, the
+    # lowering, interval analysis: it ran out of memory trying): the call runs as it does eagerly,
+    # compiling its own kernel, and the model's graph breaks around it.
+    @torch.compiler.disable
+    def __call__(self, q, k, v, *, scale=None, bindings: dict, learnables: dict | None = None,
+                 q_offset=None, kv_lengths=None, return_lse: bool = False):
+        unmasked = self.unmasked_for(q, k, q_offset, kv_lengths)
+        if unmasked is not None:
+            return unmasked(q, k, v, scale=scale, bindings=bindings, learnables=learnables,
+                            return_lse=return_lse)
+        bindings = self.placement.for_call(q, k, bindings, q_offset, kv_lengths)
+        try:
+            key = call_key(q, k, v, scale, bindings, learnables, return_lse)
+            plan = self.plans.get(key)
+        except TypeError:  # an unhashable argument: the checks of plan() say what is wrong
+            key, plan = None, None
+        if plan is None:
+            plan = self._new_plan(key, q, k, v, scale, bindings, learnables, return_lse)
+        while True:
+            try:
+                return run(plan, q, k, v, scale, bindings)
+            except Replan as signal:  # lasting: this backend can never run the plan's calls
+                failed(plan, signal)  # remembered, so that the next plan goes elsewhere
+                gave_up = plan.backend.name
+                plan = self._new_plan(key, q, k, v, scale, bindings, learnables, return_lse)
+                warn_once(f"gave-up-{gave_up}-{hash(plan.spec)}",
+                          f"flexspec: backend '{gave_up}' could not compile '{self.text}' "
+                          f"({signal.reason}); running it on '{plan.choice.backend}' instead",
+                          stacklevel=4)
+
+    def _new_plan(self, key, q, k, v, scale, bindings, learnables, return_lse) -> Plan:
+        plan = self.plan(q, k, v, scale, bindings, learnables, return_lse)
+        if self.asked == "auto":
+            for row in order.rows_for(plan.request):
+                if row.backend == plan.choice.backend and row.notice is not None:
+                    warn_once(f"notice-{row.backend}-{plan.request.device_type}",
+                              row.notice.format(device=plan.request.device_type), stacklevel=5)
+        if key is not None:
+            self.plans.put(key, plan)
+        return plan
+
+    def plan(self, q, k, v, scale, bindings: dict, learnables=None, return_lse=False) -> Plan:
+        """The plan of a call whose bindings are placed already (see Placement.for_call)."""
+        return make_plan(text=self.text, asked=self.asked,
+                         tensors=self.placement.tensors_for(bindings), masks=self.masks,
+                         block_size=self.block_size, q=q, k=k, v=v, scale=scale,
+                         bindings=bindings, learnables=learnables, return_lse=return_lse,
+                         written=self.ir)

@@ -1,0 +1,234 @@
+"""The contract between the runtime and its backends: what a backend is asked (:class:`Request`,
+the facts of one call), what it is given (:class:`Plan`, immutable, with :class:`PlanMasks`
+for its block masks), what it gives back (:class:`Prepared`), and how it hands a call back
+(:class:`Replan`). The decision among backends is a :class:`Choice`.
+
+Backends import this module and nothing of the runtime above it (planning, caches, the
+``Attention`` facade); the runtime builds plans, backends only read them. Nothing here names a
+particular backend: facts only one backend reads are namespaced (``"fa4.installed"``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+import torch
+
+from flexspec import ir
+from flexspec.errors import SpecError
+from flexspec.kernels.tensors import add_leading_dims
+from flexspec.runtime.bindings import contiguous
+from flexspec.runtime.lookups import LookupCheck
+
+
+class BackendError(SpecError):
+    """The backend asked for cannot run this spec on these inputs."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """The facts of one call that the choice of backend depends on."""
+
+    device_type: str                 # "cuda", "cpu", "mps", "xpu"
+    capability: tuple | None         # CUDA compute capability, e.g. (9, 0); None elsewhere
+    dtype: torch.dtype
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    v_head_dim: int
+    grads: bool                      # q, k, v or a captured tensor require gradients
+    table_grads: bool                # a tensor the score reads requires gradients
+    score_tensors: bool = False      # the score reads a tensor (alibi slopes, a bias table)
+    block_size: tuple = (128, 128)
+    reference_fits: bool = True      # the dense reference fits its memory budget
+    lse: bool = False                # the call asks for the log-sum-exp too (return_lse)
+    scale: float | None = None       # the call's scale (None: 1 / sqrt(D))
+    # what backends found out about the environment ((name, value) pairs, names namespaced by
+    # who reads them: "fa4.installed"); see Backend.facts
+    facts: tuple = ()
+    # (backend, what went wrong) for the backends that failed to compile this spec before
+    failed: tuple = ()
+
+    @property
+    def mode(self) -> str:
+        """``"backward"`` when the call needs gradients, else ``"forward"`` (auto's order
+        differs between them)."""
+        return "backward" if self.grads else "forward"
+
+    def fact(self, name: str, default=None):
+        """The value of the fact ``name`` (see :attr:`facts`), or ``default``."""
+        return dict(self.facts).get(name, default)
+
+    def failure(self, backend: str) -> str | None:
+        """What went wrong when ``backend`` compiled this spec before, or ``None``."""
+        return dict(self.failed).get(backend)
+
+    @property
+    def blocks_of_128(self) -> bool:
+        """Both block sizes are multiples of 128: what FLASH needs, and what Triton's default
+        tiles (up to 128 wide) divide."""
+        return not any(size % 128 for size in self.block_size)
+
+    @property
+    def dense_flops(self) -> float:
+        """Forward FLOPs of the two matrix products if nothing were masked."""
+        return 2.0 * self.batch * self.heads * self.q_len * self.kv_len * (
+            self.head_dim + self.v_head_dim)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The backend a call runs on, why, why each other backend was not taken, and the others
+    that could run it (best first: where a call handed back goes)."""
+
+    backend: str
+    reason: str
+    rejected: tuple = field(default=())   # (backend, reason) pairs
+    viable: tuple = field(default=())     # (backend, reason auto would take it for) pairs
+
+
+class PlanMasks(Protocol):
+    """The block masks of one plan's mask at its sizes (built by the runtime's cache)."""
+
+    reads: tuple      # keys of the tensors the mask reads
+    batch: int        # the batch and head extents its block masks have
+    heads: int
+
+    def get(self, values: dict, device) -> object:
+        """The BlockMask for these tensor values."""
+
+
+class Slot(NamedTuple):
+    """A tensor given by name at each call: its name, tensor key and declared dimensions."""
+
+    name: str
+    key: str
+    ndim: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputPlan:
+    """What the tensors of calls with one input signature need, decided once: the sizes, the IR
+    specialized to the bindings' shapes, the values that do not change between calls, a slot
+    per tensor passed by name, the block masks, and the lookups checked by value. A
+    :class:`Plan` is one with the backend's part added; ``Attention.block_mask`` keeps one of
+    these alone per signature."""
+
+    sizes: dict
+    spec: ir.AttentionIR            # specialized to the bindings' shapes
+    fixed: dict                     # tensor values that do not change between calls
+    slots: tuple                    # a Slot per tensor passed by name
+    masks: PlanMasks
+    lookups: LookupCheck
+    # Under no_grad, run on detached tensors: FlexAttention refuses inputs that require
+    # gradients where it has no backward, and FLASH captured tables that do, even though
+    # nothing is recorded under no_grad
+    detach: bool = False
+
+    def values(self, bindings: dict) -> dict:
+        """The tensor values of one call: the plan's fixed ones and this call's bindings."""
+        if not self.slots:
+            return self.fixed
+        values = dict(self.fixed)
+        for slot in self.slots:
+            value = contiguous(bindings[slot.name])
+            value = value if value.dim() == slot.ndim else add_leading_dims(value, slot.ndim)
+            values[slot.key] = value.detach() if self.detach else value
+        return values
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan(InputPlan):
+    """Everything about a call that depends only on its input signature, decided once: the
+    facts, the choice and the backend's own part (``state``, what its ``prepare`` returned).
+    ``fallback`` is the plan a call handed back (:class:`Replan`) runs on instead, or the
+    :class:`BackendError` that says why none can; ``None`` when the backend never hands back."""
+
+    text: str                       # the spec as the user wrote it, for messages
+    asked: str                      # the backend asked for ("auto", "flex", ...)
+    device: torch.device
+    request: Request
+    choice: Choice
+    backend: "Backend"
+    score_keys: frozenset           # keys of the tensors the score reads
+    gqa: bool
+    scale: float | None = None      # the call's scale (None: 1 / sqrt(D))
+    needs_values: bool = False      # calls gather their tensor values (see values)
+    state: object = None
+    fallback: object = None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a backend's ``prepare`` returns: the ``state`` its ``run`` reads (kept in the plan),
+    whether ``run`` reads the call's tensor values, and, when ``run`` may hand calls back
+    (:class:`Replan`), why: the runtime then keeps a fallback plan ready."""
+
+    state: object = None
+    needs_values: bool = False
+    hands_back: str | None = None
+
+
+class Replan(Exception):
+    """Raised by a backend's ``run`` for a call it cannot run after all. The runtime runs the
+    call on the plan's fallback; with ``lasting`` (the backend can never run this plan, such as
+    a compile that failed), it remembers why and plans the signature anew without the
+    backend (or raises a :class:`BackendError` when that backend was asked for)."""
+
+    def __init__(self, reason: str, *, lasting: bool = False):
+        super().__init__(reason)
+        self.reason, self.lasting = reason, lasting
+
+
+class Backend:
+    """One way to run a spec's attention. A backend file defines a subclass and a ``BACKEND``
+    instance of it; the registry (:mod:`flexspec.runtime.backends`) finds it, and the order
+    table (:mod:`flexspec.runtime.order`) says where ``auto`` tries it."""
+
+    name: str = ""
+    # the lowering's dialect its kernels compile (flexspec.kernels.lower.DIALECTS), in its
+    # score_mod and in the mask_mod its block masks carry
+    dialect: str = "torch"
+    # takes float64 inputs (only a dense float64 backend does)
+    float64: bool = False
+
+    def cannot_run(self, spec: ir.AttentionIR) -> str | None:
+        """Why this backend can run no call of ``spec`` (said when the spec is compiled), or
+        ``None``."""
+        return None
+
+    def why_not(self, request: Request, spec: ir.AttentionIR) -> str | None:
+        """Why this backend cannot run ``spec`` for ``request``, or ``None`` when it can."""
+        raise NotImplementedError
+
+    def auto_veto(self, request: Request, spec: ir.AttentionIR) -> str | None:
+        """Why ``auto`` passes over this backend although it can run ``spec`` for ``request``
+        (it would be slower), or ``None``."""
+        return None
+
+    def index_dtype(self, device_type: str) -> str:
+        """The int dtype this backend's kernels compute positions and integer arithmetic in,
+        on ``device_type`` (see :mod:`flexspec.limits`)."""
+        return "int64"
+
+    def facts(self, device: torch.device) -> dict:
+        """Facts about the environment only this backend knows how to find out, by namespaced
+        name (see :attr:`Request.facts`)."""
+        return {}
+
+    def prepare(self, plan: Plan, values: dict) -> Prepared:
+        """What every call of ``plan`` needs, given the tensor values of the call that made it."""
+        return Prepared()
+
+    def warm(self, plan: Plan, values: dict) -> None:
+        """Build, outside any CUDA graph capture, what a first call of ``plan`` would build
+        (its block mask): called for fallback plans, whose first call may come inside one."""
+
+    def run(self, plan: Plan, q, k, v, scale, bindings: dict, values: dict | None):
+        """One call's attention. ``values`` are the call's tensor values when the plan needs
+        them (see :class:`Prepared`), else ``None``."""
+        raise NotImplementedError

@@ -1,0 +1,151 @@
+"""The FlexAttention call that the ``flex`` and ``flash`` backends both make: the lowered spec,
+its compiled entry point, the block mask and ``score_mod`` kept where they read no binding, and
+a call that fetches the block mask of its bindings and launches. The two backends differ in
+their kernel options, the lowering's dialect, their rules, and what a failed first compile
+means (:meth:`FlexAttentionBackend.compile_failed`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from flexspec import ir
+from flexspec.ir import rewrites
+from flexspec.kernels.lower import Lowered, lower
+from flexspec.runtime import compiled
+from flexspec.runtime.capture import capturing
+from flexspec.runtime.contract import Backend, Plan, Prepared
+from flexspec.errors import BindingError
+
+try:
+    from torch.nn.attention.flex_attention import FlexKernelOptions
+except ImportError:  # torch before FlexKernelOptions was public
+    FlexKernelOptions = dict
+
+
+@dataclass(eq=False)
+class FlexCall:
+    """What a FlexAttention plan keeps between calls (its backend's ``state``)."""
+
+    lowered: Lowered
+    entry: object                            # compiled.compiled_entry(lowered)
+    kernel_options: FlexKernelOptions | None
+    mask_bindings: tuple = ()                # names of the bindings the mask reads
+    block_mask: BlockMask | None = None      # the block mask when the mask reads no binding
+    # ((tensor, version) of the mask's bindings, block mask) of the last call: one tuple,
+    # replaced whole, so that concurrent calls never pair one call's bindings with another's mask
+    last: tuple | None = None
+    score_varies: bool = True                # the score_mod captures this call's bindings
+    score_mod: object = None
+    lse: dict | None = None                  # compiled.lse_request(return_lse)
+    scale_values: dict = field(default_factory=dict)  # the scale as a tensor (rewrites.scaled)
+    warm: bool = False                       # the compiled entry has run once for this plan
+
+    def last_block_mask(self, bindings: dict) -> BlockMask | None:
+        """The previous call's block mask when the mask's bindings are the very tensors of that
+        call, unchanged in place since (same object, same version counter): the cache lookup
+        (storage identity, hashing) is then skipped. ``None`` otherwise."""
+        last = self.last  # read once: another thread may replace it meanwhile
+        if last is None:
+            return None
+        for name, (value, version) in zip(self.mask_bindings, last[0]):
+            given = bindings[name]
+            if given is not value or given._version != version:
+                return None
+        return last[1]
+
+
+class FlexAttentionBackend(Backend):
+    """A backend that calls ``flex_attention`` compiled: subclasses give the kernel options,
+    the rules and what a failed first compile means."""
+
+    def kernel_options(self, request) -> FlexKernelOptions | None:
+        """The kernel options of a compiled FlexAttention call for ``request``."""
+        return None
+
+    def compile_failed(self, plan: Plan, err: Exception):
+        """What the first call of ``plan`` does when torch.compile raised ``err``: raise."""
+        raise err
+
+    def prepare(self, plan: Plan, values: dict) -> Prepared:
+        spec, scale_values = plan.spec, {}
+        if plan.scale is not None:
+            # the kernel keeps its default 1/sqrt(D) and the score is multiplied by a tensor:
+            # a new scale is a new value, not a new kernel
+            spec = rewrites.scaled(plan.spec)
+            ratio = float(plan.scale) * math.sqrt(plan.request.head_dim)
+            scale_values = {rewrites.SCALE: torch.full((plan.sizes["B"],), ratio,
+                                                       dtype=torch.float32, device=plan.device)}
+            values = {**values, **scale_values}
+        lowered = lower(spec, dialect=self.dialect)
+        call = FlexCall(lowered=lowered, entry=compiled.compiled_entry(lowered),
+                        kernel_options=self.kernel_options(plan.request),
+                        lse=compiled.lse_request(plan.request.lse), scale_values=scale_values)
+        call.mask_bindings = tuple(slot.name for slot in plan.slots
+                                   if slot.key in plan.masks.reads)
+        if not call.mask_bindings:
+            # a mask-free spec needs no block mask on a GPU (faster there); the CPU kernel needs
+            # one (flexspec.workarounds: cpu-mask-free-block-mask)
+            if plan.spec.mask != ir.Const(True) or plan.request.device_type != "cuda":
+                call.block_mask = plan.masks.get(values, plan.device)
+        score_keys = plan.score_keys
+        float64 = any(values[key].dtype == torch.float64 for key in score_keys)
+        if not (score_keys & {slot.key for slot in plan.slots}) and not float64:
+            call.score_mod = lowered.make_mods(plan.sizes, values)[1]
+            call.score_varies = False
+        return Prepared(state=call, needs_values=call.score_varies)
+
+    def warm(self, plan: Plan, values: dict) -> None:
+        call: FlexCall = plan.state
+        if call.mask_bindings:
+            try:
+                plan.masks.get(values, plan.device)
+            except BindingError:
+                # a mask too large to build: the plan this one stands in for needs none, and a
+                # capture, which would need it, gets the same error then
+                pass
+
+    def run(self, plan: Plan, q, k, v, scale, bindings, values):
+        call: FlexCall = plan.state
+        if not call.mask_bindings:
+            block_mask = call.block_mask
+        else:
+            # inside a CUDA graph capture the mask is built, so that replays rebuild it from
+            # what the bindings hold then (the last mask would be replayed as it was)
+            captured = capturing(q.device)
+            block_mask = None if captured else call.last_block_mask(bindings)
+            if block_mask is None:
+                seen = tuple((bindings[name], bindings[name]._version)
+                             for name in call.mask_bindings)
+                block_mask = plan.masks.get(values or plan.values(bindings), q.device)
+                if not captured:
+                    call.last = (seen, block_mask)
+        if call.score_varies:
+            # the kernel computes scores in float32: a float64 table would turn them into float64
+            kernel_values = {key: value.float() if value.dtype == torch.float64 else value
+                             for key, value in values.items()}
+            score_mod = call.lowered.make_mods(plan.sizes,
+                                               {**kernel_values, **call.scale_values})[1]
+        else:
+            score_mod = call.score_mod
+        if plan.detach:
+            q, k, v = q.detach(), k.detach(), v.detach()
+        # a given scale is in the score_mod (see prepare): the kernel keeps its default
+        args = (q, k, v, score_mod, block_mask, None, plan.gqa, call.kernel_options, call.lse)
+        if call.warm:
+            # a warm plan cannot recompile (see compiled.run_compiled): no watch needed
+            out = call.entry(*args)
+        else:
+            try:
+                compiled.mark_lengths_dynamic(call.entry, *args[:5])
+                out = compiled.run_compiled(call.entry, *args)
+            except compiled.CompileLimitError:
+                raise
+            except Exception as err:  # noqa: BLE001 - inductor's errors have no stable type
+                return self.compile_failed(plan, err)
+            call.warm = True
+        return compiled.split_lse(out) if call.lse is not None else out

@@ -1,0 +1,102 @@
+"""The range checks of a spec's tensor lookups: an index that leaves its tensor makes a kernel
+read garbage (an inductor error on the CPU). Interval analysis proves most lookups in range once
+per spec and shape (:func:`unproven_lookups`); the others are evaluated exactly on every point
+they read (:func:`check_lookups`), and :class:`LookupCheck` skips values checked last."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from flexspec import ir, limits
+from flexspec.errors import BindingError
+from flexspec.ir import tensor_key
+from flexspec.ir.intervals import lookup_ranges
+from flexspec.kernels.evaluate import evaluate, index_grid
+from flexspec.runtime.identity import identity
+
+
+def shapes_key(values: dict) -> tuple:
+    return tuple(sorted((key, tuple(value.shape)) for key, value in values.items()))
+
+
+@functools.lru_cache(maxsize=1024)
+def unproven_lookups(spec: ir.AttentionIR, sizes: tuple, shapes: tuple) -> tuple:
+    """The (tensor, dim, index) lookups that interval analysis cannot keep inside their tensor."""
+    sizes, shapes = dict(sizes), dict(shapes)
+    unproven = []
+    for tensor, dim, index, span in lookup_ranges(spec, sizes):
+        size = shapes[tensor_key(tensor)][dim]
+        if span is None or span[0] < 0 or span[1] >= size:
+            unproven.append((tensor, dim, index))
+    return tuple(unproven)
+
+
+def check_lookups(spec: ir.AttentionIR, sizes: dict, values: dict,
+                  unproven: tuple | None = None) -> None:
+    """Every index of every lookup must stay inside its tensor, or the kernel reads garbage (an
+    inductor error on the CPU).
+
+    Interval analysis proves most lookups safe once per spec and shape; an index it cannot
+    bound is evaluated exactly, in chunks, on every point it reads; an index with more points
+    than :data:`flexspec.limits.MAX_INDEX_CHECK_POINTS` is refused, with the fix (clamp it).
+    """
+    if unproven is None:
+        unproven = unproven_lookups(spec, tuple(sorted(sizes.items())), shapes_key(values))
+    extent = {"b": sizes["B"], "h": sizes["H"], "q": sizes["Q_LEN"], "kv": sizes["KV_LEN"]}
+    where = f"for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}"
+    for tensor, dim, index in unproven:
+        size = values[tensor_key(tensor)].shape[dim]
+        used = ir.free_vars(index)
+        dims = [n if name in used else 1 for name, n in extent.items()]
+        if not math.prod(dims):
+            continue
+        limits.check_index_points(math.prod(dims), tensor.name, dim, str(index), size, where,
+                                  error=BindingError)
+        low, high = _index_range(index, dims, values, values[tensor_key(tensor)].device)
+        if low < 0 or high >= size:
+            raise BindingError(
+                f"'{tensor.name}' is indexed by {index} in dimension {dim}, which reaches "
+                f"{low}..{high} {where}, but that dimension has {size} entries")
+
+
+def _index_range(index: ir.Expr, dims: list, values: dict, device) -> tuple:
+    """``(min, max)`` of ``index`` over the grid of ``dims`` (b, h, q, kv), evaluated in slices
+    of the longest axis holding at most :data:`flexspec.limits.EXACT_INDEX_CHECK_LIMIT` points
+    each, so memory stays bounded at any length."""
+    grid = index_grid(*dims, device=device)
+    axis = max(range(4), key=lambda i: dims[i])
+    name = ("b", "h", "q", "kv")[axis]
+    step = max(1, limits.EXACT_INDEX_CHECK_LIMIT // (math.prod(dims) // dims[axis]))
+    low, high = math.inf, -math.inf
+    for start in range(0, dims[axis], step):
+        part = {**grid, name: grid[name].narrow(axis, start, min(step, dims[axis] - start))}
+        found = evaluate(index, part, values)
+        low, high = min(low, int(found.min())), max(high, int(found.max()))
+    return low, high
+
+
+class LookupCheck:
+    """The lookups of one plan that interval analysis could not prove in range, checked by
+    value: on the values of a call unless they are the very tensors checked last (the only
+    state a plan changes after it is made)."""
+
+    def __init__(self, spec: ir.AttentionIR, sizes: dict, values: dict):
+        """Proves what it can and checks the rest on ``values`` (those of the call that makes
+        the plan)."""
+        self.spec, self.sizes = spec, sizes
+        self.unproven = unproven_lookups(spec, tuple(sorted(sizes.items())), shapes_key(values))
+        check_lookups(spec, sizes, values, self.unproven)
+        self._checked = self._identity(values)
+
+    def __bool__(self) -> bool:
+        return bool(self.unproven)
+
+    def check(self, values: dict) -> None:
+        found = self._identity(values)
+        if found != self._checked:
+            check_lookups(self.spec, self.sizes, values, self.unproven)
+            self._checked = found
+
+    def _identity(self, values: dict) -> tuple:
+        return tuple(identity(values[tensor_key(t)]) for t, _, _ in self.unproven)

@@ -1,0 +1,230 @@
+"""runtime.bindings: the checks of every binding (errors that name the binding and its expected
+shape) and the tensor values a spec reads. No kernel runs here: every call below fails its
+checks or runs on the reference."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import flexspec
+from flexspec import BindingError, ir
+from flexspec.lang.library import load_text
+from flexspec.runtime.bindings import Tensors, contiguous
+from flexspec.testing import Shape, document_ids
+
+BINDINGS = load_text("""
+mask behind(t: float[KV_LEN]) = t[q - 1] > 0.0
+mask fixed4(t: int[4, KV_LEN]) = t[0, kv] >= 0
+mask flags(f: bool[KV_LEN]) = f[kv]
+score biased(u: float[KV_LEN]) = score + u[kv]
+spec doc_and_bias = causal & document + biased
+""")
+
+
+# The spec and shapes of test_runtime.py's compiled calls; no call here gets past the checks.
+SPEC = "document & ~causal + alibi + softcap(20.0)"
+SHAPE = Shape(B=2, Hq=4, Hkv=2, Q_LEN=140, KV_LEN=150, D=16)
+
+
+def doc_ids(bounds=((40, 90), (20,)), length=SHAPE.KV_LEN):
+    return document_ids(bounds, length)
+
+
+@pytest.fixture(scope="module")
+def attn():
+    return flexspec.compile(SPEC)
+
+
+@pytest.fixture(scope="module")
+def qkv():
+    return SHAPE.qkv(seed=0)
+
+
+# --- bindings ----------------------------------------------------------------------------
+
+
+def binding_error(attn, qkv, **bindings) -> str:
+    with pytest.raises(BindingError) as info:
+        attn(*qkv, **bindings)
+    return str(info.value)
+
+
+def test_missing_binding(attn, qkv):
+    message = binding_error(attn, qkv)
+    assert "missing binding 'doc_ids'" in message
+    assert "int[B, KV_LEN] = [2, 150]" in message
+
+
+def test_unexpected_binding_suggests_the_right_name(attn, qkv):
+    message = binding_error(attn, qkv, doc_ids=doc_ids(), doc_id=doc_ids())
+    assert "unexpected binding 'doc_id'" in message
+    assert "Did you mean 'doc_ids'?" in message
+
+
+def test_binding_for_a_spec_without_tensors(qkv):
+    message = binding_error(flexspec.compile("causal"), qkv, doc_ids=doc_ids())
+    assert message == "unexpected binding 'doc_ids'. This spec takes no tensors"
+
+
+def test_an_unexpected_binding_lists_what_the_spec_takes(qkv):
+    attn = flexspec.compile("causal & document + biased", library=BINDINGS)
+    message = binding_error(attn, qkv, doc_ids=doc_ids(), u=torch.zeros(150), zz=1)
+    assert message == "unexpected binding 'zz'. This spec takes doc_ids, u"
+
+
+@pytest.mark.parametrize("value, expected", [
+    (torch.zeros(2, 149, dtype=torch.int64), "its dimension 1 should be 150"),
+    (torch.zeros(3, 150, dtype=torch.int64), "its dimension 0 should be 2"),
+    (torch.zeros(2, 1, 150, dtype=torch.int64), "has shape [2, 1, 150]"),
+    # the shape as given, not with the leading dimension flexspec adds for broadcasting
+    (torch.zeros(149, dtype=torch.int64), "has shape [149], expected int[B, KV_LEN] = [2, 150] "
+                                          "(its dimension 0 should be 150)"),
+])
+def test_misshaped_binding(attn, qkv, value, expected):
+    message = binding_error(attn, qkv, doc_ids=value)
+    assert "'doc_ids'" in message and expected in message
+    assert "int[B, KV_LEN] = [2, 150]" in message
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_binding_with_the_wrong_dtype(attn, qkv, dtype):
+    message = binding_error(attn, qkv, doc_ids=torch.zeros(2, 150, dtype=dtype))
+    assert "'doc_ids'" in message and str(dtype) in message
+    assert "int[B, KV_LEN] = [2, 150]" in message
+
+
+def test_binding_that_is_not_a_tensor(attn, qkv):
+    message = binding_error(attn, qkv, doc_ids=[[0] * 150] * 2)
+    assert message == ("binding 'doc_ids' must be a torch.Tensor of int[B, KV_LEN] = [2, 150], "
+                       "got list")
+
+
+def test_binding_on_another_device(attn, qkv):
+    # The meta device is always there: no second accelerator needed.
+    message = binding_error(attn, qkv, doc_ids=doc_ids().to("meta"))
+    assert "'doc_ids' is on meta" in message and "q is on cpu" in message
+
+
+@pytest.mark.gpu
+def test_binding_on_cuda_for_cpu_inputs(attn, qkv):
+    message = binding_error(attn, qkv, doc_ids=doc_ids().to("cuda"))
+    assert "'doc_ids' is on cuda" in message
+
+
+def test_float_binding_of_the_wrong_shape_names_its_shape(qkv):
+    attn = flexspec.compile("causal + head_bias")
+    message = binding_error(attn, qkv, bias=torch.zeros(3))
+    assert "'bias'" in message and "float[H] = [4]" in message
+
+
+def test_document_mask_with_more_queries_than_keys():
+    attn = flexspec.compile("causal & document")
+    q = torch.randn(1, 2, 20, 8)
+    k = torch.randn(1, 2, 12, 8)
+    with pytest.raises(BindingError, match=r"'doc_ids' is indexed by q .* 0\.\.19 .*12 entries"):
+        attn(q, k, k, doc_ids=torch.zeros(1, 12, dtype=torch.int64))
+    with pytest.raises(BindingError, match="'doc_ids' is indexed by q"):
+        attn.block_mask(20, 12, doc_ids=torch.zeros(12, dtype=torch.int64))
+
+
+def test_contiguous_copies_only_strided_views():
+    t = torch.arange(10)
+    assert contiguous(t) is t
+    strided = t[::2]
+    copy = contiguous(strided)
+    assert copy.is_contiguous() and torch.equal(copy, torch.tensor([0, 2, 4, 6, 8]))
+
+
+def test_a_missing_leading_dimension_that_cannot_broadcast_is_named():
+    attn = flexspec.compile("fixed4", library=BINDINGS, backend="reference")
+    q = torch.zeros(1, 1, 16, 8)
+    with pytest.raises(BindingError, match="^" + re.escape(
+            "binding 't' has shape [16], expected int[4, KV_LEN] = [4, 16] (a leading dimension "
+            "of size 4 is missing)") + "$"):
+        attn(q, q, q, t=torch.zeros(16, dtype=torch.int64))
+    attn(q, q, q, t=torch.zeros(4, 16, dtype=torch.int32))  # any integer dtype
+
+
+@pytest.mark.parametrize("text, name, dtype, declared", [
+    ("fixed4", "t", torch.float32, "int[4, KV_LEN] = [4, 16]"),
+    ("fixed4", "t", torch.bool, "int[4, KV_LEN] = [4, 16]"),
+    ("fixed4", "t", torch.complex64, "int[4, KV_LEN] = [4, 16]"),
+    ("flags", "f", torch.int64, "bool[KV_LEN] = [16]"),
+    ("behind", "t", torch.int64, "float[KV_LEN] = [16]"),
+])
+def test_a_binding_of_another_element_type_is_refused(text, name, dtype, declared):
+    attn = flexspec.compile(text, library=BINDINGS, backend="reference")
+    q = torch.zeros(1, 1, 16, 8)
+    shape = (4, 16) if text == "fixed4" else (16,)
+    with pytest.raises(BindingError, match="^" + re.escape(
+            f"binding '{name}' has dtype {dtype}, but {declared.split('[')[0]} elements are "
+            f"declared ({declared})") + "$"):
+        attn(q, q, q, **{name: torch.zeros(shape, dtype=dtype)})
+
+
+def test_a_block_mask_needs_only_the_bindings_of_the_mask():
+    attn = flexspec.compile("doc_and_bias", library=BINDINGS)
+    ids = torch.zeros(16, dtype=torch.int64)
+    first = attn.block_mask(16, 16, doc_ids=ids)
+    # the score's binding may be given, and is not checked there
+    assert attn.block_mask(16, 16, doc_ids=ids, u=torch.zeros(3, dtype=torch.bool)) is first
+    with pytest.raises(BindingError, match="^unexpected binding 'uu'. This spec takes doc_ids$"):
+        attn.block_mask(16, 16, doc_ids=ids, uu=torch.zeros(16))
+    with pytest.raises(BindingError, match="^" + re.escape(
+            "missing binding 'doc_ids': int[B, KV_LEN] = [1, 16]; pass doc_ids=... to the "
+            "call") + "$"):
+        attn.block_mask(16, 16, u=torch.zeros(16))
+    # a call needs both
+    with pytest.raises(BindingError, match="^missing binding 'u': float"):
+        attn.mods(q_len=16, kv_len=16, doc_ids=ids)
+
+
+def test_a_block_mask_refuses_a_binding_named_like_a_builtin_tensor():
+    # alibi_slopes is computed by flexspec, never passed: it is not a binding of the score
+    attn = flexspec.compile("causal & document + alibi")
+    with pytest.raises(BindingError, match="^unexpected binding 'alibi_slopes'"):
+        attn.block_mask(16, 16, doc_ids=torch.zeros(16, dtype=torch.int64),
+                        alibi_slopes=torch.ones(1))
+
+
+def test_an_unused_learnable_table_is_made_once_per_shape_and_device():
+    spec = flexspec.parse("causal + rel_bias(max_distance=2)").ir
+    tensors = Tensors(spec)
+    key = next(ir.tensor_key(t) for t in spec.tensors() if t.origin == "learnable")
+    sizes = {"B": 1, "H": 2, "Q_LEN": 8, "KV_LEN": 8}
+    first, _ = tensors.gather(sizes, {}, torch.device("cpu"))
+    again, _ = tensors.gather(dict(sizes), {}, torch.device("cpu"))
+    assert again[key] is first[key] and torch.equal(first[key], torch.zeros(2, 5))
+    other, _ = tensors.gather({**sizes, "H": 3}, {}, torch.device("cpu"))
+    assert other[key].shape == (3, 5)
+    assert tensors.gather(sizes, {}, torch.device("cpu"))[0][key] is first[key]
+    # given by the caller (a module's parameter) or by name, it is the caller's
+    table = torch.randn(2, 5)
+    assert tensors.gather(sizes, {}, torch.device("cpu"), {key: table})[0][key] is table
+    by_name = tensors.gather(sizes, {"rel_bias_table": table}, torch.device("cpu"))[0][key]
+    assert torch.equal(by_name, table)
+
+
+def test_a_mask_only_gather_keeps_the_spec_s_alignment():
+    # the dense mask of an end-aligned spec places its last row on the last key
+    for text, offset in (("causal", 0), ("causal_bottom_right", 2)):
+        spec = flexspec.parse(text).ir
+        _, gathered = Tensors(spec).gather({"B": 1, "H": 1, "Q_LEN": 3, "KV_LEN": 5}, {},
+                                           torch.device("cpu"), mask_only=True)
+        assert gathered.align == spec.align
+        expected = torch.tensor([[kv <= q + offset for kv in range(5)] for q in range(3)])
+        assert torch.equal(flexspec.compile(text).dense_mask(3, 5)[0, 0], expected)
+
+
+def test_a_binding_s_batch_of_one_keeps_its_batch_index():
+    # doc_ids[b, kv] reads row 0 of a broadcast [1, KV_LEN] binding, except at B = 1, where
+    # the declared size is 1 too and the index stays b (FLASH could not compile the constant)
+    spec = flexspec.parse("causal & document").ir
+    ids = torch.zeros(1, 8, dtype=torch.int64)
+    for batch, index in ((1, "doc_ids[b, "), (2, "doc_ids[0, ")):
+        sizes = {"B": batch, "H": 1, "Q_LEN": 8, "KV_LEN": 8}
+        _, specialized = Tensors(spec).gather(sizes, {"doc_ids": ids}, torch.device("cpu"))
+        assert index in ir.to_text(specialized.mask)

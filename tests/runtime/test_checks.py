@@ -1,0 +1,198 @@
+"""runtime.checks: the checks of q, k, v, the scale and the sizes a user gives, message by
+message. No kernel runs here: every call below fails its checks."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import flexspec
+from flexspec import BindingError
+from flexspec.runtime.checks import as_device, check_qkv, check_scale, given_sizes
+from flexspec.testing import Shape
+
+
+@pytest.mark.parametrize("text, backend", [("causal & window(3)", "auto"), ("causal", "auto"),
+                                           ("causal + alibi", "reference")])
+def test_meta_tensors_are_a_binding_error(text, backend):
+    """Red-team item 9: all tensors on meta gave torch's nonzero/Tensor.item() errors."""
+    q = torch.randn(1, 2, 200, 8, device="meta")
+    with pytest.raises(flexspec.BindingError, match="meta device, which holds shapes but no "
+                                                    "values"):
+        flexspec.compile(text, backend=backend)(q, q, q)
+
+
+# The spec and shapes of test_runtime.py's compiled calls; no call here gets past the checks.
+SPEC = "document & ~causal + alibi + softcap(20.0)"
+SHAPE = Shape(B=2, Hq=4, Hkv=2, Q_LEN=140, KV_LEN=150, D=16)
+
+
+@pytest.fixture(scope="module")
+def attn():
+    return flexspec.compile(SPEC)
+
+
+@pytest.mark.parametrize("q_shape, k_shape, dtypes, expected", [
+    ((2, 10, 8), (1, 2, 10, 8), None, "q must have 4 dimensions"),
+    ((1, 2, 10, 8), (2, 10, 8), None, "k must have 4 dimensions"),
+    ((1, 3, 10, 8), (1, 2, 10, 8), None, "3 query heads must be a multiple of 2"),
+    ((1, 2, 10, 8), (1, 2, 10, 8), (torch.float32, torch.float16), "must share one dtype"),
+    ((1, 2, 10, 8), (1, 2, 10, 8), (torch.int64, torch.int64), "has dtype torch.int64"),
+    ((2, 2, 10, 8), (1, 2, 10, 8), None, "batch sizes differ"),
+    ((1, 2, 10, 8), (1, 2, 10, 4), None, "same head dimension"),
+    ((1, 2, 0, 8), (1, 2, 10, 8), None, "at least one position"),
+])
+def test_qkv_validation(q_shape, k_shape, dtypes, expected):
+    q_dtype, k_dtype = dtypes or (torch.float32, torch.float32)
+    q = torch.zeros(q_shape, dtype=q_dtype)
+    k = torch.zeros(k_shape, dtype=k_dtype)
+    with pytest.raises(BindingError, match=expected):
+        flexspec.compile("causal")(q, k, k)
+
+
+def test_q_that_is_not_a_tensor():
+    k = torch.zeros(1, 2, 10, 8)
+    with pytest.raises(BindingError, match="q must be a torch.Tensor"):
+        flexspec.compile("causal")(k.tolist(), k, k)
+
+
+def test_k_and_v_must_agree():
+    q = torch.zeros(1, 2, 10, 8)
+    with pytest.raises(BindingError, match="must have the same heads and length"):
+        flexspec.compile("causal")(q, q, torch.zeros(1, 2, 11, 8))
+
+
+def test_a_head_dimension_of_zero_is_a_binding_error():
+    q = torch.randn(1, 2, 200, 0)
+    with pytest.raises(flexspec.BindingError, match="head dimension must be at least 1"):
+        flexspec.compile("causal & window(3)")(q, q, q)
+
+
+def test_float64_inputs_say_which_backend_runs_them(attn):
+    """Red-team finding: the message listed float64 among the dtypes to use while refusing it."""
+    q = torch.zeros(1, 2, 8, 8, dtype=torch.float64)
+    with pytest.raises(flexspec.BindingError, match="only the reference backend runs") as error:
+        attn(q, q, q, doc_ids=torch.zeros(1, 8, dtype=torch.int64))
+    assert "the kernels take float32, float16 or bfloat16" in str(error.value)
+    assert attn.reference(q, q, q, doc_ids=torch.zeros(1, 8, dtype=torch.int64)).dtype \
+        == torch.float64
+
+
+# --- q, k, v, the scale and the sizes, message by message -------------------------------------
+
+
+def Z(*shape, **options):
+    return torch.zeros(shape, **options)
+
+
+F64 = torch.float64
+QKV_ERRORS = [
+    ((Z(1, 2, 10, 8).tolist(), Z(1, 2, 10, 8), Z(1, 2, 10, 8)), False,
+     "q must be a torch.Tensor, got list"),
+    ((Z(1, 2, 10, 8), "k", Z(1, 2, 10, 8)), False, "k must be a torch.Tensor, got str"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 8), None), False, "v must be a torch.Tensor, got NoneType"),
+    ((Z(2, 10, 8), Z(1, 2, 10, 8), Z(1, 2, 10, 8)), False,
+     "q must have 4 dimensions (B, H, S, D), got shape [2, 10, 8]"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 8), Z(1, 2, 10)), False,
+     "v must have 4 dimensions (B, H, S, D), got shape [1, 2, 10]"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 8, dtype=F64), Z(1, 2, 10, 8)), False,
+     "k has dtype torch.float64, which only the reference backend runs (compile(..., "
+     "backend='reference'), or .reference(q, k, v)); the kernels take float32, float16 or "
+     "bfloat16"),
+    ((Z(1, 2, 10, 8, dtype=torch.int64),) * 3, False,
+     "q has dtype torch.int64; use float32, float16, bfloat16"),
+    ((Z(1, 2, 10, 8, dtype=torch.int64),) * 3, True,
+     "q has dtype torch.int64; use float32, float16, bfloat16, float64"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 8, dtype=torch.float16), Z(1, 2, 10, 8)), False,
+     "q, k, v must share one dtype, got torch.float32, torch.float16, torch.float32"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 8), Z(1, 2, 10, 8, dtype=F64)), True,
+     "q, k, v must share one dtype, got torch.float32, torch.float32, torch.float64"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 8), Z(1, 2, 10, 8, device="meta")), False,
+     "q, k, v must be on one device, got cpu, cpu, meta"),
+    ((Z(1, 2, 10, 8, device="meta"),) * 3, False,
+     "q, k and v are on the meta device, which holds shapes but no values; flexspec reads "
+     "values (block masks, checks of indices, tables), so run it on a real device (the "
+     "output's shape is [B, Hq, Q_LEN, Dv])"),
+    ((Z(2, 2, 10, 8), Z(1, 2, 10, 8), Z(1, 2, 10, 8)), False, "batch sizes differ: q 2, k 1, v 1"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 8), Z(2, 2, 10, 8)), False, "batch sizes differ: q 1, k 1, v 2"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 4), Z(1, 2, 10, 8)), False,
+     "q and k must have the same head dimension, got 8 and 4"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 8), Z(1, 1, 10, 8)), False,
+     "k [1, 2, 10, 8] and v [1, 1, 10, 8] must have the same heads and length"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 8), Z(1, 2, 11, 8)), False,
+     "k [1, 2, 10, 8] and v [1, 2, 11, 8] must have the same heads and length"),
+    ((Z(1, 2, 10, 8), Z(1, 0, 10, 8), Z(1, 0, 10, 8)), False,
+     "2 query heads must be a multiple of 0 key/value heads"),
+    ((Z(1, 3, 10, 8), Z(1, 2, 10, 8), Z(1, 2, 10, 8)), False,
+     "3 query heads must be a multiple of 2 key/value heads"),
+    ((Z(1, 2, 0, 8), Z(1, 2, 10, 8), Z(1, 2, 10, 8)), False,
+     "q and k must have at least one position"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 0, 8), Z(1, 2, 0, 8)), False,
+     "q and k must have at least one position"),
+    ((Z(1, 2, 10, 0), Z(1, 2, 10, 0), Z(1, 2, 10, 8)), False,
+     "the head dimension must be at least 1, got q/k 0 and v 8"),
+    ((Z(1, 2, 10, 8), Z(1, 2, 10, 8), Z(1, 2, 10, 0)), False,
+     "the head dimension must be at least 1, got q/k 8 and v 0"),
+]
+
+
+@pytest.mark.parametrize("args, allow_float64, message", QKV_ERRORS)
+def test_each_fault_of_q_k_v_has_its_message(args, allow_float64, message):
+    with pytest.raises(BindingError, match="^" + re.escape(message) + "$"):
+        check_qkv(*args, allow_float64=allow_float64)
+
+
+def test_float64_is_refused_unless_allowed():
+    q = Z(1, 2, 10, 8, dtype=F64)
+    with pytest.raises(BindingError, match="^q has dtype torch.float64, which only the reference"):
+        check_qkv(q, q, q)
+
+
+def test_the_sizes_of_a_call_are_read_off_q_and_k():
+    q, k, v = Z(2, 4, 24, 8), Z(2, 2, 40, 8), Z(2, 2, 40, 12)
+    assert check_qkv(q, k, v) == (2, 4, 24, 40)
+    assert check_qkv(q, k, v).as_dict() == {"B": 2, "H": 4, "Q_LEN": 24, "KV_LEN": 40}
+    assert check_qkv(q.double(), k.double(), v.double(), allow_float64=True) == (2, 4, 24, 40)
+    for dtype in (torch.float16, torch.bfloat16):
+        assert check_qkv(q.to(dtype), k.to(dtype), v.to(dtype)) == (2, 4, 24, 40)
+
+
+@pytest.mark.parametrize("scale", [True, False, "1", float("inf"), -float("inf"), float("nan"),
+                                   torch.tensor(0.5)])
+def test_a_scale_must_be_a_finite_number(scale):
+    with pytest.raises(BindingError, match="^" + re.escape(f"scale must be a finite number or "
+                                                           f"None, got {scale!r}") + "$"):
+        check_scale(scale)
+
+
+@pytest.mark.parametrize("scale", [None, 0, 2, 0.125, -1.5])
+def test_finite_scales_and_none_pass(scale):
+    check_scale(scale)
+
+
+@pytest.mark.parametrize("sizes, message", [
+    ((0, 5, None, None), "Q_LEN must be a positive int, got 0"),
+    ((5, -1, None, None), "KV_LEN must be a positive int, got -1"),
+    ((5, 5, 0, None), "B must be a positive int, got 0"),
+    ((5, 5, None, True), "H must be a positive int, got True"),
+    ((5, 5, 1.5, 2), "B must be a positive int, got 1.5"),
+    ((5, "5", 1, 2), "KV_LEN must be a positive int, got '5'"),
+])
+def test_given_sizes_must_be_positive_ints(sizes, message):
+    with pytest.raises(BindingError, match="^" + re.escape(message) + "$"):
+        given_sizes(*sizes)
+
+
+def test_given_sizes_default_to_one_batch_row_and_head():
+    assert given_sizes(3, 4, None, None) == (1, 1, 3, 4)
+    assert given_sizes(3, 4, 2, 5) == (2, 5, 3, 4)
+    assert given_sizes(1, 1, 1, 1) == (1, 1, 1, 1)
+
+
+def test_a_device_is_named_as_tensors_report_it():
+    assert as_device("cpu") == torch.device("cpu") and as_device(torch.device("cpu")).index is None
+    assert as_device("meta") == torch.device("meta")
+    with pytest.raises(BindingError, match=r"^cannot use device 'nope': .*nope$"):
+        as_device("nope")

@@ -1,0 +1,132 @@
+"""runtime.lookups: the range checks of tensor lookups. Lookups that interval analysis cannot
+prove in range are evaluated exactly at any length (in chunks of bounded memory), and refused
+with the fix where that would take too long. Red-team item 13: above 2^24 index points the check
+became a warning, then inductor's "index out of bounds" error. No kernel runs here: every call
+below fails its checks or runs on the reference."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+import flexspec
+from flexspec import ir, limits
+from flexspec.lang.library import load_text
+from flexspec import BindingError
+from flexspec.runtime import lookups
+from flexspec.runtime.lookups import _index_range
+
+
+LIBRARY = ("score pick(bias: float[4], ids: int[KV_LEN]) = score + bias[ids[q]]\n"
+           "score safe(bias: float[4], ids: int[KV_LEN]) = score + bias[clamp(ids[q], 0, 3)]\n"
+           "spec s = causal + pick\nspec clamped = causal + safe\n")
+
+
+def _call(name: str, ids: torch.Tensor):
+    attn = flexspec.compile(flexspec.loads(LIBRARY)[name], backend="reference")
+    q = torch.randn(1, 1, len(ids), 8, generator=torch.Generator().manual_seed(0))
+    return attn(q, q, q, bias=torch.arange(4.0), ids=ids)
+
+
+def test_an_index_beyond_one_chunk_is_still_checked_exactly(monkeypatch):
+    monkeypatch.setattr(limits, "EXACT_INDEX_CHECK_LIMIT", 5)  # 64 points: 13 chunks
+    ids = torch.zeros(64, dtype=torch.long)
+    ids[50] = 9  # in a late chunk
+    with pytest.raises(flexspec.BindingError, match=r"reaches 0\.\.9 for Q_LEN=64.* 4 entries"):
+        _call("s", ids)
+    ids[50] = 3
+    out = _call("s", ids)
+    monkeypatch.undo()
+    assert torch.equal(out, _call("s", ids))
+
+
+@pytest.mark.parametrize("limit, dims, parts", [(3, [1, 1, 13, 1], 5), (1, [1, 1, 13, 1], 13),
+                                               (6, [1, 1, 13, 2], 5), (4, [2, 1, 1, 7], 4),
+                                               (100, [1, 1, 13, 1], 1)])
+def test_the_range_of_an_index_is_evaluated_in_slices_of_bounded_size(monkeypatch, limit, dims,
+                                                                      parts):
+    sizes = []
+    real = lookups.evaluate
+
+    def evaluate(index, grid, values):
+        sizes.append(math.prod(torch.broadcast_shapes(*(t.shape for t in grid.values()
+                                                        if isinstance(t, torch.Tensor)))))
+        return real(index, grid, values)
+
+    monkeypatch.setattr(limits, "EXACT_INDEX_CHECK_LIMIT", limit)
+    monkeypatch.setattr(lookups, "evaluate", evaluate)
+    index = ir.Binary("+", ir.Binary("+", ir.Var("q"), ir.Var("kv")), ir.Var("b"))
+    assert _index_range(index, dims, {}, "cpu") == (0, (dims[0] - 1) + (dims[2] - 1)
+                                                    + (dims[3] - 1))
+    assert len(sizes) == parts and sum(sizes) == math.prod(dims)
+    assert max(sizes) <= max(limit, math.prod(dims) // max(dims))
+
+
+def test_too_many_points_to_check_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.setattr(limits, "MAX_INDEX_CHECK_POINTS", 32)
+    with pytest.raises(flexspec.BindingError, match="^" + re.escape(
+            "cannot check that 'bias' stays in range in dimension 0: its index ids[q] is not "
+            "bounded by the sizes, and checking it means evaluating it at 64 points for "
+            "Q_LEN=64, KV_LEN=64 (flexspec evaluates at most 32); clamp the index into the "
+            "tensor, as in clamp(ids[q], 0, 3), so it is proven in range, or use shorter "
+            "sequences") + "$"):
+        _call("s", torch.zeros(64, dtype=torch.long))
+    # the fix works: a clamped index is proven in range and needs no evaluation
+    assert _call("clamped", torch.full((64,), 9)).isfinite().all()
+
+
+@pytest.mark.parametrize("limit", [1, 3, 7, 64, 10**6])
+def test_chunked_range_equals_the_whole_range(monkeypatch, limit):
+    monkeypatch.setattr(limits, "EXACT_INDEX_CHECK_LIMIT", limit)
+    spec = flexspec.loads(LIBRARY)["s"].ir
+    lookup = next(n for n in flexspec.ir.walk(spec.score) if isinstance(n, flexspec.ir.Lookup))
+    index = lookup.index[0]
+    ids = torch.randint(-50, 50, (13,), generator=torch.Generator().manual_seed(1))
+    values = {flexspec.ir.tensor_key(t): ids for t in spec.tensors() if t.name == "ids"}
+    assert _index_range(index, [1, 1, 13, 1], values, "cpu") == (int(ids.min()), int(ids.max()))
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_a_lookup_one_past_the_end_is_refused_and_the_last_entry_is_not(backend):
+    library = load_text("mask ahead(t: float[KV_LEN]) = t[q + 1] > 0.0\n")
+    attn = flexspec.compile("ahead(t)", library=library, backend=backend)
+    t = torch.randn(16)
+    q = torch.randn(1, 1, 16, 8)
+    # Q_LEN = KV_LEN = 16: row 15 reads t[16], one past the end (found by mutation testing)
+    with pytest.raises(BindingError, match=r"'t' is indexed by q \+ 1"):
+        attn(q, q, q, t=t)
+    # Q_LEN = 15: row 14 reads t[15], the last entry
+    short = q[:, :, :15]
+    torch.testing.assert_close(attn(short, q, q, t=t), attn.reference(short, q, q, t=t))
+
+# --- q, k, v ---------------------------------------------------------------------------
+
+
+# --- bindings and the tensors a spec reads -------------------------------------------------
+
+
+
+def test_a_lookup_before_the_first_entry_is_refused():
+    attn = flexspec.compile("behind", library=load_text("mask behind(t: float[KV_LEN]) = t[q - 1] > 0.0\n"), backend="reference")
+    q = torch.zeros(1, 1, 16, 8)
+    with pytest.raises(BindingError, match="^" + re.escape(
+            "'t' is indexed by q - 1 in dimension 0, which reaches -1..14 for Q_LEN=16, "
+            "KV_LEN=16, but that dimension has 16 entries") + "$"):
+        attn(q, q, q, t=torch.ones(16))
+
+
+@pytest.mark.parametrize("index, sizes, reach", [("q + b", dict(batch=9), "0..15"),
+                                                 ("q + h", dict(heads=9), "0..15"),
+                                                 ("kv + 1", {}, "1..8")])
+def test_a_lookup_is_checked_over_every_batch_row_head_and_key(index, sizes, reach):
+    # each index leaves the tensor only beyond b = 0, h = 0 or kv = 0; the longest axis (9
+    # batch rows, 9 heads, 8 keys) is the one the check slices
+    library = load_text(f"mask m(t: int[KV_LEN]) = t[{index}] >= 0\n")
+    attn = flexspec.compile("m", library=library)
+    with pytest.raises(BindingError, match="^" + re.escape(
+            f"'t' is indexed by {index} in dimension 0, which reaches {reach} for Q_LEN=8, "
+            "KV_LEN=8, but that dimension has 8 entries") + "$"):
+        attn.block_mask(8, 8, t=torch.zeros(8, dtype=torch.int64), **sizes)

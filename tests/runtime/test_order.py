@@ -1,0 +1,124 @@
+"""auto's order table (flexspec.runtime.order) and the registry the backends' files make
+(flexspec.runtime.backends.discover): the order per device and mode, every row's backend and
+reason, and a new backend added as one file and one row."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+
+import flexspec
+from flexspec.runtime import order
+from flexspec.runtime.backends import BACKENDS, REGISTRY, auto_order
+from flexspec.runtime.contract import Request
+from flexspec.runtime.fa4 import INSTALLED
+from flexspec.testing import Shape
+
+H200 = Request(device_type="cuda", capability=(9, 0), dtype=torch.bfloat16, batch=4, heads=16,
+               kv_heads=16, q_len=8192, kv_len=8192, head_dim=128, v_head_dim=128, grads=False,
+               table_grads=False, facts=((INSTALLED, True),))
+CPU = dataclasses.replace(H200, device_type="cpu", capability=None, dtype=torch.float32)
+
+
+def names(request):
+    return [name for name, _ in auto_order(request)]
+
+
+def test_auto_order_per_device():
+    assert names(H200) == ["fa4", "flash", "sdpa", "flex"]
+    assert names(dataclasses.replace(H200, grads=True)) == ["fa4", "flash", "sdpa", "flex"]
+    for device in ("cpu", "mps"):
+        request = dataclasses.replace(CPU, device_type=device)
+        assert names(request) == ["sdpa", "flex", "reference"]
+        assert names(dataclasses.replace(request, grads=True)) == ["sdpa", "reference", "flex"]
+    for device in ("xpu", "hpu"):  # any other device: the rows of "*"
+        for grads in (False, True):
+            request = dataclasses.replace(CPU, device_type=device, grads=grads)
+            assert names(request) == ["sdpa", "flex", "reference"]
+
+
+def test_every_row_names_a_registered_backend_with_a_reason_and_its_measurement():
+    assert {row.backend for row in order.ORDER} == set(REGISTRY)
+    for row in order.ORDER:
+        assert row.mode in ("forward", "backward", "any")
+        assert row.reason and row.measured.startswith("docs/performance.md#")
+        assert order.reason(row, CPU) == row.reason.format(device="cpu")
+    # each device and mode lists a backend once
+    for request in (H200, CPU, dataclasses.replace(CPU, grads=True),
+                    dataclasses.replace(CPU, device_type="xpu")):
+        assert len(names(request)) == len(set(names(request)))
+
+
+def test_the_notice_of_a_row_is_warned_once_when_auto_takes_it(monkeypatch):
+    from flexspec.runtime import notices
+    monkeypatch.setattr(notices, "_warned", set())
+    attn = flexspec.compile("causal & window(3)")
+    q, k, v = (t.requires_grad_() for t in Shape(1, 2, 2, 200, 200, 8).qkv(seed=0))
+    with pytest.warns(UserWarning, match="FlexAttention has no backward pass on cpu"):
+        attn(q, k, v)
+    assert attn.explain(q, k, v).choice.backend == "reference"
+
+
+def test_the_registry_names_the_backends():
+    assert BACKENDS == ("auto", *REGISTRY) == ("auto", "fa4", "flash", "sdpa", "flex",
+                                                   "reference")
+    assert all(backend.name == name for name, backend in REGISTRY.items())
+    assert flexspec.backends() == BACKENDS
+
+
+TOY = '''"""A toy backend: the dense reference under another name, on the CPU only."""
+
+from flexspec.kernels.reference import reference_attention
+from flexspec.runtime.contract import Backend, Prepared
+
+
+class ToyBackend(Backend):
+    name = "toy"
+
+    def why_not(self, request, spec):
+        return None if request.device_type == "cpu" else "the toy runs on the CPU only"
+
+    def prepare(self, plan, values):
+        return Prepared(state="toy state", needs_values=True)
+
+    def run(self, plan, q, k, v, scale, bindings, values):
+        assert plan.state == "toy state"
+        return reference_attention(plan.spec, q, k, v, scale=scale, tensors=values)
+
+
+BACKEND = ToyBackend()
+'''
+
+
+def test_a_new_backend_is_one_file_and_one_row_in_the_order_table(tmp_path, monkeypatch,
+                                                                   request):
+    """The file goes where the backends live (here: a folder added to the package's path) and
+    the row into the order table; discovery, the choice, explain and the call need nothing
+    else."""
+    from flexspec.runtime import backends
+    (tmp_path / "toy.py").write_text(TOY)
+    monkeypatch.setattr(backends, "__path__", [*backends.__path__, str(tmp_path)])
+    request.addfinalizer(lambda: sys.modules.pop("flexspec.runtime.backends.toy", None))
+    row = order.Row(("cpu",), "any", "toy", "the toy goes first on the CPU")
+    monkeypatch.setattr(order, "ORDER", (row,) + order.ORDER)
+    found = backends.discover()  # what importing the package does
+    assert list(found) == ["toy", "fa4", "flash", "sdpa", "flex", "reference"]
+    monkeypatch.setitem(backends.REGISTRY, "toy", found["toy"])
+    monkeypatch.setattr(backends, "BACKENDS", ("auto", *backends.REGISTRY))
+
+    q, k, v = Shape(1, 2, 2, 200, 200, 8).qkv(seed=1)
+    attn = flexspec.compile("causal & window(3) + alibi")
+    explanation = attn.explain(q, k, v)
+    assert (explanation.choice.backend, explanation.choice.reason) == (
+        "toy", "the toy goes first on the CPU")
+    assert "flex" in dict(explanation.choice.viable)
+    torch.testing.assert_close(attn(q, k, v), attn.reference(q, k, v))
+    asked = flexspec.compile("causal & window(3)", backend="toy")
+    torch.testing.assert_close(asked(q, k, v), asked.reference(q, k, v))
+    assert "toy" in flexspec.backends()
+    # where its why_not refuses, auto goes on down the table
+    gpu_like = dataclasses.replace(CPU, device_type="cuda", capability=(9, 0))
+    assert "toy" not in names(gpu_like)
