@@ -110,7 +110,7 @@ class Slot(NamedTuple):
     ndim: int
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class InputPlan:
     """What the tensors of calls with one input signature need, decided once: the sizes, the IR
     specialized to the bindings' shapes, the values that do not change between calls, a slot
@@ -141,7 +141,7 @@ class InputPlan:
         return values
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class Plan(InputPlan):
     """Everything about a call that depends only on its input signature, decided once: the
     facts, the choice and the backend's own part (``state``, what its ``prepare`` returned).

@@ -52,7 +52,7 @@ class MaskKey:
     dialect: str = "torch"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BoundMasks:
     """The block masks of one mask at one plan's sizes: what a plan holds of its Attention's
     cache (see flexspec.runtime.contract.PlanMasks)."""
