@@ -33,6 +33,12 @@ FLOAT32_TINY = 1.401298464324817e-45  # the smallest positive float32; less roun
 POSITION_LIMIT = 2**62
 
 
+def kernel_int_dtype(device_type: str) -> str:
+    """The int dtype the compiled kernels compute positions in on ``device_type``: int32 on
+    CUDA (flexspec.workarounds: gpu-int32-indices), int64 elsewhere."""
+    return "int32" if device_type == "cuda" else "int64"
+
+
 def fits_int(value, dtype: str = "int64") -> bool:
     """Whether ``value`` (an int, or a float bound) lies in the range of ``dtype``."""
     lo, hi = INT_RANGES[dtype]

@@ -209,8 +209,7 @@ def test_reference_rows_are_rows_of_the_reference(case, data):
 def test_counted_visible_pairs_equal_the_reference_mask(case, block):
     attn = case.attention(block_size=block)
     sizes = case.shape.sizes
-    placed = attn._placement.bindings(case.bindings, None, None, case.shape.B,
-                                      case.shape.Q_LEN, case.shape.KV_LEN, "cpu")
+    placed = attn._placement.bindings(case.bindings, None, None, case.shape.sizes, "cpu")
     values, spec = attn._tensors(sizes, placed, torch.device("cpu"), mask_only=True)
     batch, heads, _ = mask_extent(spec.mask, sizes)
     counted = count_visible(spec.mask, sizes, block, values, "cpu", batch=batch, heads=heads)

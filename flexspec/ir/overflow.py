@@ -28,6 +28,7 @@ flexspec.errors.SpecError: 'q * 4611686018427387904' reaches 0..3.23e+19 here, b
 
 from __future__ import annotations
 
+import functools
 import math
 
 from flexspec import ir
@@ -143,3 +144,42 @@ def _narrowed(cond: ir.Expr, holds: bool, ranges: dict, bounds: _Bounds) -> dict
             if (lo, hi) != ranges[var.name] and lo > -INF and hi < INF:
                 ranges = {**ranges, var.name: (lo, hi)}
     return ranges
+
+
+@functools.lru_cache(maxsize=256)
+def position_range(spec: AttentionIR, sizes: tuple, dtype: str) -> tuple | None:
+    """``(low, high)``: the query positions at which the spec's integer arithmetic provably fits
+    ``dtype`` at these sizes (``sizes``: sorted ``(name, value)`` pairs), a range that holds
+    ``0 .. max(Q_LEN, KV_LEN) - 1`` and, where the spec allows it, as many negative positions
+    as positive ones; its ends are powers of two. ``None`` when even that first range does not
+    fit (the spec's own check says why). Offsets that put a row outside it are refused or
+    bounded by the runtime: the kernels would wrap around silently there.
+
+    >>> from flexspec.ir import Binary, Const, Var
+    >>> spec = AttentionIR(mask=Binary(">=", Binary("*", Var("q"), Const(4)), Var("kv")))
+    >>> position_range(spec, (("B", 1), ("H", 1), ("KV_LEN", 8), ("Q_LEN", 8)), "int32")
+    (-268435456, 268435456)
+    """
+    sizes = dict(sizes)
+    bits = 62 if dtype == "int64" else 30
+    first = max(1, (max(sizes["Q_LEN"], sizes["KV_LEN"]) - 1).bit_length())
+    for negative in (True, False):
+        if not _fits_at(spec, sizes, dtype, first, negative):
+            continue
+        low, high = first, bits  # fits at 2**low; find the largest that does
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if _fits_at(spec, sizes, dtype, middle, negative) \
+                else (low, middle - 1)
+        return (-2**low if negative else 0, 2**low)
+    return None
+
+
+def _fits_at(spec: AttentionIR, sizes: dict, dtype: str, exponent: int, negative: bool) -> bool:
+    reach = 2**exponent
+    try:
+        check_int_ranges(spec, position_ranges(sizes, -reach if negative else 0, reach), dtype,
+                         "")
+    except SpecError:
+        return False
+    return True

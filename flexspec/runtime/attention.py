@@ -89,8 +89,7 @@ class Attention:
         kernel needs one: flexspec.workarounds, cpu-mask-free-block-mask)."""
         sizes = given_sizes(q_len, kv_len, batch, heads).as_dict()
         device = as_device(device)
-        bindings = self._placement.bindings(bindings, q_offset, kv_lengths, sizes["B"], q_len,
-                                            kv_len, device)
+        bindings = self._placement.bindings(bindings, q_offset, kv_lengths, sizes, device)
         plan = self._mask_plan(sizes, bindings, device)
         values = plan.values(bindings)
         if plan.lookups:
@@ -120,8 +119,7 @@ class Attention:
         included)."""
         sizes = given_sizes(q_len, kv_len, batch, heads).as_dict()
         device = as_device(device)
-        offset, lengths = self._placement.for_reference(q_offset, kv_lengths, sizes["B"], q_len,
-                                                        kv_len, device)
+        offset, lengths = self._placement.for_reference(q_offset, kv_lengths, sizes, device)
         values, spec = self._tensors(sizes, bindings, device, mask_only=True)
         batch_extent, head_extent, _ = mask_extent(spec.mask, sizes)
         per_row = any(t is not None and t.numel() > 1 for t in (offset, lengths))
@@ -150,8 +148,7 @@ class Attention:
         sizes = given_sizes(implied["Q_LEN"], implied["KV_LEN"], implied["B"],
                             implied["H"]).as_dict()
         device = as_device(device or found or "cpu")
-        bindings = self._placement.bindings(bindings, q_offset, kv_lengths, sizes["B"],
-                                            sizes["Q_LEN"], sizes["KV_LEN"], device)
+        bindings = self._placement.bindings(bindings, q_offset, kv_lengths, sizes, device)
         values, spec = self._tensors(sizes, bindings, device)
         return lower(spec).make_mods(sizes, values)
 
@@ -162,9 +159,7 @@ class Attention:
         only those rows of it, to check long sequences at a fraction of the memory. The
         arguments mean what they mean in a call."""
         sizes = check_qkv(q, k, v, allow_float64=True).as_dict()
-        offset, lengths = self._placement.for_reference(q_offset, kv_lengths, sizes["B"],
-                                                        sizes["Q_LEN"], sizes["KV_LEN"],
-                                                        q.device)
+        offset, lengths = self._placement.for_reference(q_offset, kv_lengths, sizes, q.device)
         values, spec = self._tensors(sizes, bindings, q.device)
         return reference_attention(spec, q, k, v, scale=scale, tensors=values, rows=rows,
                                    q_offset=offset, kv_lengths=lengths, return_lse=return_lse)

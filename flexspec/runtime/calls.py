@@ -9,6 +9,7 @@ import torch
 
 from flexspec import ir
 from flexspec.runtime import order
+from flexspec.runtime.checks import checked_scale
 from flexspec.runtime.contract import Plan, Replan
 from flexspec.runtime.masks import BlockMasks
 from flexspec.runtime.notices import warn_once
@@ -50,6 +51,7 @@ class Calls:
     @torch.compiler.disable
     def __call__(self, q, k, v, *, scale=None, bindings: dict, learnables: dict | None = None,
                  q_offset=None, kv_lengths=None, return_lse: bool = False):
+        scale = checked_scale(scale)  # before the key: 0.5 and numpy's 0.5 are one signature
         unmasked = self.unmasked_for(q, k, q_offset, kv_lengths)
         if unmasked is not None:
             return unmasked(q, k, v, scale=scale, bindings=bindings, learnables=learnables,

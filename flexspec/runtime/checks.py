@@ -4,6 +4,7 @@ a :class:`BindingError` that says what is wrong and how to fix it."""
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -71,10 +72,15 @@ def check_qkv(q, k, v, *, allow_float64: bool = False) -> Sizes:
     return Sizes(batch, heads, q_len, k.shape[2])
 
 
-def check_scale(scale) -> None:
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale)):
+def checked_scale(scale) -> float | None:
+    """A call's ``scale`` as a Python float (NumPy numbers are numbers too), or ``None``; a
+    :class:`BindingError` unless it is a finite number or ``None``."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) \
+            or isinstance(scale, torch.Tensor) or not math.isfinite(scale):
         raise BindingError(f"scale must be a finite number or None, got {scale!r}")
+    return float(scale)
 
 
 def given_sizes(q_len, kv_len, batch, heads) -> Sizes:

@@ -28,7 +28,7 @@ from flexspec.limits import dense_fits
 from flexspec.runtime.backends import REGISTRY, choose
 from flexspec.runtime.bindings import Tensors
 from flexspec.runtime.capture import capturing
-from flexspec.runtime.checks import check_qkv, check_scale
+from flexspec.runtime.checks import check_qkv, checked_scale
 from flexspec.runtime.contract import (BackendError, Choice, InputPlan, Plan, Replan, Request,
                                        Slot)
 from flexspec.runtime.identity import meta
@@ -166,7 +166,7 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, blo
     ``written`` is the spec before its query positions were placed (see check_ranges)."""
     float64 = asked != "auto" and REGISTRY[asked].float64
     sizes = check_qkv(q, k, v, allow_float64=float64).as_dict()
-    check_scale(scale)
+    scale = checked_scale(scale)
     if not isinstance(return_lse, bool):
         raise BindingError(f"return_lse must be True or False, got {return_lse!r}")
     device = q.device

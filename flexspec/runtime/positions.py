@@ -21,15 +21,16 @@ placing rows reads, and whether a call's rows provably see every key (then it ru
 from __future__ import annotations
 
 import functools
+import numbers
 
 import torch
 
 from flexspec import ir
 from flexspec.errors import BindingError
 from flexspec.ir.intervals import always
-from flexspec.ir.overflow import position_ranges
+from flexspec.ir.overflow import position_range, position_ranges
 from flexspec.ir.rewrites import KV_LENGTHS, Q_OFFSET, default_offset, placed, reads_positions
-from flexspec.limits import check_position
+from flexspec.limits import check_position, kernel_int_dtype
 from flexspec.runtime.bindings import Tensors
 from flexspec.runtime.checks import as_device, check_qkv
 
@@ -59,14 +60,12 @@ class Placement:
             tensors = self._tensors[variant] = Tensors(placed(self.ir, *variant))
         return tensors
 
-    def bindings(self, bindings: dict, q_offset, kv_lengths, batch: int, q_len: int,
-                 kv_len: int, device) -> dict:
+    def bindings(self, bindings: dict, q_offset, kv_lengths, sizes: dict, device) -> dict:
         """``bindings`` with the tensors that place the queries, when the call or the spec's
-        alignment asks for them."""
+        alignment asks for them (``sizes``: the call's ``B H Q_LEN KV_LEN``)."""
         if q_offset is None and kv_lengths is None and not self.default_offset:
             return bindings
-        added = call_tensors(self.ir, q_offset, kv_lengths, batch, q_len, kv_len,
-                             as_device(device))
+        added = call_tensors(self.ir, q_offset, kv_lengths, sizes, as_device(device))
         return {**bindings, **added} if added else bindings
 
     def for_call(self, q, k, bindings: dict, q_offset, kv_lengths) -> dict:
@@ -81,15 +80,16 @@ class Placement:
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
                 and q.dim() == k.dim() == 4):
             check_qkv(q, k, k)
-        return self.bindings(bindings, q_offset, kv_lengths, q.shape[0], q.shape[2],
-                             k.shape[2], q.device)
+        sizes = {"B": q.shape[0], "H": q.shape[1], "Q_LEN": q.shape[2], "KV_LEN": k.shape[2]}
+        return self.bindings(bindings, q_offset, kv_lengths, sizes, q.device)
 
-    def for_reference(self, q_offset, kv_lengths, batch: int, q_len: int, kv_len: int,
-                      device) -> tuple:
-        """``(q_offset, kv_lengths)`` of a call, checked as a call checks them, for the
-        reference (which places the queries of an end-aligned spec itself)."""
-        checked = call_tensors(self.ir, q_offset, kv_lengths, batch, q_len, kv_len,
-                               as_device(device))
+    def for_reference(self, q_offset, kv_lengths, sizes: dict, device) -> tuple:
+        """``(q_offset, kv_lengths)`` of a call, checked as a call checks them but for the
+        kernels' ranges (the reference computes every position exactly, and checks its own
+        arithmetic at them), for the reference, which places an end-aligned spec's rows
+        itself."""
+        checked = call_tensors(self.ir, q_offset, kv_lengths, sizes, as_device(device),
+                               kernels=False)
         return (checked.get(Q_OFFSET) if q_offset is not None else None,
                 checked.get(KV_LENGTHS))
 
@@ -117,31 +117,62 @@ class Placement:
         return sees
 
 
-def call_tensors(spec: ir.AttentionIR, q_offset, kv_lengths, batch: int, q_len: int,
-                 kv_len: int, device) -> dict:
+def call_tensors(spec: ir.AttentionIR, q_offset, kv_lengths, sizes: dict, device, *,
+                 kernels: bool = True) -> dict:
     """The tensors ``q_offset`` and ``kv_lengths`` a call adds to its bindings (either may be
-    absent), checked: ints and int tensors of shape ``[B]`` or ``[1]`` on q's device, offsets
-    that keep ``q + q_offset`` an int64, lengths within ``0..KV_LEN``."""
+    absent), checked: ints (NumPy's too) and int tensors of shape ``[B]`` or ``[1]`` on q's
+    device, lengths within ``0 .. KV_LEN``, and (with ``kernels``) offsets that keep every row at
+    a position where the spec's integer arithmetic fits the kernels' int dtype
+    (:func:`flexspec.ir.overflow.position_range`).
+
+    Values are refused with the range they must lie in where the host can read them: ints, and
+    tensors on the CPU. A tensor on a GPU is bounded on the device instead (clamped into its
+    range): reading it would cost a host synchronisation per step, and a captured step cannot
+    read at all."""
+    batch, q_len, kv_len = sizes["B"], sizes["Q_LEN"], sizes["KV_LEN"]
     added = {}
     if kv_lengths is not None:
         lengths = _per_row(KV_LENGTHS, kv_lengths, batch, device)
-        if lengths.device.type == "cpu" or not torch.cuda.is_available():
-            # the check reads the values; on a GPU it would cost a host synchronisation per step
-            low, high = int(lengths.min()), int(lengths.max())
-            if low < 0 or high > kv_len:
-                raise BindingError(f"kv_lengths must lie in 0..{kv_len} (the keys given), got "
-                                   f"{low}..{high}")
-        added[KV_LENGTHS] = lengths
+        added[KV_LENGTHS] = _bounded(lengths, 0, kv_len, "kv_lengths",
+                                     f"0..{kv_len} (the keys given)")
     if q_offset is None and reads_positions(spec):
         q_offset = default_offset(spec.align, q_len, kv_len, added.get(KV_LENGTHS))
-    if q_offset is not None and reads_positions(spec):
-        added[Q_OFFSET] = _per_row(Q_OFFSET, q_offset, batch, device)
-    elif q_offset is not None:
-        _per_row(Q_OFFSET, q_offset, batch, device)  # checked, then not needed
+        name = "the end-aligned offset kv_lengths - Q_LEN"
+    else:
+        name = Q_OFFSET
+    if q_offset is None:
+        return added
+    offset = _per_row(Q_OFFSET, q_offset, batch, device)
+    span = position_range(spec, tuple(sorted(sizes.items())), kernel_int_dtype(device.type)) \
+        if kernels and reads_positions(spec) else None
+    if span is not None:
+        low, high = span
+        offset = _bounded(offset, low, high - q_len + 1, name,
+                          f"{low}..{high - q_len + 1}, so that rows stay at positions {low}.."
+                          f"{high}, where this spec's integer arithmetic fits the kernels' "
+                          f"{kernel_int_dtype(device.type)} at Q_LEN={q_len}, KV_LEN={kv_len}")
+    if reads_positions(spec):
+        added[Q_OFFSET] = offset
     return added
 
 
+def _bounded(value: torch.Tensor, low: int, high: int, name: str, allowed: str,
+             host_reads: bool | None = None) -> torch.Tensor:
+    """``value`` (int64) with every entry in ``low .. high``: checked where the host may read it
+    (``host_reads``; by default, on the CPU), clamped on the device elsewhere (see
+    :func:`call_tensors`)."""
+    if value.device.type == "cpu" if host_reads is None else host_reads:
+        if value.numel():
+            found_low, found_high = int(value.min()), int(value.max())
+            if found_low < low or found_high > high:
+                raise BindingError(f"{name} must lie in {allowed}; got {found_low}..{found_high}")
+        return value
+    return value.clamp(low, high)
+
+
 def _per_row(name: str, value, batch: int, device) -> torch.Tensor:
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = int(value)  # a NumPy int is an int
     if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
         raise BindingError(f"{name} must be an int or an int tensor of shape [{batch}], got "
                            f"{type(value).__name__}")
@@ -163,5 +194,8 @@ def _per_row(name: str, value, batch: int, device) -> torch.Tensor:
 def _int_tensor(value: int, batch: int, device: str) -> torch.Tensor:
     # one entry per batch row, not one broadcast entry: a lookup then stays at index b, where a
     # single entry would be read at the constant index 0 (flexspec.workarounds:
-    # flash-constant-index)
-    return torch.full((batch,), value, dtype=torch.int64, device=device)
+    # flash-constant-index). Made outside inference mode, as it serves calls in every mode
+    # (an inference tensor cannot be saved for a backward pass)
+    with torch.inference_mode(False):
+        return torch.full((batch,), value, dtype=torch.int64, device=device)
+

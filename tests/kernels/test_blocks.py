@@ -81,8 +81,7 @@ class Case:
         self.attn = flexspec.compile(spec, library=LIBRARY)
         self.sizes = shape.sizes
         # where the queries stand (an end-aligned spec reads a q_offset tensor)
-        placed = self.attn._placement.bindings(values, None, None, shape.B, shape.Q_LEN,
-                                               shape.KV_LEN, CPU)
+        placed = self.attn._placement.bindings(values, None, None, shape.sizes, CPU)
         self.values, self.ir = self.attn._tensors(self.sizes, placed, CPU)
         free = ir.free_vars(self.ir.mask)
         self.batch = shape.B if "b" in free else 1

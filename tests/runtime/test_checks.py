@@ -10,7 +10,7 @@ import torch
 
 import flexspec
 from flexspec import BindingError
-from flexspec.runtime.checks import as_device, check_qkv, check_scale, given_sizes
+from flexspec.runtime.checks import as_device, check_qkv, checked_scale, given_sizes
 from flexspec.testing import Shape
 
 
@@ -164,12 +164,28 @@ def test_the_sizes_of_a_call_are_read_off_q_and_k():
 def test_a_scale_must_be_a_finite_number(scale):
     with pytest.raises(BindingError, match="^" + re.escape(f"scale must be a finite number or "
                                                            f"None, got {scale!r}") + "$"):
-        check_scale(scale)
+        checked_scale(scale)
 
 
 @pytest.mark.parametrize("scale", [None, 0, 2, 0.125, -1.5])
 def test_finite_scales_and_none_pass(scale):
-    check_scale(scale)
+    got = checked_scale(scale)
+    assert got is None if scale is None else (type(got) is float and got == scale)
+
+
+def test_numpy_scalars_are_numbers():
+    """Red-team 2026-12-02, item 6: np.float32 and np.int64 scales were refused while
+    np.float64 passed; all are numbers, and a call gives what the Python number gives."""
+    numpy = pytest.importorskip("numpy")
+    for scale in (numpy.float32(0.25), numpy.float64(0.25), numpy.int64(2), numpy.int32(2)):
+        assert checked_scale(scale) == float(scale) and type(checked_scale(scale)) is float
+    with pytest.raises(BindingError, match="scale must be a finite number"):
+        checked_scale(numpy.float32("nan"))
+    attn = flexspec.compile("causal + alibi", backend="reference")
+    q, k, v = Shape(1, 2, 2, 8, 8, 4).qkv(seed=0)
+    torch.testing.assert_close(attn(q, k, v, scale=numpy.float32(0.25)),
+                               attn(q, k, v, scale=0.25))
+    torch.testing.assert_close(attn(q, k, v, q_offset=numpy.int64(3)), attn(q, k, v, q_offset=3))
 
 
 @pytest.mark.parametrize("sizes, message", [

@@ -210,6 +210,51 @@ def test_bad_positions_are_binding_errors(kwargs, message):
         attn(q, k, v, **kwargs)
 
 
+@pytest.mark.parametrize("backend, length", [("reference", 8), ("auto", 200)])
+def test_a_tensor_offset_that_would_wrap_is_refused_with_the_range(backend, length):
+    """Red-team 2026-12-02, item 1: a tensor q_offset of 2**63 - 1 ran, and row 1 wrapped to
+    -2**63 and saw nothing; `q * 4 >= kv` at 2**61 likewise. Offsets (int or tensor) must keep
+    every row where the spec's integer arithmetic fits the kernels' ints."""
+    library = flexspec.loads("mask m = q * 4 >= kv\n")
+    q, k, v = Shape(1, 2, 2, 2, length, 8).qkv(0)
+    causal = flexspec.compile("causal", backend=backend)
+    for offset in (torch.tensor([2**63 - 1]), torch.tensor([2**62]), torch.tensor([0, 2**62])[1:]):
+        with pytest.raises(flexspec.BindingError, match=r"q_offset must lie in "):
+            causal(q, k, v, q_offset=offset)
+    times_four = flexspec.compile("m", library=library, backend=backend)
+    with pytest.raises(flexspec.BindingError, match=r"must lie in -?\d+\.\.\d+, so that rows "
+                                                    r"stay at positions .* int64"):
+        times_four(q, k, v, q_offset=torch.tensor([2**61]))
+    # inside the range the call runs, and equals the reference at that offset
+    for attn in (causal, times_four):
+        offset = torch.tensor([2**40])
+        close(attn(q, k, v, q_offset=offset), attn.reference(q, k, v, q_offset=offset),
+              f"{attn} at 2**40")
+
+
+def test_off_the_host_offsets_and_lengths_are_bounded_on_the_device():
+    """Where reading a tensor would cost a host synchronisation (a GPU), values are clamped
+    into their range instead of refused."""
+    from flexspec.runtime.positions import _bounded
+    values = torch.tensor([-5, 3, 99])
+    assert _bounded(values, 0, 20, "kv_lengths", "0..20", host_reads=False).tolist() == [0, 3, 20]
+    with pytest.raises(flexspec.BindingError, match=r"^kv_lengths must lie in 0\.\.20; got "
+                                                    r"-5\.\.99$"):
+        _bounded(values, 0, 20, "kv_lengths", "0..20", host_reads=True)
+    assert _bounded(values, -10, 100, "q_offset", "", host_reads=True) is values
+
+
+def test_the_position_range_holds_the_lengths_and_is_one_sided_where_negatives_divide_by_zero():
+    from flexspec.ir.overflow import position_range
+    sizes = (("B", 1), ("H", 1), ("KV_LEN", 300), ("Q_LEN", 200))
+    assert position_range(flexspec.parse("causal").ir, sizes, "int64") == (-2**62, 2**62)
+    assert position_range(flexspec.parse("causal").ir, sizes, "int32") == (-2**30, 2**30)
+    library = flexspec.loads("mask d = kv // (q + 1) == 0\nmask big = q * 1099511627776 >= kv\n")
+    low, high = position_range(flexspec.parse("d", library=library).ir, sizes, "int64")
+    assert low == 0 and high == 2**62
+    assert position_range(flexspec.parse("big", library=library).ir, sizes, "int32") is None
+
+
 def test_positions_must_keep_lookups_in_range():
     attn = flexspec.compile("causal & doc", backend="reference")
     q, k, v = Shape(1, 1, 1, 2, 6, 8).qkv(0)

@@ -12,6 +12,7 @@ otherwise plans the call anew without it, once, remembering why.
 from __future__ import annotations
 
 from flexspec.ir.forms import constant_lookup, nested_lookup
+from flexspec.limits import kernel_int_dtype
 from flexspec.runtime import fa4
 from flexspec.runtime.compiled import CompileLimitError, first_line
 from flexspec.runtime.contract import Replan
@@ -60,8 +61,7 @@ class FlashBackend(FlexAttentionBackend):
         return fa4.facts(device)
 
     def index_dtype(self, device_type):
-        # flexspec.workarounds: gpu-int32-indices
-        return "int32" if device_type == "cuda" else "int64"
+        return kernel_int_dtype(device_type)
 
     def kernel_options(self, request):
         return OPTIONS

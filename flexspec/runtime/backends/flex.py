@@ -5,6 +5,7 @@ Triton template on a GPU, the C++ template on the CPU). The call itself is
 from __future__ import annotations
 
 from flexspec.kernels.fused_blocks import compile_error
+from flexspec.limits import kernel_int_dtype
 from flexspec.runtime import compiled
 from flexspec.runtime.contract import BackendError
 from flexspec.runtime.flexattention import FlexAttentionBackend, FlexKernelOptions
@@ -39,10 +40,8 @@ class FlexBackend(FlexAttentionBackend):
         return None
 
     def index_dtype(self, device_type):
-        # FlexAttention's GPU kernels (and FLASH's) compute b, h, q_idx, kv_idx and integer
-        # arithmetic on them in int32 (flexspec.workarounds: gpu-int32-indices); its CPU
-        # kernels in int64
-        return "int32" if device_type == "cuda" else "int64"
+        # b, h, q_idx, kv_idx and integer arithmetic on them: int32 on CUDA, int64 on the CPU
+        return kernel_int_dtype(device_type)
 
     def kernel_options(self, request) -> FlexKernelOptions | None:
         options = {}
