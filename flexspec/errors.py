@@ -51,10 +51,12 @@ class Span:
     end: int
 
 
-class SpecError(Exception):
+class SpecError(ValueError):
     """Base of every error flexspec raises for bad input.
 
-    Attributes: ``message`` (what is wrong and how to fix it), ``source_name``, ``line`` and
+    A ``ValueError``, as torch's own errors for a wrong shape or dtype are, so that code written
+    for torch (``except ValueError``) catches flexspec's too; errors about a value of the wrong
+    Python type are also ``TypeError``s (:class:`SpecTypeError`). Attributes: ``message`` (what is wrong and how to fix it), ``source_name``, ``line`` and
     ``column`` (1-based; ``None`` where no position applies) and ``span``.
     """
 
@@ -92,6 +94,14 @@ class SpecError(Exception):
         return self.render()
 
 
+class SpecTypeError(SpecError, TypeError):
+    """A value of the wrong Python type where flexspec expects another (spec text that is not a
+    str, a library that is not a :class:`~flexspec.Library`): both a :class:`SpecError` and a
+    ``TypeError``, as Python's own errors for a wrong type are."""
+
+    kind = "type error"
+
+
 class SpecSyntaxError(SpecError):
     """The text does not follow the grammar."""
 
@@ -112,6 +122,13 @@ class RegistryError(SpecError):
 
 class BindingError(SpecError):
     """A runtime tensor binding is missing, unexpected, or has the wrong shape, dtype or device."""
+
+    kind = "binding error"
+
+
+class BindingTypeError(BindingError, SpecTypeError):
+    """A call's input of the wrong Python type (``q must be a torch.Tensor, got list``): a
+    :class:`BindingError` that is also a ``TypeError``."""
 
     kind = "binding error"
 

@@ -6,7 +6,7 @@ never imports the package's ``__init__``.
 
 from __future__ import annotations
 
-from flexspec.errors import SpecError
+from flexspec.errors import SpecTypeError
 from flexspec.lang import ast
 from flexspec.lang.ast import format_node
 from flexspec.lang.checker import check_spec
@@ -22,7 +22,7 @@ def parse(text, *, library: Library | None = None) -> Spec:
     if isinstance(text, Spec):
         return text
     if library is not None and not isinstance(library, Library):
-        raise SpecError(f"library must be a flexspec.Library (from flexspec.load), got "
+        raise SpecTypeError(f"library must be a flexspec.Library (from flexspec.load), got "
                         f"{type(library).__name__}")
     scope = library.scope if library is not None else registry().scope
     node = parse_spec(text)

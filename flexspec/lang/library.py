@@ -13,7 +13,7 @@ from pathlib import Path
 from flexspec.lang import ast
 from flexspec.lang.checker import RESERVED, check_definition, check_spec
 from flexspec.lang.definitions import SCALAR_TYPES, Definition, ParamSpec, Scope
-from flexspec.errors import SpecCheckError, SpecError, did_you_mean
+from flexspec.errors import SpecCheckError, SpecError, SpecTypeError, did_you_mean
 from flexspec.lang.parser import parse_file
 from flexspec.lang.registry import registry
 from flexspec.lang.spec import Spec
@@ -134,7 +134,7 @@ def check_text(text: str, name: str = "<file>") -> list[SpecError]:
 def load_text(text: str, name: str = "<file>") -> Library:
     """Check ``.attn`` text (``name`` is what error messages call it)."""
     if not isinstance(text, str):
-        raise SpecError(f"loads() takes the text of an .attn file, got {type(text).__name__}; "
+        raise SpecTypeError(f"loads() takes the text of an .attn file, got {type(text).__name__}; "
                         "for a path use flexspec.load")
     return Library(parse_file(text, name), name)
 
@@ -145,7 +145,7 @@ loads = load_text  # the public name, as json.load / json.loads
 def load(path) -> Library:
     """Load and check an ``.attn`` file."""
     if not isinstance(path, (str, os.PathLike)):
-        raise SpecError(f"load() takes the path of an .attn file, got {type(path).__name__}; "
+        raise SpecTypeError(f"load() takes the path of an .attn file, got {type(path).__name__}; "
                         "for .attn text use flexspec.loads")
     path = Path(path)
     try:

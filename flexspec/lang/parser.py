@@ -19,7 +19,7 @@ from lark.exceptions import (UnexpectedCharacters, UnexpectedEOF, UnexpectedInpu
                              VisitError)
 
 from flexspec.lang import ast
-from flexspec.errors import Source, Span, SpecSyntaxError
+from flexspec.errors import Source, Span, SpecSyntaxError, SpecTypeError
 from flexspec.resources import data_path
 
 START_SYMBOLS = ("spec", "file", "expr", "type_expr")
@@ -252,7 +252,7 @@ def _syntax_error(err: UnexpectedInput, source: Source) -> SpecSyntaxError:
 
 def _parse(text: str, start: str, source: Source):
     if not isinstance(text, str):
-        raise SpecSyntaxError(f"expected spec text (a str), got {type(text).__name__}",
+        raise SpecTypeError(f"expected spec text (a str), got {type(text).__name__}",
                               source_name=source.name)
     if text.startswith("\ufeff"):
         # a byte-order mark, as some editors save UTF-8: a space of the same length keeps every
