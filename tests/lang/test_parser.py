@@ -16,7 +16,7 @@ import pytest
 from flexspec import SpecError, SpecSyntaxError
 from flexspec.lang.ast import (Binary, Bool, Call, Chain, Definition, Float, Index, Int, Keyword,
                           Module, Name, Param, SpecDef, Str, TypeExpr, Unary)
-from flexspec.errors import Source
+from flexspec.errors import Source, SpecTypeError
 from flexspec.lang.parser import build_parser, parse_expr, parse_file, parse_spec, parse_type
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -489,8 +489,10 @@ def test_empty_inputs():
 
 
 def test_a_non_string_is_rejected():
-    err = syntax_error(parse_spec, 42)
-    assert "str" in err.message
+    with pytest.raises(SpecTypeError) as info:
+        parse_spec(42)
+    assert info.value.message == "expected spec text (a str), got int"
+    assert isinstance(info.value, TypeError)
 
 
 def test_source_name_in_messages():
