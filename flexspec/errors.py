@@ -7,8 +7,15 @@ a caret under the offending span, the way compilers do.
 
 from __future__ import annotations
 
+import bisect
 import difflib
+import functools
+import re
 from dataclasses import dataclass, field
+
+# A line ends at "\n", "\r\n" or a lone "\r": files saved on Windows or old Macs count their
+# lines as an editor shows them.
+LINE_BREAK = re.compile(r"\r\n|\r|\n")
 
 
 @dataclass(frozen=True)
@@ -24,22 +31,34 @@ class Source:
     line_offset: int = 0
     column_offset: int = 0
 
+    @functools.cached_property
+    def _line_starts(self) -> list[int]:
+        """The offset where each line starts (computed once: a file may have many errors)."""
+        return [0] + [match.end() for match in LINE_BREAK.finditer(self.text)]
+
+    def _line_index(self, offset: int) -> int:
+        """The 0-based line of a character offset (the break ending a line belongs to it)."""
+        offset = max(0, min(offset, len(self.text)))
+        return bisect.bisect_right(self._line_starts, offset) - 1
+
+    def line_start(self, offset: int) -> int:
+        """The offset of the first character of the line that holds ``offset``."""
+        return self._line_starts[self._line_index(offset)]
+
     def line_col(self, offset: int) -> tuple[int, int]:
         """1-based (line, column) in the enclosing file of a 0-based character offset."""
         offset = max(0, min(offset, len(self.text)))
-        line = self.text.count("\n", 0, offset)
-        line_start = self.text.rfind("\n", 0, offset) + 1
-        column = offset - line_start + 1
+        line = self._line_index(offset)
+        column = offset - self._line_starts[line] + 1
         if line == 0:
             column += self.column_offset
         return line + 1 + self.line_offset, column
 
     def line_text(self, offset: int) -> str:
-        """The text of the line that holds ``offset`` (without its newline)."""
-        offset = max(0, min(offset, len(self.text)))
-        start = self.text.rfind("\n", 0, offset) + 1
-        end = self.text.find("\n", offset)
-        return self.text[start : end if end >= 0 else len(self.text)]
+        """The text of the line that holds ``offset`` (without its line break)."""
+        start = self.line_start(offset)
+        end = LINE_BREAK.search(self.text, start)
+        return self.text[start : end.start() if end is not None else len(self.text)]
 
 
 @dataclass(frozen=True)
@@ -84,7 +103,7 @@ class SpecError(ValueError):
             return head
         source, start, end = self.span.source, self.span.start, self.span.end
         text = source.line_text(start)
-        line_start = source.text.rfind("\n", 0, max(0, min(start, len(source.text)))) + 1
+        line_start = source.line_start(start)
         column = start - line_start
         width = max(1, min(end, line_start + len(text)) - start)
         indent = "".join(ch if ch == "\t" else " " for ch in text[:column])

@@ -62,7 +62,9 @@ _comment_sink: list | None = None
 
 def _collect_comment(token):
     if _comment_sink is not None:
-        _comment_sink.append((token.line, str(token)))
+        # the offset, not lark's line: lark counts "\n" only, where a file may end its lines
+        # with a lone "\r" (Source.line_col counts every kind of line break)
+        _comment_sink.append((token.start_pos, str(token)))
     return token
 
 
@@ -311,7 +313,8 @@ def parse_file_with_comments(text: str, source_name: str = "<file>"):
     _comment_sink = []
     try:
         module = parse_file(text, source_name)
-        return module, _comment_sink
+        source = Source(text, source_name)
+        return module, [(source.line_col(offset)[0], comment) for offset, comment in _comment_sink]
     finally:
         _comment_sink = None
 
