@@ -19,7 +19,8 @@ from lark.exceptions import (UnexpectedCharacters, UnexpectedEOF, UnexpectedInpu
                              VisitError)
 
 from flexspec.lang import ast
-from flexspec.errors import Source, Span, SpecSyntaxError, SpecTypeError
+from flexspec.errors import Source, Span, SpecCheckError, SpecSyntaxError, SpecTypeError
+from flexspec.limits import check_float_literal
 from flexspec.resources import data_path
 
 START_SYMBOLS = ("spec", "file", "expr", "type_expr")
@@ -117,6 +118,10 @@ class _ToAst(Transformer):
         except ValueError:  # Python refuses int() of more than 4300 digits
             raise SpecSyntaxError(f"the number is too long ({len(token)} digits)",
                                   self._token_span(token)) from None
+        if token.type == "FLOAT":
+            # 1e400 would be read as inf and 1e-400 as 0: refused as 1e39 is, at the number
+            check_float_literal(str(token), value, error=SpecCheckError,
+                                span=self._token_span(token))
         cls = ast.Int if isinstance(value, int) else ast.Float
         return cls(value, span=self._span(meta))
 
@@ -275,7 +280,7 @@ def _parse(text: str, start: str, source: Source):
         # strikes there) in VisitError
         if isinstance(err.orig_exc, RecursionError):
             raise SpecSyntaxError("the text is nested too deeply", Span(source, 0, 1)) from None
-        if isinstance(err.orig_exc, SpecSyntaxError):
+        if isinstance(err.orig_exc, (SpecSyntaxError, SpecCheckError)):
             raise err.orig_exc from None
         raise
 

@@ -623,6 +623,31 @@ def test_constants_the_kernels_cannot_hold_are_check_errors(text, message):
     flexspec.parse("window(9223372036854775807) + scale(1e-40)")  # the edges still check
 
 
+@pytest.mark.parametrize("text, literal", [
+    ("softcap(1e400)", "1e400"), ("causal + scale(-1e400)", "1e400"),
+    ("causal + scale(1e-400)", "1e-400"), ("softcap(1.5E+999)", "1.5E+999"),
+])
+def test_numbers_beyond_float64_are_refused_as_those_beyond_float32(text, literal):
+    """Red-team finding: 1e400 was read as inf (every output NaN) while 1e39 was refused."""
+    with pytest.raises(flexspec.SpecCheckError) as info:
+        flexspec.parse(text)
+    column = text.index(literal)
+    assert info.value.message == (f"{literal} is beyond float32 (the kernels compute scores in "
+                                  "float32, from 1.4e-45 to 3.4e38 in magnitude); use a value in "
+                                  "that range")
+    assert (info.value.line, info.value.column) == (1, column + 1)
+    assert str(info.value).splitlines()[2] == "    " + " " * column + "^" * len(literal)
+    assert flexspec.parse("causal + scale(0.0e-400)").ir == flexspec.parse("causal + scale(0.0)").ir
+
+
+@pytest.mark.parametrize("number", ["1e39", "1e400", "-1e-400", "1e-46"])
+def test_a_definition_s_constants_are_checked_on_their_own(number):
+    """`flexspec check` finds a constant beyond float32 in a definition no spec uses yet."""
+    [error] = check_text(f"score s = score * {number}\n", "m.attn")
+    assert "is beyond float32" in error.message
+    assert error.line == 1
+
+
 def test_integer_division_by_a_constant_zero_is_a_check_error():
     with pytest.raises(flexspec.SpecCheckError, match="'q // 0' divides by zero"):
         load_text("mask m = q // 0 == kv\nspec s = m\n")["s"]
@@ -1095,12 +1120,18 @@ def test_tensor_dimensions_read_the_score_through_a_pattern_at_every_use():
 
 
 def test_an_expression_no_kernel_can_run_is_refused_at_the_whole_spec():
-    # check_runnable's errors (here a constant zero divisor, which a definition checked on its
-    # own does not see) point at the spec that inlined it
-    library = load_text(HELPERS + "mask m = q // 0 == kv\n")
-    err = check_error("lower & m", library)
+    # check_runnable's errors (here a zero divisor that only the call's argument makes, which
+    # the definition checked on its own cannot see) point at the spec that inlined it
+    library = load_text(HELPERS + "mask m(n: int) = q // n == kv\n")
+    err = check_error("lower & m(0)", library)
     assert (err.message, err.line, err.column) == ("'q // 0' divides by zero", 1, 1)
-    assert str(err).splitlines()[2] == "    " + "^" * len("lower & m")
+    assert str(err).splitlines()[2] == "    " + "^" * len("lower & m(0)")
+
+
+def test_a_constant_no_kernel_can_run_is_found_in_its_definition():
+    # a literal zero divisor is in the definition itself: found there, used by a spec or not
+    [err] = check_text("mask m = q // 0 == kv\n", "m.attn")
+    assert (err.message, err.line, err.column) == ("'q // 0' divides by zero", 1, 10)
 
 
 def test_literal_arguments_of_each_type(lib):
