@@ -7,13 +7,15 @@ pattern), may be used before they are defined, and must not form cycles.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from pathlib import Path
 
 from flexspec.lang import ast
 from flexspec.lang.checker import RESERVED, check_definition, check_spec
 from flexspec.lang.definitions import SCALAR_TYPES, Definition, ParamSpec, Scope
-from flexspec.errors import SpecCheckError, SpecError, SpecTypeError, did_you_mean
+from flexspec.errors import LINE_BREAK, SpecCheckError, SpecError, SpecTypeError, did_you_mean
 from flexspec.lang.parser import parse_file
 from flexspec.lang.registry import registry
 from flexspec.lang.spec import Spec
@@ -123,12 +125,71 @@ def check_module(module: ast.Module, name: str = "<file>") -> list[SpecError]:
 
 
 def check_text(text: str, name: str = "<file>") -> list[SpecError]:
-    """All errors of an ``.attn`` text (empty when it is clean)."""
+    """All errors of an ``.attn`` text (empty when it is clean), syntax errors included: after
+    one, every statement is parsed on its own (see :func:`_parse_statements`)."""
     try:
         module = parse_file(text, name)
     except SpecError as err:
-        return [err]
+        statements, errors = _parse_statements(text, name)
+        if not errors:  # not expected: the statements parse where the whole does not
+            return [err]
+        return sorted(errors + check_module(ast.Module(statements), name),
+                      key=lambda e: (e.line or 0, e.column or 0))
     return check_module(module, name)
+
+
+# A line that starts a statement: its keyword, its name, then `(` or `=`. (`score` alone also
+# names the logit inside a definition, but never followed by a name.)
+_STATEMENT_START = re.compile(r"[ \t]*(?:mask|score|spec)[ \t]+([A-Za-z_]\w*)[ \t]*[(=]")
+
+
+def _parse_statements(text: str, name: str) -> tuple[list, list[SpecError]]:
+    """``(statements, syntax errors)`` of a text that does not parse as a whole. An ``.attn``
+    file is one statement per line (continued on the lines that follow, until the next line
+    that starts one), so each such run of lines is parsed alone; positions stay those of the
+    file. A statement that fails to parse poisons its name: the statements that use it are
+    left unchecked too, since their errors would follow from the first one."""
+    starts = [0] + [match.end() for match in LINE_BREAK.finditer(text)]
+    beginnings = [(line, start) for line, start in enumerate(starts)
+                  if _STATEMENT_START.match(text, start)]
+    if not beginnings or beginnings[0][1] != 0:
+        beginnings.insert(0, (0, 0))  # the comments (or junk) before the first statement
+    statements, errors, broken = [], [], set()
+    for (line, start), (_, end) in zip(beginnings, beginnings[1:] + [(None, len(text))]):
+        try:
+            statements.extend(parse_file(text[start:end], name, line_offset=line).statements)
+        except SpecError as err:
+            errors.append(err)
+            match = _STATEMENT_START.match(text, start)
+            if match:
+                broken.add(match.group(1))
+    changed = True
+    while changed:  # a statement using a broken one is broken: until nothing changes
+        changed = False
+        for statement in list(statements):
+            own = {param.name for param in getattr(statement, "params", None) or ()}
+            if (_names_used(statement) - own) & broken:
+                statements.remove(statement)
+                broken.add(statement.name)
+                changed = True
+    return statements, errors
+
+
+def _names_used(node) -> set[str]:
+    """Every pattern, definition or variable name a statement's tree mentions."""
+    found = set()
+    if isinstance(node, ast.Name):
+        found.add(node.name)
+    elif isinstance(node, ast.Call):
+        found.add(node.func)
+    if isinstance(node, (list, tuple)):
+        for item in node:
+            found |= _names_used(item)
+    elif isinstance(node, ast.Node):
+        for item in dataclasses.fields(node):
+            if item.name not in ("span", "name_span"):
+                found |= _names_used(getattr(node, item.name))
+    return found
 
 
 def load_text(text: str, name: str = "<file>") -> Library:

@@ -381,9 +381,11 @@ def parse_spec(text: str, source_name: str = "<spec>") -> ast.Node:
     return _parse(text, "spec", source)
 
 
-def parse_file(text: str, source_name: str = "<file>") -> ast.Module:
-    """Parse the text of an ``.attn`` file."""
-    return _parse(text, "file", Source(text if isinstance(text, str) else "", source_name))
+def parse_file(text: str, source_name: str = "<file>", line_offset: int = 0) -> ast.Module:
+    """Parse the text of an ``.attn`` file (or of its lines from ``line_offset`` on: positions
+    are then counted in the whole file)."""
+    return _parse(text, "file", Source(text if isinstance(text, str) else "", source_name,
+                                       line_offset=line_offset))
 
 
 def parse_expr(source: Source) -> ast.Node:

@@ -207,6 +207,69 @@ def test_check_syntax_error(capsys, write):
     assert "^" in err
 
 
+SEVEN_ERRORS = """\
+# seven mistakes, each on its own line
+mask a = q < kv < 3
+mask b = q >= kv && q < 3
+spec c = window(64 * 2)
+mask e = q >= kv
+score f(w: float[H]) = score + w[q]
+spec g = e & windw(3)
+spec h = a & e
+mask i = q >
+score cap(c: float = 50.0) =
+    c * tanh(score / c)
+spec k = cap + unknown_thing
+"""
+
+
+def test_check_reports_every_error_of_a_file_syntax_errors_included(capsys, write):
+    """A file with seven mistakes, four of them syntax errors, reported one (the first)."""
+    bad = write("seven.attn", SEVEN_ERRORS)
+    code, out, err = run(capsys, "check", str(bad))
+    assert code == 1 and out == ""
+    heads = [line for line in err.splitlines() if not line.startswith("    ")]
+    assert [head.split(": ", 1)[0] for head in heads] == [
+        f"{bad}:{line}" for line in ("2:17", "3:18", "4:20", "6:34", "7:14", "9:13", "12:16")]
+    # `spec h = a & e` uses the broken `a`: not checked (its errors would follow from a's)
+    assert f"{bad}:8:" not in err
+
+
+def test_check_of_a_folder_checks_every_attn_file_under_it(capsys, tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "model.attn").write_text(MODEL, encoding="utf-8")
+    (tmp_path / "sub" / "bad.attn").write_text("spec s = windw(3)\n", encoding="utf-8")
+    (tmp_path / "sub" / "notes.txt").write_text("spec s = windw(3)\n", encoding="utf-8")
+    (tmp_path / ".hidden" / "bad.attn").write_text("spec s = windw(3)\n", encoding="utf-8")
+    code, out, err = run(capsys, "check", str(tmp_path))
+    assert code == 1
+    assert out == f"{tmp_path / 'model.attn'}: ok (2 specs, 2 definitions)\n"
+    assert err.startswith(f"{tmp_path / 'sub' / 'bad.attn'}:1:10: unknown pattern 'windw'")
+    assert ".hidden" not in err and "notes.txt" not in err
+    code, out, err = run(capsys, "check", str(tmp_path / "empty"))
+    assert code == 1 and err == f"{tmp_path / 'empty'}: no .attn file in this folder or below it\n"
+
+
+def test_check_reads_the_standard_input_for_a_dash(capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO(MODEL))
+    code, out, err = run(capsys, "check", "-")
+    assert (code, out, err) == (0, "<stdin>: ok (2 specs, 2 definitions)\n", "")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("mask m = q >= kv\nspec s = m & windw(2)\n"))
+    code, out, err = run(capsys, "check", "-")
+    assert code == 1 and err.startswith("<stdin>:2:14: unknown pattern 'windw'")
+
+
+def test_check_of_a_file_with_carriage_returns_points_at_each_line(capsys, tmp_path):
+    path = tmp_path / "cr.attn"
+    path.write_bytes(b"mask ok = q >= kv\rspec s = ok & windw(3)\r")
+    code, _, err = run(capsys, "check", str(path))
+    assert code == 1 and err.startswith(f"{path}:2:15: unknown pattern 'windw'")
+
+
 def test_check_missing_file(capsys, write, tmp_path):
     good = write("good.attn", MODEL)
     missing = tmp_path / "missing.attn"
