@@ -23,7 +23,11 @@ from flexspec.tools.cli_run import _add_explain, _add_render, cmd_explain, cmd_r
 from flexspec.tools.console import (EXIT_ERROR, EXIT_OK, EXIT_USAGE, STDIN_NAME, attn_files, emit,
                                     emit_error, read_file, shorten, table)
 
-SIGNATURE_WIDTH = 48  # `list` shortens longer signatures
+# `list` gives a signature the terminal's width beyond the other columns and SUMMARY_ROOM
+# characters of summary, and never less than SIGNATURE_WIDTH (a few signatures with tensor
+# defaults are long; `show` has them in full)
+SIGNATURE_WIDTH = 48
+SUMMARY_ROOM = 40
 
 
 # ---- list --------------------------------------------------------------------------------------
@@ -53,13 +57,14 @@ def cmd_list(args) -> int:
     if not chosen:
         emit_error(f"no pattern of kind '{args.kind}' in the registry")
         return EXIT_ERROR
+    names = [p.name + (f" ({', '.join(p.aliases)})" if p.aliases else "") for p in chosen]
+    columns = shutil.get_terminal_size().columns  # $COLUMNS, the terminal, or 80
+    others = max(len(n) for n in names + ["NAME"]) + len("KIND ") + 3 * len("  ")
+    signature_width = max(SIGNATURE_WIDTH, columns - others - SUMMARY_ROOM)
     rows = [("NAME", "KIND", "SIGNATURE", "SUMMARY")]
-    for p in chosen:
-        name = p.name + (f" ({', '.join(p.aliases)})" if p.aliases else "")
-        # a few signatures are very long (tensor defaults); `show` has them in full
-        rows.append((name, p.kind, shorten(p.signature(), SIGNATURE_WIDTH), p.summary))
-    width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
-    emit(table(rows, width))
+    for name, p in zip(names, chosen):
+        rows.append((name, p.kind, shorten(p.signature(), signature_width), p.summary))
+    emit(table(rows, columns if sys.stdout.isatty() else None))
     return EXIT_OK
 
 

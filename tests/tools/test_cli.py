@@ -108,6 +108,26 @@ def test_list_shows_every_pattern(capsys):
     assert set(kinds(out)) <= {"mask", "score"}
 
 
+@pytest.mark.parametrize("columns", [80, 250])
+def test_list_gives_signatures_the_terminal_s_width(capsys, monkeypatch, columns):
+    """Signatures were cut at about 50 characters even on a wide terminal; they now get what
+    the terminal has beyond the names, the kinds and 40 characters of summary (at least 48)."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    _, out, _ = run(capsys, "list")
+    lines = out.splitlines()
+    start, end = lines[0].index("SIGNATURE"), lines[0].index("SUMMARY")
+    room = max(48, columns - start - 2 - 40)  # 2: the space before the summary
+    for pattern in flexspec.patterns():
+        [line] = [row for row in lines if row.split()[0] == pattern.name]
+        signature = line[start:end].rstrip()
+        full = pattern.signature()
+        assert signature == (full if len(full) <= room else full[:room - 1] + "\u2026")
+    longest = max(len(p.signature()) for p in flexspec.patterns())
+    assert longest > 48  # natten's: cut at 80 columns, whole at 250
+    cut = sum(row[start:end].rstrip().endswith("\u2026") for row in lines)
+    assert (cut > 0) == (columns == 80)
+
+
 def test_list_shows_aliases(capsys):
     aliased = [p for p in flexspec.patterns() if p.aliases]
     if not aliased:
