@@ -429,6 +429,31 @@ def test_explain_call_errors(capsys, argv, message):
     assert code == 1 and message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("option, value", [
+    ("--heads", "0"), ("--heads", "16"), ("--batch", "1"), ("--head-dim", "64"),
+    ("--dtype", "bfloat16"), ("--block-size", "128"), ("--kv-heads", "2"), ("--device", "cpu"),
+    ("--backend", "auto"), ("--kv-len", "8"), ("--bind", "doc_ids=0"),
+])
+def test_explain_refuses_every_call_option_without_q_len(capsys, option, value):
+    """Red-team finding: `explain causal --heads 0` exited 0 and ignored --heads; an option
+    given with its default value counts as given too."""
+    code, out, err = run(capsys, "explain", "causal", option, value)
+    expected = ("--heads must be at least 1, got 0" if value == "0" else
+                f"{option} describes a call: give --q-len too")
+    assert (code, out, err) == (1, "", expected + "\n")
+
+
+@pytest.mark.parametrize("option", ["--q-len", "--kv-len", "--batch", "--heads", "--kv-heads",
+                                    "--head-dim"])
+def test_explain_refuses_a_size_below_one_with_or_without_q_len(capsys, option):
+    for argv in ([option, "0"], ["--q-len", "8", option, "0"] if option != "--q-len" else []):
+        if argv:
+            code, _, err = run(capsys, "explain", "causal", *argv)
+            assert (code, err) == (1, f"{option} must be at least 1, got 0\n")
+    code, _, err = run(capsys, "explain", "causal", "--q-len", "8", "--block-size", "24")
+    assert (code, err) == (1, "--block-size must be a positive multiple of 16, got 24\n")
+
+
 # ---- render and the picture in show -------------------------------------------------------------
 
 
