@@ -26,7 +26,7 @@ def parse(text, *, library: Library | None = None) -> Spec:
                         f"{type(library).__name__}")
     scope = library.scope if library is not None else registry().scope
     node = parse_spec(text)
-    return Spec(node, check_spec(node, scope))
+    return Spec(node, check_spec(node, scope), library.origin if library is not None else None)
 
 
 def with_mask(spec: Spec, mask: str, *, library: Library | None = None) -> Spec:

@@ -18,7 +18,7 @@ from flexspec.lang.definitions import SCALAR_TYPES, Definition, ParamSpec, Scope
 from flexspec.errors import LINE_BREAK, SpecCheckError, SpecError, SpecTypeError, did_you_mean
 from flexspec.lang.parser import parse_file
 from flexspec.lang.registry import registry
-from flexspec.lang.spec import Spec
+from flexspec.lang.spec import LibraryOrigin, Spec
 
 
 def _param_spec(param: ast.Param) -> ParamSpec:
@@ -50,15 +50,17 @@ def _definition(statement, origin: str) -> Definition:
 class Library:
     """The checked contents of one ``.attn`` file. ``library["name"]`` gives a named spec."""
 
-    def __init__(self, module: ast.Module, name: str, parent: Scope | None = None):
+    def __init__(self, module: ast.Module, name: str, parent: Scope | None = None,
+                 path: str | None = None):
         self.name = name
+        self.path = path  # the file it was read from; None for text (flexspec.loads)
         self.module = module
         errors, self.scope, spec_irs = _check_module(module, name, parent)
         if errors:
             raise errors[0]
         self.definitions = dict(self.scope.definitions)
         self.specs: dict[str, Spec] = {
-            statement.name: Spec(statement.expr, spec_irs[statement.name])
+            statement.name: Spec(statement.expr, spec_irs[statement.name], self.origin)
             for statement in module.statements if isinstance(statement, ast.SpecDef)}
 
     def __getitem__(self, name: str) -> Spec:
@@ -67,6 +69,11 @@ class Library:
             known = ", ".join(self.specs) or "none"
             raise SpecCheckError(f"{self.name} has no spec named '{name}'.{hint} Its specs: {known}")
         return self.specs[name]
+
+    @property
+    def origin(self) -> LibraryOrigin:
+        """What the specs whose names resolve here record of it (for their repr)."""
+        return LibraryOrigin(self.name, self.path)
 
     def __contains__(self, name: str) -> bool:
         return name in self.specs
@@ -192,12 +199,13 @@ def _names_used(node) -> set[str]:
     return found
 
 
-def load_text(text: str, name: str = "<file>") -> Library:
-    """Check ``.attn`` text (``name`` is what error messages call it)."""
+def load_text(text: str, name: str = "<file>", path: str | None = None) -> Library:
+    """Check ``.attn`` text (``name`` is what error messages call it; ``path`` the file it was
+    read from, if any)."""
     if not isinstance(text, str):
         raise SpecTypeError(f"loads() takes the text of an .attn file, got {type(text).__name__}; "
                         "for a path use flexspec.load")
-    return Library(parse_file(text, name), name)
+    return Library(parse_file(text, name), name, path=path)
 
 
 loads = load_text  # the public name, as json.load / json.loads
@@ -214,4 +222,4 @@ def load(path) -> Library:
     except (OSError, UnicodeDecodeError) as err:
         raise SpecError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}",
                         source_name=str(path)) from None
-    return load_text(text, str(path))
+    return load_text(text, str(path), path=str(path))
