@@ -1,6 +1,7 @@
-"""Every example of ``docs/language.md`` does what the page says.
+"""Every example of ``docs/language.md`` does what the page says, and every Python block of
+``README.md`` and ``docs/howto.md`` runs as written (see the second half of this file).
 
-Fenced blocks by language:
+Fenced blocks of ``docs/language.md`` by language:
 
 * ``flexspec``: one spec per line (``#`` comments allowed); each must parse and check;
 * ``attn``: an ``.attn`` file that must check without errors;
