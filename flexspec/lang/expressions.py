@@ -70,7 +70,9 @@ def _check_index_range(target: ir.Expr, dim: int, index: ir.Expr, target_node: a
         raise SpecCheckError(f"the index '{describe(index_node)}' of '{name}' is negative "
                              f"wherever it is read (at most {hi:g}): indices start at 0",
                              index_node.span)
-    if isinstance(size, ir.Const) and lo >= size.value:
+    # (an empty or negative declared size is refused, with its own message, where the tensor
+    # is made)
+    if isinstance(size, ir.Const) and size.value >= 1 and lo >= size.value:
         raise SpecCheckError(
             f"the index '{describe(index_node)}' of '{name}' is at least {lo:g}, beyond "
             f"dimension {dim + 1} of {declared}, which has {size.value} entr"
