@@ -6,15 +6,14 @@
 'causal & window(128) + alibi'
 """
 
-from __future__ import annotations
-
-import warnings
+import warnings as _warnings
 
 # torch warns at import when numpy is missing ("Failed to initialize NumPy"), which flexspec
 # never uses: a newcomer's first screen (the demo, `flexspec render`) should not start with it.
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+_warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
-from flexspec.errors import (BindingError, RegistryError, SpecCheckError, SpecError, SpecSyntaxError)
+from flexspec.errors import (BindingError, BindingTypeError, RegistryError, SpecCheckError,
+                             SpecError, SpecSyntaxError, SpecTypeError)
 from flexspec.lang.api import parse
 from flexspec.lang.library import Library, load, loads
 from flexspec.lang.registry import Pattern
@@ -72,7 +71,14 @@ def __getattr__(name):
     raise AttributeError(f"module 'flexspec' has no attribute {name!r}")
 
 
-__all__ = ["Attention", "BackendError", "BindingError", "CompileLimitError", "Library",
-           "MultiheadAttention", "Pattern", "RegistryError", "Spec", "SpecAttention",
-           "SpecCheckError", "SpecError", "SpecSyntaxError", "backends", "compile", "load",
+def __dir__():
+    # the runtime's names too, which exist only through __getattr__ until first used (dir()
+    # must not import torch to list them)
+    return sorted(set(globals()) | set(_RUNTIME_NAMES))
+
+
+__all__ = ["Attention", "BackendError", "BindingError", "BindingTypeError", "CompileLimitError",
+           "Library", "MultiheadAttention", "Pattern", "RegistryError", "Spec", "SpecAttention",
+           "SpecCheckError", "SpecError", "SpecSyntaxError", "SpecTypeError", "backends", "compile",
+           "load",
            "loads", "parse", "pattern", "patterns"]

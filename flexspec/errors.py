@@ -7,8 +7,15 @@ a caret under the offending span, the way compilers do.
 
 from __future__ import annotations
 
+import bisect
 import difflib
+import functools
+import re
 from dataclasses import dataclass, field
+
+# A line ends at "\n", "\r\n" or a lone "\r": files saved on Windows or old Macs count their
+# lines as an editor shows them.
+LINE_BREAK = re.compile(r"\r\n|\r|\n")
 
 
 @dataclass(frozen=True)
@@ -24,22 +31,34 @@ class Source:
     line_offset: int = 0
     column_offset: int = 0
 
+    @functools.cached_property
+    def _line_starts(self) -> list[int]:
+        """The offset where each line starts (computed once: a file may have many errors)."""
+        return [0] + [match.end() for match in LINE_BREAK.finditer(self.text)]
+
+    def _line_index(self, offset: int) -> int:
+        """The 0-based line of a character offset (the break ending a line belongs to it)."""
+        offset = max(0, min(offset, len(self.text)))
+        return bisect.bisect_right(self._line_starts, offset) - 1
+
+    def line_start(self, offset: int) -> int:
+        """The offset of the first character of the line that holds ``offset``."""
+        return self._line_starts[self._line_index(offset)]
+
     def line_col(self, offset: int) -> tuple[int, int]:
         """1-based (line, column) in the enclosing file of a 0-based character offset."""
         offset = max(0, min(offset, len(self.text)))
-        line = self.text.count("\n", 0, offset)
-        line_start = self.text.rfind("\n", 0, offset) + 1
-        column = offset - line_start + 1
+        line = self._line_index(offset)
+        column = offset - self._line_starts[line] + 1
         if line == 0:
             column += self.column_offset
         return line + 1 + self.line_offset, column
 
     def line_text(self, offset: int) -> str:
-        """The text of the line that holds ``offset`` (without its newline)."""
-        offset = max(0, min(offset, len(self.text)))
-        start = self.text.rfind("\n", 0, offset) + 1
-        end = self.text.find("\n", offset)
-        return self.text[start : end if end >= 0 else len(self.text)]
+        """The text of the line that holds ``offset`` (without its line break)."""
+        start = self.line_start(offset)
+        end = LINE_BREAK.search(self.text, start)
+        return self.text[start : end.start() if end is not None else len(self.text)]
 
 
 @dataclass(frozen=True)
@@ -51,10 +70,12 @@ class Span:
     end: int
 
 
-class SpecError(Exception):
+class SpecError(ValueError):
     """Base of every error flexspec raises for bad input.
 
-    Attributes: ``message`` (what is wrong and how to fix it), ``source_name``, ``line`` and
+    A ``ValueError``, as torch's own errors for a wrong shape or dtype are, so that code written
+    for torch (``except ValueError``) catches flexspec's too; errors about a value of the wrong
+    Python type are also ``TypeError``s (:class:`SpecTypeError`). Attributes: ``message`` (what is wrong and how to fix it), ``source_name``, ``line`` and
     ``column`` (1-based; ``None`` where no position applies) and ``span``.
     """
 
@@ -82,7 +103,7 @@ class SpecError(Exception):
             return head
         source, start, end = self.span.source, self.span.start, self.span.end
         text = source.line_text(start)
-        line_start = source.text.rfind("\n", 0, max(0, min(start, len(source.text)))) + 1
+        line_start = source.line_start(start)
         column = start - line_start
         width = max(1, min(end, line_start + len(text)) - start)
         indent = "".join(ch if ch == "\t" else " " for ch in text[:column])
@@ -90,6 +111,14 @@ class SpecError(Exception):
 
     def __str__(self) -> str:
         return self.render()
+
+
+class SpecTypeError(SpecError, TypeError):
+    """A value of the wrong Python type where flexspec expects another (spec text that is not a
+    str, a library that is not a :class:`~flexspec.Library`): both a :class:`SpecError` and a
+    ``TypeError``, as Python's own errors for a wrong type are."""
+
+    kind = "type error"
 
 
 class SpecSyntaxError(SpecError):
@@ -112,6 +141,13 @@ class RegistryError(SpecError):
 
 class BindingError(SpecError):
     """A runtime tensor binding is missing, unexpected, or has the wrong shape, dtype or device."""
+
+    kind = "binding error"
+
+
+class BindingTypeError(BindingError, SpecTypeError):
+    """A call's input of the wrong Python type (``q must be a torch.Tensor, got list``): a
+    :class:`BindingError` that is also a ``TypeError``."""
 
     kind = "binding error"
 

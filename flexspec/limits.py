@@ -69,6 +69,16 @@ def check_float_constant(value: float, what: str = "", *, error=SpecError, span=
                     "from 1.4e-45 to 3.4e38 in magnitude); use a value in that range", span)
 
 
+def check_float_literal(text: str, value: float, *, error=SpecError, span=None) -> None:
+    """A number written in a spec or a definition must be read as itself: one beyond even
+    float64 (``1e400``, ``1e-400``) would become inf or 0 without a word. It is refused as
+    :func:`check_float_constant` refuses one beyond float32 (``1e39``), which it is too."""
+    mantissa = text.lower().split("e")[0]
+    if math.isinf(value) or (value == 0 and mantissa.strip("0.") != ""):
+        raise error(f"{text} is beyond float32 (the kernels compute scores in float32, from "
+                    "1.4e-45 to 3.4e38 in magnitude); use a value in that range", span)
+
+
 def check_position(value: int, name: str, *, error=SpecError) -> None:
     """A query position offset must stay well inside int64 (see :data:`POSITION_LIMIT`)."""
     if not -POSITION_LIMIT <= value < POSITION_LIMIT:

@@ -122,6 +122,9 @@ def _mutmut(work: Path, *args: str) -> int:
     # one torch thread per worker: this machine has two cores, and forked workers must not
     # inherit a busy OpenMP pool
     mutmut = Path(sys.executable).with_name("mutmut")
+    if not mutmut.exists():
+        raise SystemExit(f"mutmut is not installed beside {sys.executable}: "
+                         "pip install -r mutation/requirements.txt")
     return subprocess.call([str(mutmut), *args], cwd=work, env=env)
 
 

@@ -1,6 +1,7 @@
-"""Every example of ``docs/language.md`` does what the page says.
+"""Every example of ``docs/language.md`` does what the page says, and every Python block of
+``README.md`` and ``docs/howto.md`` runs as written (see the second half of this file).
 
-Fenced blocks by language:
+Fenced blocks of ``docs/language.md`` by language:
 
 * ``flexspec``: one spec per line (``#`` comments allowed); each must parse and check;
 * ``attn``: an ``.attn`` file that must check without errors;
@@ -111,3 +112,63 @@ def test_the_packed_training_example_learns(capsys):
     losses = [float(line.split("loss")[1].split()[0])
               for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
     assert len(losses) == 2 and losses[1] < losses[0] - 1.0
+
+
+# ---- the Python of README.md and docs/howto.md, run as written ----------------------------------
+#
+# Every ```python block of these pages runs on the CPU in a fresh namespace, in a temporary
+# folder that holds the files the page shows: a block whose first line is `# NAME.attn` is that
+# file. A block that cannot run here says so in an HTML comment on the line before it,
+# `<!-- not run: REASON -->` (rendered pages do not show it); there are few, each with a reason.
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_PAGES = [ROOT / "README.md", ROOT / "docs" / "howto.md"]
+NOT_RUN = re.compile(r"<!-- not run: (.+?) -->\s*$")
+MOST_NOT_RUN = 3
+
+
+def page_blocks(path: Path) -> list[tuple[int, str, str, str | None]]:
+    """``(line, language, text, reason not run)`` of every fenced block of a page."""
+    text = path.read_text(encoding="utf-8")
+    found = []
+    for match in FENCE.finditer(text):
+        before = text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        skip = NOT_RUN.search(before)
+        line = text.count("\n", 0, match.start()) + 2
+        found.append((line, match.group(1), match.group(2), skip.group(1) if skip else None))
+    return found
+
+
+PYTHON_BLOCKS = [(path, line, body, reason) for path in RUN_PAGES
+                 for line, kind, body, reason in page_blocks(path) if kind == "python"]
+
+
+def attn_files(path: Path) -> dict[str, str]:
+    """The .attn files a page shows: blocks whose first line is `# NAME.attn`."""
+    files = {}
+    for _, _, body, _ in page_blocks(path):
+        first = body.split("\n", 1)[0]
+        if re.fullmatch(r"# [\w.-]+\.attn", first.strip()):
+            files[first.strip()[2:]] = body
+    return files
+
+
+def test_the_pages_have_python_to_run_and_few_blocks_that_are_not():
+    assert len(PYTHON_BLOCKS) >= 10
+    not_run = [(path.name, line, reason) for path, line, _, reason in PYTHON_BLOCKS if reason]
+    assert len(not_run) <= MOST_NOT_RUN, not_run
+    assert all(len(reason) > 20 for _, _, reason in not_run), "say why it cannot run"
+
+
+@pytest.mark.parametrize("path, line, body, reason", PYTHON_BLOCKS,
+                         ids=[f"{p.name}:{line}" for p, line, _, _ in PYTHON_BLOCKS])
+def test_python_blocks_run_as_written(path, line, body, reason, tmp_path, monkeypatch):
+    if reason is not None:
+        pytest.skip(f"{path.name}:{line} is marked not run: {reason}")
+    if re.search(r"^\s*import transformers", body, re.M):
+        pytest.importorskip("transformers")
+    for name, text in attn_files(path).items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    code = compile(body, f"{path.relative_to(ROOT)}:{line}", "exec")
+    exec(code, {"__name__": "__docs__"})

@@ -83,3 +83,16 @@ def test_int_range_message_names_the_expression_and_the_fix():
     assert "'q * 4611686018427387904' reaches 0..4.6e+21 for Q_LEN=1000, beyond the 64-bit" in message
     assert "float arithmetic" in message
     limits.check_int_range("q * 2", 0, 2**31 - 1, "int32", "")
+
+
+@pytest.mark.parametrize("text, refused", [("1e400", True), ("1e-400", True), ("0.0e-400", False),
+                                           ("00.000", False), ("1e38", False), ("1e39", False),
+                                           (".5e-9999", True)])
+def test_a_float_literal_must_be_read_as_itself(text, refused):
+    """check_float_literal refuses only what float64 cannot read (1e39 is left to
+    check_float_constant, which refuses it wherever the constant reaches a kernel)."""
+    if refused:
+        with pytest.raises(SpecError, match=f"^{text} is beyond float32"):
+            limits.check_float_literal(text, float(text))
+    else:
+        limits.check_float_literal(text, float(text))

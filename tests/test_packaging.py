@@ -94,3 +94,40 @@ def test_the_license_is_an_spdx_string_not_a_table():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert isinstance(project["license"], str) and project["license"] == "Apache-2.0"
     assert not any("License ::" in c for c in project.get("classifiers", []))
+
+
+def test_the_wheel_carries_the_license_and_its_metadata(installed):
+    """The wheel had no LICENSE file and no classifiers, and published the developers' `mutation`
+    extra."""
+    import email
+    import zipfile
+
+    _, work = installed
+    wheel = zipfile.ZipFile(next((work / "dist").glob("flexspec-*.whl")))
+    [license_file] = [n for n in wheel.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+    assert wheel.read(license_file) == (ROOT / "LICENSE").read_bytes()
+    assert b"Apache License" in wheel.read(license_file)
+    [metadata] = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    fields = email.message_from_bytes(wheel.read(metadata))
+    assert fields["License-Expression"] == "Apache-2.0"
+    assert fields["License-File"] == "LICENSE"
+    assert "Programming Language :: Python :: 3" in fields.get_all("Classifier")
+    assert sorted(fields.get_all("Provides-Extra")) == ["plot", "test", "transformers"]
+
+
+def test_the_source_distribution_carries_the_docs_the_readme_links_to(tmp_path):
+    import re
+    import tarfile
+
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis", ".fa4",
+        ".whl", ".pytest_cache", "mutants"))
+    code = "from setuptools import build_meta; print(build_meta.build_sdist('dist'))"
+    built = _run([sys.executable, "-c", code], cwd=source)
+    assert built.returncode == 0, built.stderr
+    names = tarfile.open(source / "dist" / built.stdout.split()[-1]).getnames()
+    top = names[0].split("/")[0]
+    links = re.findall(r"\]\(((?:docs|examples)/[^)#]+)", (ROOT / "README.md").read_text())
+    assert links and all(f"{top}/{link}" in names for link in links), links
+    assert f"{top}/LICENSE" in names

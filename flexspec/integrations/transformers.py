@@ -65,8 +65,8 @@ def register(name: str = "flexspec", spec: str = "causal", library=None,
     except ImportError as err:
         raise SpecError("flexspec.integrations.transformers needs transformers: "
                         "pip install 'flexspec[transformers]'") from err
-    if not isinstance(name, str) or not name.isidentifier():
-        raise SpecError(f"the attention implementation's name must be an identifier, got {name!r}")
+    if not isinstance(name, str) or not name:
+        raise SpecError(f"the attention implementation's name must be a non-empty str, got {name!r}")
     base = flexspec.parse(spec, library=library) if isinstance(spec, str) else spec
     layers = _Layers(base, library, compile_options)
     AttentionInterface.register(name, layers.attention)

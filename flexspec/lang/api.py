@@ -8,7 +8,7 @@ never imports the package's ``__init__``.
 from __future__ import annotations
 
 from flexspec import ir
-from flexspec.errors import SpecError
+from flexspec.errors import SpecError, SpecTypeError
 from flexspec.ir import rewrites
 from flexspec.lang import ast
 from flexspec.lang.ast import format_node
@@ -26,13 +26,13 @@ def parse(text, *, library: Library | None = None) -> Spec:
         return text
     scope = _scope(library)
     node = parse_spec(text)
-    return Spec(node, check_spec(node, scope))
+    return Spec(node, check_spec(node, scope), library.origin if library is not None else None)
 
 
 def _scope(library: Library | None):
     if library is not None and not isinstance(library, Library):
-        raise SpecError(f"library must be a flexspec.Library (from flexspec.load), got "
-                        f"{type(library).__name__}")
+        raise SpecTypeError(f"library must be a flexspec.Library (from flexspec.load), got "
+                            f"{type(library).__name__}")
     return library.scope if library is not None else registry().scope
 
 
@@ -59,7 +59,7 @@ def with_mask(spec: Spec, mask, *, library: Library | None = None) -> Spec:
         terms = terms[:at] + (ast.Binary("&", terms[at], joined.expr),) + terms[at + 1:]
     else:
         terms = (joined.expr,) + terms
-    return _checked(terms, rewrites.join_mask(spec.ir, joined.ir))
+    return _checked(terms, rewrites.join_mask(spec.ir, joined.ir), spec.library)
 
 
 def with_score(spec: Spec, modifier, *, library: Library | None = None) -> Spec:
@@ -70,7 +70,7 @@ def with_score(spec: Spec, modifier, *, library: Library | None = None) -> Spec:
         raise SpecError(f"with_score adds a score modifier, but '{added}' has a mask")
     terms = spec.expr.terms if isinstance(spec.expr, ast.Chain) else (spec.expr,)
     more = added.expr.terms if isinstance(added.expr, ast.Chain) else (added.expr,)
-    return _checked(terms + more, rewrites.join_score(spec.ir, added.ir))
+    return _checked(terms + more, rewrites.join_score(spec.ir, added.ir), spec.library)
 
 
 def _kind(result: ir.AttentionIR) -> str:
@@ -79,7 +79,7 @@ def _kind(result: ir.AttentionIR) -> str:
     return "score"
 
 
-def _checked(terms: tuple, result: ir.AttentionIR) -> Spec:
+def _checked(terms: tuple, result: ir.AttentionIR, library) -> Spec:
     node = terms[0] if len(terms) == 1 else ast.Chain(terms)
     check_result(result, node)
-    return Spec(node, result)
+    return Spec(node, result, library)

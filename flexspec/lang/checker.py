@@ -18,7 +18,7 @@ from flexspec import ir
 from flexspec.ir import ops
 from flexspec.lang import ast
 from flexspec.lang.definitions import CALL_ARGUMENTS, Definition, ParamSpec, Scope
-from flexspec.lang.runnable import check_runnable
+from flexspec.lang.runnable import check_constants, check_runnable
 from flexspec.lang.expressions import (INDEX_NAMES, LOGIC, SIZE_NAMES, ExpressionChecker,
                                        describe, type_name)
 from flexspec.errors import SpecCheckError, did_you_mean
@@ -211,7 +211,7 @@ class Checker(ExpressionChecker):
                                          "expression", param.constraint.span)
         self._check_default_constraints(definition, env)
         with self._inlining(definition, definition.body):
-            self._definition_body(definition, env)
+            check_constants(simplify(self._definition_body(definition, env)), definition.body.span)
 
     def _check_default_constraints(self, definition: Definition, symbolic: dict) -> None:
         """A literal default must meet its parameter's constraint: with every literal default in

@@ -9,11 +9,15 @@ what a name can refer to beyond the indices and sizes: parameters, and definitio
 
 from __future__ import annotations
 
+import math
+
 from flexspec import ir
 from flexspec.errors import SpecCheckError, did_you_mean
 from flexspec.ir import ops
 from flexspec.lang import ast
 from flexspec.lang.ast import format_node
+from flexspec.ir.intervals import bounds
+from flexspec.ir.simplify import simplify
 from flexspec.lang.definitions import Definition
 
 INDEX_NAMES = set(ir.INDEX_VARS)
@@ -29,6 +33,50 @@ def describe(node: ast.Node) -> str:
 
 def type_name(t: str) -> str:
     return {"bool": "a bool", "int": "an int", "float": "a float", "tensor": "a tensor"}[t]
+
+
+# What each index variable runs over and what each broadcast size counts, for messages.
+_POSITIONS = {"q": ("a query position", "Q_LEN"), "kv": ("a key position", "KV_LEN")}
+_COUNTS = {"H": ("head", "h"), "B": ("batch row", "b")}
+# Where the indices and sizes can lie when nothing about a call is known: q can be anywhere
+# (q_offset may be negative), the others from 0 (sizes from 1) without bound.
+_ANY_CALL = {"q": (-math.inf, math.inf), "kv": (0, math.inf), "b": (0, math.inf),
+             "h": (0, math.inf), **{size: (1, math.inf) for size in ir.SIZE_VARS}}
+
+
+def _check_index_range(target: ir.Expr, dim: int, index: ir.Expr, target_node: ast.Node,
+                       index_node: ast.Node) -> None:
+    """Refuse an index that is out of its tensor's range for every call: below 0 or beyond a
+    dimension of constant size whatever the sizes, or a position (``q``, ``kv``) used on a
+    dimension declared with one entry per head or batch row (``w[q]`` on ``w: float[H]``), which
+    only a call with few enough positions would survive."""
+    size = simplify(target.shape[dim])
+    name = describe(target_node)
+    declared = f"{target.param_type if isinstance(target, ir.Param) else target.dtype}" \
+               f"[{', '.join(ir.to_text(d) for d in target.shape)}]"
+    if isinstance(index, ir.Var) and index.name in _POSITIONS and isinstance(size, ir.Var) \
+            and size.name in _COUNTS:
+        what, length = _POSITIONS[index.name]
+        entry, var = _COUNTS[size.name]
+        raise SpecCheckError(
+            f"'{name}' is declared {declared}, one entry per {entry} in dimension {dim + 1}, but "
+            f"is indexed there by '{index.name}', {what} (up to {length} - 1): index it by "
+            f"{var}, or declare that dimension {length}", index_node.span)
+    found = bounds(index, _ANY_CALL)
+    if found is None:
+        return
+    lo, hi = found
+    if hi < 0:
+        raise SpecCheckError(f"the index '{describe(index_node)}' of '{name}' is negative "
+                             f"wherever it is read (at most {hi:g}): indices start at 0",
+                             index_node.span)
+    # (an empty or negative declared size is refused, with its own message, where the tensor
+    # is made)
+    if isinstance(size, ir.Const) and size.value >= 1 and lo >= size.value:
+        raise SpecCheckError(
+            f"the index '{describe(index_node)}' of '{name}' is at least {lo:g}, beyond "
+            f"dimension {dim + 1} of {declared}, which has {size.value} entr"
+            f"{'y' if size.value == 1 else 'ies'} (0 .. {size.value - 1})", index_node.span)
 
 
 class ExpressionChecker:
@@ -130,8 +178,9 @@ class ExpressionChecker:
                                  f"{'s' if rank != 1 else ''} but is indexed with "
                                  f"{len(node.indices)}", node.span)
         indices = tuple(self.expr(i, env, definition) for i in node.indices)
-        for index, index_node in zip(indices, node.indices):
+        for dim, (index, index_node) in enumerate(zip(indices, node.indices)):
             self._expect(index, ("int",), index_node, "tensor indices must be ints")
+            _check_index_range(target, dim, index, node.target, index_node)
         return ir.Lookup(target, indices)
 
     def _binary(self, node: ast.Binary, env: dict, definition: Definition | None) -> ir.Expr:

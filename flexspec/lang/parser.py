@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
+import re
 from pathlib import Path
 
 import lark
@@ -19,7 +21,8 @@ from lark.exceptions import (UnexpectedCharacters, UnexpectedEOF, UnexpectedInpu
                              VisitError)
 
 from flexspec.lang import ast
-from flexspec.errors import Source, Span, SpecSyntaxError
+from flexspec.errors import Source, Span, SpecCheckError, SpecError, SpecSyntaxError, SpecTypeError
+from flexspec.limits import check_float_literal
 from flexspec.resources import data_path
 
 START_SYMBOLS = ("spec", "file", "expr", "type_expr")
@@ -62,7 +65,9 @@ _comment_sink: list | None = None
 
 def _collect_comment(token):
     if _comment_sink is not None:
-        _comment_sink.append((token.line, str(token)))
+        # the offset, not lark's line: lark counts "\n" only, where a file may end its lines
+        # with a lone "\r" (Source.line_col counts every kind of line break)
+        _comment_sink.append((token.start_pos, str(token)))
     return token
 
 
@@ -115,6 +120,10 @@ class _ToAst(Transformer):
         except ValueError:  # Python refuses int() of more than 4300 digits
             raise SpecSyntaxError(f"the number is too long ({len(token)} digits)",
                                   self._token_span(token)) from None
+        if token.type == "FLOAT":
+            # 1e400 would be read as inf and 1e-400 as 0: refused as 1e39 is, at the number
+            check_float_literal(str(token), value, error=SpecCheckError,
+                                span=self._token_span(token))
         cls = ast.Int if isinstance(value, int) else ast.Float
         return cls(value, span=self._span(meta))
 
@@ -227,6 +236,8 @@ def _syntax_error(err: UnexpectedInput, source: Source) -> SpecSyntaxError:
         message = f"unexpected character {char!r}"
         if char == "'":
             message += " (strings use double quotes)"
+        elif char == "!":
+            message += " (flexspec writes 'not' as '~', as in `causal & ~doc`)"
         span = Span(source, pos, pos + 1)
         allowed = getattr(err, "allowed", None) or ()
         return SpecSyntaxError(message + _describe_expected(allowed), span)
@@ -244,15 +255,98 @@ def _syntax_error(err: UnexpectedInput, source: Source) -> SpecSyntaxError:
         return SpecSyntaxError("unexpected end of input" + _describe_expected(expected),
                                Span(source, end, end + 1))
     message = f"unexpected {str(token)!r}"
-    if token.type == "CMP_OP":
+    start = token.start_pos
+    if token.type in ("AMPERSAND", "VBAR") and text[start - 1:start] == str(token):
+        # `causal && doc`: the caret goes under both characters
+        start -= 1
+        message = f"unexpected {text[start:token.end_pos]!r} (flexspec writes it " \
+                  f"{str(token)!r}, as in `causal {token} doc`)"
+    elif token.type == "NAME" and str(token) in _WORD_OPERATORS:
+        message += f" (flexspec writes {_WORD_OPERATORS[str(token)]!r} for {str(token)!r})"
+    elif _in_spec_argument(token, expected):
+        message += f" ({_spec_argument_hint(text, start)})"
+    elif token.type == "CMP_OP" and "MINUS" not in expected:
+        # no arithmetic could go on here: a spec, which combines patterns
+        message += (" (a spec combines named patterns; write a comparison in a definition of "
+                    f"an .attn file, as in `mask m = q {token} kv`)")
+    elif token.type == "CMP_OP":
         message += " (comparisons do not chain: write `a < b & b < c`)"
     return SpecSyntaxError(message + _describe_expected(expected),
-                           Span(source, token.start_pos, token.end_pos))
+                           Span(source, start, token.end_pos))
+
+
+# Python's and C's spellings of the logic operators, which a spec writes & | ~
+_WORD_OPERATORS = {"and": "&", "or": "|", "not": "~"}
+_OPERATOR_TOKENS = {"PLUS", "MINUS", "STAR", "SLASH", "__ANON_0", "PERCENT", "CMP_OP", "LPAR"}
+
+
+def _in_spec_argument(token, expected) -> bool:
+    """Whether an operator came where only a spec call's literal argument fits: after its
+    value (only ')' ',' or '=' may follow) or before it (a '(' where a value is expected)."""
+    if token.type not in _OPERATOR_TOKENS:
+        return False
+    expected = set(expected)
+    after_value = bool(expected) and expected <= {"RPAR", "COMMA", "EQUAL"}
+    before_value = token.type == "LPAR" and "LPAR" not in expected and "STRING" in expected
+    return after_value or before_value
+
+
+def _spec_argument_hint(text: str, position: int) -> str:
+    """How to fix ``window(64 * 2)``: the call with the expression's value, when it is
+    arithmetic on numbers, and where expressions are allowed."""
+    hint = "a spec's arguments are literals, not expressions"
+    suggestion = _call_with_value(text, position)
+    fix = f"write {suggestion}" if suggestion else "write the number itself"
+    return f"{hint}: {fix}, or compute it in a definition of an .attn file"
+
+
+def _call_with_value(text: str, position: int) -> str | None:
+    """``window(128)`` for an error inside ``window(64 * 2)``, or None."""
+    opening = text.rfind("(", 0, position)
+    name = re.search(r"[A-Za-z_]\w*\s*$", text[:max(opening, 0)])
+    if opening < 0 or name is None or "(" in text[opening + 1:position]:
+        return None
+    begin = max(text.rfind(",", opening, position), opening) + 1
+    end, depth = position, 0
+    while end < len(text) and (depth > 0 or text[end] not in ",)"):
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        end += 1
+    close = text.find(")", end)
+    keyword = re.match(r"\s*([A-Za-z_]\w*)\s*=", text[begin:end])
+    head = begin + (keyword.end() if keyword else 0)
+    try:
+        value = _literal_value(parse_expr(Source(text[head:end])))
+    except SpecError:
+        return None
+    if value is None or close < 0:
+        return None
+    before = text[name.start():begin].rstrip()
+    before += ("" if before.endswith("(") else " ") + (f"{keyword[1]}=" if keyword else "")
+    return before + str(value) + text[end:close + 1]
+
+
+def _literal_value(node):
+    """The value of arithmetic on numbers (``64 * 2``), or None for anything else."""
+    if isinstance(node, (ast.Int, ast.Float)):
+        return node.value
+    if isinstance(node, ast.Unary) and node.op == "-":
+        value = _literal_value(node.operand)
+        return None if value is None else -value
+    if isinstance(node, ast.Binary) and node.op in _ARITHMETIC:
+        left, right = _literal_value(node.left), _literal_value(node.right)
+        if left is None or right is None or (right == 0 and node.op in ("/", "//", "%")):
+            return None
+        return _ARITHMETIC[node.op](left, right)
+    return None
+
+
+_ARITHMETIC = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
+               "//": operator.floordiv, "%": operator.mod}
 
 
 def _parse(text: str, start: str, source: Source):
     if not isinstance(text, str):
-        raise SpecSyntaxError(f"expected spec text (a str), got {type(text).__name__}",
+        raise SpecTypeError(f"expected spec text (a str), got {type(text).__name__}",
                               source_name=source.name)
     if text.startswith("\ufeff"):
         # a byte-order mark, as some editors save UTF-8: a space of the same length keeps every
@@ -273,7 +367,7 @@ def _parse(text: str, start: str, source: Source):
         # strikes there) in VisitError
         if isinstance(err.orig_exc, RecursionError):
             raise SpecSyntaxError("the text is nested too deeply", Span(source, 0, 1)) from None
-        if isinstance(err.orig_exc, SpecSyntaxError):
+        if isinstance(err.orig_exc, (SpecSyntaxError, SpecCheckError)):
             raise err.orig_exc from None
         raise
 
@@ -287,9 +381,11 @@ def parse_spec(text: str, source_name: str = "<spec>") -> ast.Node:
     return _parse(text, "spec", source)
 
 
-def parse_file(text: str, source_name: str = "<file>") -> ast.Module:
-    """Parse the text of an ``.attn`` file."""
-    return _parse(text, "file", Source(text if isinstance(text, str) else "", source_name))
+def parse_file(text: str, source_name: str = "<file>", line_offset: int = 0) -> ast.Module:
+    """Parse the text of an ``.attn`` file (or of its lines from ``line_offset`` on: positions
+    are then counted in the whole file)."""
+    return _parse(text, "file", Source(text if isinstance(text, str) else "", source_name,
+                                       line_offset=line_offset))
 
 
 def parse_expr(source: Source) -> ast.Node:
@@ -311,7 +407,8 @@ def parse_file_with_comments(text: str, source_name: str = "<file>"):
     _comment_sink = []
     try:
         module = parse_file(text, source_name)
-        return module, _comment_sink
+        source = Source(text, source_name)
+        return module, [(source.line_col(offset)[0], comment) for offset, comment in _comment_sink]
     finally:
         _comment_sink = None
 

@@ -20,10 +20,14 @@ from pathlib import Path
 from flexspec import __version__
 from flexspec.errors import SpecError, did_you_mean
 from flexspec.tools.cli_run import _add_explain, _add_render, cmd_explain, cmd_render
-from flexspec.tools.console import (EXIT_ERROR, EXIT_OK, EXIT_USAGE, emit, emit_error, read_file,
-                                    shorten, table)
+from flexspec.tools.console import (EXIT_ERROR, EXIT_OK, EXIT_USAGE, STDIN_NAME, attn_files, emit,
+                                    emit_error, read_file, shorten, table)
 
-SIGNATURE_WIDTH = 48  # `list` shortens longer signatures
+# `list` gives a signature the terminal's width beyond the other columns and SUMMARY_ROOM
+# characters of summary, and never less than SIGNATURE_WIDTH (a few signatures with tensor
+# defaults are long; `show` has them in full)
+SIGNATURE_WIDTH = 48
+SUMMARY_ROOM = 40
 
 
 # ---- list --------------------------------------------------------------------------------------
@@ -53,13 +57,14 @@ def cmd_list(args) -> int:
     if not chosen:
         emit_error(f"no pattern of kind '{args.kind}' in the registry")
         return EXIT_ERROR
+    names = [p.name + (f" ({', '.join(p.aliases)})" if p.aliases else "") for p in chosen]
+    columns = shutil.get_terminal_size().columns  # $COLUMNS, the terminal, or 80
+    others = max(len(n) for n in names + ["NAME"]) + len("KIND ") + 3 * len("  ")
+    signature_width = max(SIGNATURE_WIDTH, columns - others - SUMMARY_ROOM)
     rows = [("NAME", "KIND", "SIGNATURE", "SUMMARY")]
-    for p in chosen:
-        name = p.name + (f" ({', '.join(p.aliases)})" if p.aliases else "")
-        # a few signatures are very long (tensor defaults); `show` has them in full
-        rows.append((name, p.kind, shorten(p.signature(), SIGNATURE_WIDTH), p.summary))
-    width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
-    emit(table(rows, width))
+    for name, p in zip(names, chosen):
+        rows.append((name, p.kind, shorten(p.signature(), signature_width), p.summary))
+    emit(table(rows, columns if sys.stdout.isatty() else None))
     return EXIT_OK
 
 
@@ -149,20 +154,26 @@ def cmd_show(args) -> int:
 def _add_check(subparsers) -> None:
     p = subparsers.add_parser("check", help="check .attn files",
                               description="Check .attn files: syntax, names, kinds, types and "
-                                          "arguments. Errors go to stderr with file:line:col.")
-    p.add_argument("files", nargs="+", metavar="FILE", help="an .attn file")
+                                          "arguments. Every error of a file is reported, to "
+                                          "stderr with file:line:col.")
+    p.add_argument("files", nargs="+", metavar="FILE",
+                   help="an .attn file, a folder (every .attn file under it, hidden folders "
+                        "left out) or - (the standard input)")
 
 
 def cmd_check(args) -> int:
     from flexspec.lang import ast
-    from flexspec.lang.library import check_module
+    from flexspec.lang.library import check_text
     from flexspec.lang.parser import parse_file
 
     status = EXIT_OK
-    for path in args.files:
+    for path in attn_files(args.files):
+        name = STDIN_NAME if path == "-" else path
         try:
-            module = parse_file(read_file(path), path)
-            errors = check_module(module, path)
+            if Path(path).is_dir():  # attn_files keeps a folder that holds none
+                raise SpecError(f"{path}: no .attn file in this folder or below it")
+            text = read_file(path)
+            errors = check_text(text, name)
         except SpecError as err:
             errors = [err]
         if errors:
@@ -170,10 +181,10 @@ def cmd_check(args) -> int:
                 emit_error(str(err))
             status = EXIT_ERROR
             continue
-        statements = module.statements
+        statements = parse_file(text, name).statements
         specs = sum(isinstance(s, ast.SpecDef) for s in statements)
         definitions = len(statements) - specs
-        emit(f"{path}: ok ({specs} spec{'s' * (specs != 1)}, "
+        emit(f"{name}: ok ({specs} spec{'s' * (specs != 1)}, "
              f"{definitions} definition{'s' * (definitions != 1)})")
     return status
 

@@ -30,21 +30,18 @@ def _add_explain(subparsers) -> None:
                    help="an .attn file whose definitions and specs the spec may use")
     p.add_argument("--q-len", type=int, metavar="N", help="query length of the call explained")
     p.add_argument("--kv-len", type=int, metavar="N", help="key/value length (default: --q-len)")
-    p.add_argument("--batch", type=int, default=1, metavar="B", help="batch size (default 1)")
-    p.add_argument("--heads", type=int, default=16, metavar="H",
-                   help="query heads (default 16)")
+    p.add_argument("--batch", type=int, metavar="B", help="batch size (default 1)")
+    p.add_argument("--heads", type=int, metavar="H", help="query heads (default 16)")
     p.add_argument("--kv-heads", type=int, metavar="H",
                    help="key/value heads (default: --heads; fewer means grouped-query)")
-    p.add_argument("--head-dim", type=int, default=128, metavar="D",
-                   help="head dimension (default 128)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+    p.add_argument("--head-dim", type=int, metavar="D", help="head dimension (default 128)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                    help="input dtype (default bfloat16)")
-    p.add_argument("--device", default="cpu", help="device, e.g. cpu or cuda (default cpu)")
+    p.add_argument("--device", help="device, e.g. cpu or cuda (default cpu)")
     p.add_argument("--grad", action="store_true", help="the inputs require gradients")
-    p.add_argument("--backend", default="auto", action=_BackendOption,
-                   help="the backend asked for (default auto)")
-    p.add_argument("--block-size", type=int, default=128, metavar="N",
-                   help="block size of the block mask (default 128)")
+    p.add_argument("--backend", action=_BackendOption, help="the backend asked for (default auto)")
+    p.add_argument("--block-size", type=int, metavar="N",
+                   help="block size of the block mask, a multiple of 16 (default 128)")
     p.add_argument("--bind", action="append", default=[], metavar="NAME=VALUES",
                    help="a runtime tensor's values (repeatable), as in 'flexspec render'")
 
@@ -60,20 +57,41 @@ def _spec(args):
     return parse(args.spec, library=library)
 
 
+# The options of `explain` that describe a call, with what a call takes where one is left out.
+# Their argparse default is None (False or [] for --grad and --bind), so that an option given
+# with its default value (`--heads 16`) still counts as given.
+CALL_OPTIONS = {"kv_len": None, "batch": 1, "heads": 16, "kv_heads": None, "head_dim": 128,
+                "dtype": "bfloat16", "device": "cpu", "grad": False, "backend": "auto",
+                "block_size": 128, "bind": []}
+
+
 def cmd_explain(args) -> int:
+    _check_call_numbers(args)
     spec = _spec(args)
     if args.q_len is None:
-        runtime_options = ("kv_len", "kv_heads", "grad", "bind")
-        given = [f"--{name.replace('_', '-')}" for name in runtime_options if getattr(args, name)]
-        given += [option for option, used in (("--device", args.device != "cpu"),
-                                              ("--backend", args.backend != "auto")) if used]
+        given = [f"--{name.replace('_', '-')}" for name in CALL_OPTIONS
+                 if getattr(args, name) not in (None, False, [])]
         if given:
             verb = "describes" if len(given) == 1 else "describe"
             raise SpecError(f"{', '.join(given)} {verb} a call: give --q-len too")
         emit(spec.explain())
         return EXIT_OK
+    for name, default in CALL_OPTIONS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     emit(str(_explain_call(spec, args)))
     return EXIT_OK
+
+
+def _check_call_numbers(args) -> None:
+    """Every size given must be at least 1, and a block size a multiple of 16, whether or not
+    --q-len is there to make a call of them."""
+    for name in ("q_len", "kv_len", "batch", "heads", "kv_heads", "head_dim"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SpecError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.block_size is not None and (args.block_size < 16 or args.block_size % 16):
+        raise SpecError(f"--block-size must be a positive multiple of 16, got {args.block_size}")
 
 
 class _BackendOption(argparse.Action):
@@ -105,11 +123,6 @@ def _explain_call(spec, args):
 
     kv_len = args.q_len if args.kv_len is None else args.kv_len
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
-    for option, value in (("--q-len", args.q_len), ("--kv-len", kv_len),
-                          ("--batch", args.batch), ("--heads", args.heads),
-                          ("--kv-heads", kv_heads), ("--head-dim", args.head_dim)):
-        if value < 1:
-            raise SpecError(f"{option} must be at least 1, got {value}")
     attn = compile_spec(spec, backend=args.backend, block_size=args.block_size)
     device = as_device(args.device)
     dtype = getattr(torch, args.dtype)

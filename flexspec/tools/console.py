@@ -1,9 +1,11 @@
 """What every command of the command line shares: exit codes, output to stdout and stderr, reading
-a file with a size limit, and plain-text tables."""
+a file (or the standard input, ``-``) with a size limit, the ``.attn`` files a folder holds, and
+plain-text tables."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from flexspec.errors import SpecError
 from flexspec.limits import MAX_FILE_CHARS, check_file_length
@@ -19,17 +21,42 @@ def emit_error(text: str) -> None:
     print(text, file=sys.stderr)
 
 
+STDIN_NAME = "<stdin>"  # what messages call the standard input, read for the path "-"
+
+
 def read_file(path: str) -> str:
-    """A file's text; an unreadable or oversized file is a :class:`SpecError` naming it."""
+    """A file's text (``-``: the standard input's); an unreadable or oversized file is a
+    :class:`SpecError` naming it."""
+    name = STDIN_NAME if path == "-" else path
     try:
-        with open(path, encoding="utf-8", newline="") as f:
-            # .attn files are a few kilobytes; the limit keeps `check /dev/zero` from reading on
-            text = f.read(MAX_FILE_CHARS + 1)
+        if path == "-":
+            text = sys.stdin.read(MAX_FILE_CHARS + 1)
+        else:
+            with open(path, encoding="utf-8", newline="") as f:
+                # .attn files are a few kilobytes; the limit keeps `check /dev/zero` from
+                # reading on
+                text = f.read(MAX_FILE_CHARS + 1)
     except (OSError, UnicodeDecodeError) as err:
         reason = getattr(err, "strerror", None) or str(err)
-        raise SpecError(f"cannot read {path}: {reason}") from None
-    check_file_length(len(text), path)
+        raise SpecError(f"cannot read {name}: {reason}") from None
+    check_file_length(len(text), name)
     return text
+
+
+def attn_files(paths: list[str]) -> list[str]:
+    """The paths given, with each folder replaced by the ``.attn`` files under it, sorted
+    (folders whose name starts with a dot, such as ``.git`` and ``.venv``, are left out). A
+    folder without any is kept as it is, so that reading it fails with its name."""
+    found = []
+    for path in paths:
+        folder = Path(path)
+        if path == "-" or not folder.is_dir():
+            found.append(path)
+            continue
+        files = sorted(str(p) for p in folder.rglob("*.attn") if p.is_file() and not any(
+            part.startswith(".") for part in p.relative_to(folder).parts[:-1]))
+        found.extend(files or [path])
+    return found
 
 
 def shorten(text: str, width: int) -> str:

@@ -114,22 +114,26 @@ _TRUE, _FALSE = ("true", "1"), ("false", "0")
 
 def _bind_scalar(text: str, dtype: str, name: str):
     word = text.strip()
+    if dtype == "bool":
+        if word.lower() in _TRUE + _FALSE:
+            return word.lower() in _TRUE
+        raise _invalid_value(word, dtype, name)
     try:
-        if dtype == "bool":
-            if word.lower() in _TRUE + _FALSE:
-                return word.lower() in _TRUE
-            raise ValueError
-        if dtype == "int":
-            value = int(word)
-            check_int_constant(value, f"--bind {name}: ")
-            return value
-        value = float(word)
-        check_float_constant(value, f"--bind {name}: ", finite=True)
-        return value
+        value = int(word) if dtype == "int" else float(word)
     except ValueError:
-        kind = {"bool": "booleans (true, false)", "int": "ints", "float": "numbers"}[dtype]
-        raise SpecError(f"--bind {name}: '{word}' is not a valid value; '{name}' holds "
-                        f"{kind}") from None
+        raise _invalid_value(word, dtype, name) from None
+    # the range checks raise SpecErrors, which are ValueErrors too: outside the try above, so
+    # that their message (the number is out of range) is not replaced by "not a valid value"
+    if dtype == "int":
+        check_int_constant(value, f"--bind {name}: ")
+    else:
+        check_float_constant(value, f"--bind {name}: ", finite=True)
+    return value
+
+
+def _invalid_value(word: str, dtype: str, name: str) -> SpecError:
+    kind = {"bool": "booleans (true, false)", "int": "ints", "float": "numbers"}[dtype]
+    return SpecError(f"--bind {name}: '{word}' is not a valid value; '{name}' holds {kind}")
 
 
 def _bind_values(text: str, dtype: str, name: str) -> list:

@@ -135,11 +135,24 @@ def test_what_flexspec_cannot_do_is_a_clear_error(name):
     ids, _ = left_padded(8)
     with pytest.raises(flexspec.SpecError, match="no attention dropout"):
         model(ids)
-    with pytest.raises(flexspec.SpecError, match="identifier"):
-        integration.register("not a name")
+    for wrong in ("", None, 3):
+        with pytest.raises(flexspec.SpecError, match="must be a non-empty str"):
+            integration.register(wrong)
     _, model = pair(MODELS["llama"], name)
     with pytest.raises(flexspec.SpecError, match="does not return attention weights"):
         model(ids, output_attentions=True)
+
+
+def test_any_name_transformers_accepts_can_be_registered():
+    """transformers takes any string as an attention implementation's name; so does register()
+    (a name such as "flexspec-docs" was refused as not an identifier)."""
+    implementation = integration.register("flexspec-docs")
+    assert implementation == "flexspec-docs"
+    eager, model = pair(MODELS["llama"], implementation)
+    assert model.config._attn_implementation == "flexspec-docs"
+    ids, _ = left_padded(8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, eager(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_a_spec_with_scores_and_padding_keeps_each_row_as_if_alone():

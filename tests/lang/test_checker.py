@@ -563,9 +563,12 @@ def test_an_error_met_through_several_definitions_is_reported_once():
     assert errors[0].line == 1
 
 
-def test_a_syntax_error_is_the_only_error():
-    errors = file_errors("mask a = q >\nmask b = zzz\n")
-    assert len(errors) == 1 and isinstance(errors[0], flexspec.SpecSyntaxError)
+def test_the_statements_after_a_syntax_error_are_checked_too():
+    errors = file_errors("mask m1 = q >\nmask m2 = zzz\nmask m3 = m1 & q < 3\n")
+    assert [(type(e), e.line) for e in errors] == [(flexspec.SpecSyntaxError, 1),
+                                                   (flexspec.SpecCheckError, 2)]
+    assert errors[1].message.startswith("unknown name 'zzz'")
+    # m3 uses the broken m1, so it is not checked: "unknown name 'm1'" would be a false alarm
 
 
 def test_clean_file_has_no_errors():
@@ -621,6 +624,31 @@ def test_constants_the_kernels_cannot_hold_are_check_errors(text, message):
     with pytest.raises(flexspec.SpecCheckError, match=message):
         flexspec.parse(text)
     flexspec.parse("window(9223372036854775807) + scale(1e-40)")  # the edges still check
+
+
+@pytest.mark.parametrize("text, literal", [
+    ("softcap(1e400)", "1e400"), ("causal + scale(-1e400)", "1e400"),
+    ("causal + scale(1e-400)", "1e-400"), ("softcap(1.5E+999)", "1.5E+999"),
+])
+def test_numbers_beyond_float64_are_refused_as_those_beyond_float32(text, literal):
+    """Red-team finding: 1e400 was read as inf (every output NaN) while 1e39 was refused."""
+    with pytest.raises(flexspec.SpecCheckError) as info:
+        flexspec.parse(text)
+    column = text.index(literal)
+    assert info.value.message == (f"{literal} is beyond float32 (the kernels compute scores in "
+                                  "float32, from 1.4e-45 to 3.4e38 in magnitude); use a value in "
+                                  "that range")
+    assert (info.value.line, info.value.column) == (1, column + 1)
+    assert str(info.value).splitlines()[2] == "    " + " " * column + "^" * len(literal)
+    assert flexspec.parse("causal + scale(0.0e-400)").ir == flexspec.parse("causal + scale(0.0)").ir
+
+
+@pytest.mark.parametrize("number", ["1e39", "1e400", "-1e-400", "1e-46"])
+def test_a_definition_s_constants_are_checked_on_their_own(number):
+    """`flexspec check` finds a constant beyond float32 in a definition no spec uses yet."""
+    [error] = check_text(f"score s = score * {number}\n", "m.attn")
+    assert "is beyond float32" in error.message
+    assert error.line == 1
 
 
 def test_integer_division_by_a_constant_zero_is_a_check_error():
@@ -1095,12 +1123,18 @@ def test_tensor_dimensions_read_the_score_through_a_pattern_at_every_use():
 
 
 def test_an_expression_no_kernel_can_run_is_refused_at_the_whole_spec():
-    # check_runnable's errors (here a constant zero divisor, which a definition checked on its
-    # own does not see) point at the spec that inlined it
-    library = load_text(HELPERS + "mask m = q // 0 == kv\n")
-    err = check_error("lower & m", library)
+    # check_runnable's errors (here a zero divisor that only the call's argument makes, which
+    # the definition checked on its own cannot see) point at the spec that inlined it
+    library = load_text(HELPERS + "mask m(n: int) = q // n == kv\n")
+    err = check_error("lower & m(0)", library)
     assert (err.message, err.line, err.column) == ("'q // 0' divides by zero", 1, 1)
-    assert str(err).splitlines()[2] == "    " + "^" * len("lower & m")
+    assert str(err).splitlines()[2] == "    " + "^" * len("lower & m(0)")
+
+
+def test_a_constant_no_kernel_can_run_is_found_in_its_definition():
+    # a literal zero divisor is in the definition itself: found there, used by a spec or not
+    [err] = check_text("mask m = q // 0 == kv\n", "m.attn")
+    assert (err.message, err.line, err.column) == ("'q // 0' divides by zero", 1, 10)
 
 
 def test_literal_arguments_of_each_type(lib):
@@ -1120,3 +1154,48 @@ def test_an_argument_inside_a_definition_reads_the_outer_parameters(lib):
     assert ir.to_text(flexspec.parse("wide", library=library).ir.mask) == "abs(q - kv) <= 4"
     assert ir.to_text(flexspec.parse("scaled(0.5)", library=library).ir.score) == \
         "5.0 * tanh(score / 5.0)"
+
+
+@pytest.mark.parametrize("text, message, column", [
+    ("score s(w: float[H]) = score + w[q]\n",
+     "'w' is declared float[H], one entry per head in dimension 1, but is indexed there by 'q', "
+     "a query position (up to Q_LEN - 1): index it by h, or declare that dimension Q_LEN", 34),
+    ("score s(w: float[B, H]) = score + w[kv, h]\n",
+     "'w' is declared float[B, H], one entry per batch row in dimension 1, but is indexed there "
+     "by 'kv', a key position (up to KV_LEN - 1): index it by b, or declare that dimension "
+     "KV_LEN", 37),
+    ("mask m(t: int[4]) = t[5] > 0\n",
+     "the index '5' of 't' is at least 5, beyond dimension 1 of int[4], which has 4 entries "
+     "(0 .. 3)", 23),
+    ("mask m(t: int[4]) = t[clamp(q, 4, 7)] > 0\n",
+     "the index 'clamp(q, 4, 7)' of 't' is at least 4, beyond dimension 1 of int[4], which has 4 "
+     "entries (0 .. 3)", 23),
+    ("mask m(t: int[1, KV_LEN]) = t[-1, kv] > 0\n",
+     "the index '-1' of 't' is negative wherever it is read (at most -1): indices start at 0", 31),
+])
+def test_an_index_out_of_its_tensor_for_every_call_is_a_check_error(text, message, column):
+    """Red-team finding: `w[q]` on a `float[H]` parameter passed `check` and failed only at
+    call time (and only when Q_LEN > H)."""
+    [error] = check_text(text, "m.attn")
+    assert (error.message, error.line, error.column) == (message, 1, column)
+
+
+def test_an_index_out_of_range_is_found_once_the_call_fixes_the_size():
+    text = ("score s(m: int = 3, t: float[H, 2 * m + 1] = learnable(H, 2 * m + 1)) = "
+            "score + t[h, 3 * m]\n")
+    assert check_text(text, "m.attn") == []  # m symbolic: 3m may fit 2m + 1 (m = 0)
+    with pytest.raises(flexspec.SpecCheckError, match="the index '3 \\* m' of 't' is at least 6, "
+                                                      "beyond dimension 2 of float\\[H, 5\\]"):
+        flexspec.parse("causal + s(2)", library=load_text(text))
+
+
+@pytest.mark.parametrize("text", [
+    "score s(t: float[H]) = score + t[h]\n",
+    "mask m(t: int[1, KV_LEN]) = t[b, kv] > 0\n",   # a size-1 dimension read at b: B may be 1
+    "mask m(t: int[B, KV_LEN]) = t[b, q] == t[b, kv]\n",   # a query looked up among the keys
+    "mask m(t: int[4]) = t[q % 4] > 0 & t[clamp(kv, 0, 3)] > 0 & t[3] > 0 & t[0] > 0\n",
+    "mask m(n: int, t: int[n]) = t[n - 1] > 0\n",
+    "score s(t: float[H, Q_LEN]) = score + t[h, q]\n",
+])
+def test_indices_that_some_call_keeps_in_range_are_accepted(text):
+    assert check_text(text, "m.attn") == []

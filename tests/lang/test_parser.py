@@ -16,7 +16,8 @@ import pytest
 from flexspec import SpecError, SpecSyntaxError
 from flexspec.lang.ast import (Binary, Bool, Call, Chain, Definition, Float, Index, Int, Keyword,
                           Module, Name, Param, SpecDef, Str, TypeExpr, Unary)
-from flexspec.errors import Source
+from flexspec.errors import Source, SpecTypeError
+from flexspec.lang.library import check_text
 from flexspec.lang.parser import build_parser, parse_expr, parse_file, parse_spec, parse_type
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -446,6 +447,69 @@ def test_comparison_in_a_spec_is_an_error():
     assert err.column == 3
 
 
+ARGUMENT_HINT = "a spec's arguments are literals, not expressions: "
+ELSEWHERE = ", or compute it in a definition of an .attn file"
+
+
+@pytest.mark.parametrize("text, operator, fix", [
+    ("window(64 * 2)", "*", "write window(128)"),
+    ("causal & window(n=64*2)", "*", "write window(n=128)"),
+    ("softcap(60 / 2) + alibi", "/", "write softcap(30.0)"),
+    ("dilated(4, 1 + 1)", "+", "write dilated(4, 2)"),
+    ("window(-64 * 2)", "*", "write window(-128)"),
+    ("window((64))", "(", "write window(64)"),
+    ("window(x * 2)", "*", "write the number itself"),
+    ("window(2**7)", "*", "write the number itself"),
+    ("window(1 // 0)", "//", "write the number itself"),
+])
+def test_an_expression_as_a_spec_argument_says_how_to_fix_it(text, operator, fix):
+    err = syntax_error(parse_spec, text)
+    position = text.index(operator, text.index("(") + 1)
+    assert err.message.startswith(f"unexpected {operator!r} ({ARGUMENT_HINT}{fix}{ELSEWHERE});")
+    assert (err.line, err.column) == (1, position + 1)
+    assert caret_line(err) == (text, " " * position + "^" * len(operator))
+
+
+def test_the_argument_hint_names_the_file_and_the_line():
+    [err] = check_text("mask ok = q >= kv\nspec s = ok & window(64 * 2)\n", "m.attn")
+    assert str(err).startswith(f"m.attn:2:25: unexpected '*' ({ARGUMENT_HINT}write window(128)")
+    # inside a definition a call's arguments are expressions: no error at all
+    assert check_text("mask w = window(64 * 2)\nspec s = w\n", "m.attn") == []
+
+
+@pytest.mark.parametrize("text, found, written", [
+    ("causal && doc", "&&", "&"), ("causal || doc", "||", "|"),
+    ("causal & (doc || sink(4))", "||", "|"),
+])
+def test_c_logic_operators_say_how_flexspec_writes_them(text, found, written):
+    err = syntax_error(parse_spec, text)
+    assert err.message.startswith(f"unexpected {found!r} (flexspec writes it {written!r}, as in "
+                                  f"`causal {written} doc`);")
+    position = text.index(found)
+    assert (err.line, err.column) == (1, position + 1)
+    assert caret_line(err) == (text, " " * position + "^^")
+
+
+def test_logic_words_and_the_exclamation_mark_say_how_flexspec_writes_them():
+    [err] = check_text("mask ok = q >= kv\nmask m = ok && q < 3\n", "m.attn")
+    assert (err.line, err.column) == (2, 13)
+    assert "(flexspec writes it '&', as in `causal & doc`)" in err.message
+    err = syntax_error(parse_spec, "causal and doc")
+    assert err.message.startswith("unexpected 'and' (flexspec writes '&' for 'and');")
+    err = syntax_error(parse_spec, "causal & !doc")
+    assert err.message.startswith("unexpected character '!' (flexspec writes 'not' as '~', as in "
+                                  "`causal & ~doc`);")
+    assert err.column == 10
+
+
+def test_a_comparison_in_a_spec_points_to_definitions():
+    err = syntax_error(parse_spec, "causal & q != kv")
+    assert err.message.startswith(
+        "unexpected '!=' (a spec combines named patterns; write a comparison in a definition of "
+        "an .attn file, as in `mask m = q != kv`);")
+    assert err.column == 12
+
+
 def test_unexpected_character():
     err = syntax_error(parse_spec, "causal @ window(3)")
     assert err.message.startswith("unexpected character '@'")
@@ -489,8 +553,10 @@ def test_empty_inputs():
 
 
 def test_a_non_string_is_rejected():
-    err = syntax_error(parse_spec, 42)
-    assert "str" in err.message
+    with pytest.raises(SpecTypeError) as info:
+        parse_spec(42)
+    assert info.value.message == "expected spec text (a str), got int"
+    assert isinstance(info.value, TypeError)
 
 
 def test_source_name_in_messages():

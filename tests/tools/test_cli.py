@@ -108,6 +108,26 @@ def test_list_shows_every_pattern(capsys):
     assert set(kinds(out)) <= {"mask", "score"}
 
 
+@pytest.mark.parametrize("columns", [80, 250])
+def test_list_gives_signatures_the_terminal_s_width(capsys, monkeypatch, columns):
+    """Signatures were cut at about 50 characters even on a wide terminal; they now get what
+    the terminal has beyond the names, the kinds and 40 characters of summary (at least 48)."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    _, out, _ = run(capsys, "list")
+    lines = out.splitlines()
+    start, end = lines[0].index("SIGNATURE"), lines[0].index("SUMMARY")
+    room = max(48, columns - start - 2 - 40)  # 2: the space before the summary
+    for pattern in flexspec.patterns():
+        [line] = [row for row in lines if row.split()[0] == pattern.name]
+        signature = line[start:end].rstrip()
+        full = pattern.signature()
+        assert signature == (full if len(full) <= room else full[:room - 1] + "\u2026")
+    longest = max(len(p.signature()) for p in flexspec.patterns())
+    assert longest > 48  # natten's: cut at 80 columns, whole at 250
+    cut = sum(row[start:end].rstrip().endswith("\u2026") for row in lines)
+    assert (cut > 0) == (columns == 80)
+
+
 def test_list_shows_aliases(capsys):
     aliased = [p for p in flexspec.patterns() if p.aliases]
     if not aliased:
@@ -205,6 +225,69 @@ def test_check_syntax_error(capsys, write):
     assert code == 1
     assert f"{bad}:1:14: unexpected end of input" in err
     assert "^" in err
+
+
+SEVEN_ERRORS = """\
+# seven mistakes, each on its own line
+mask a = q < kv < 3
+mask b = q >= kv && q < 3
+spec c = window(64 * 2)
+mask e = q >= kv
+score f(w: float[H]) = score + w[q]
+spec g = e & windw(3)
+spec h = a & e
+mask i = q >
+score cap(c: float = 50.0) =
+    c * tanh(score / c)
+spec k = cap + unknown_thing
+"""
+
+
+def test_check_reports_every_error_of_a_file_syntax_errors_included(capsys, write):
+    """A file with seven mistakes, four of them syntax errors, reported one (the first)."""
+    bad = write("seven.attn", SEVEN_ERRORS)
+    code, out, err = run(capsys, "check", str(bad))
+    assert code == 1 and out == ""
+    heads = [line for line in err.splitlines() if not line.startswith("    ")]
+    assert [head.split(": ", 1)[0] for head in heads] == [
+        f"{bad}:{line}" for line in ("2:17", "3:18", "4:20", "6:34", "7:14", "9:13", "12:16")]
+    # `spec h = a & e` uses the broken `a`: not checked (its errors would follow from a's)
+    assert f"{bad}:8:" not in err
+
+
+def test_check_of_a_folder_checks_every_attn_file_under_it(capsys, tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "model.attn").write_text(MODEL, encoding="utf-8")
+    (tmp_path / "sub" / "bad.attn").write_text("spec s = windw(3)\n", encoding="utf-8")
+    (tmp_path / "sub" / "notes.txt").write_text("spec s = windw(3)\n", encoding="utf-8")
+    (tmp_path / ".hidden" / "bad.attn").write_text("spec s = windw(3)\n", encoding="utf-8")
+    code, out, err = run(capsys, "check", str(tmp_path))
+    assert code == 1
+    assert out == f"{tmp_path / 'model.attn'}: ok (2 specs, 2 definitions)\n"
+    assert err.startswith(f"{tmp_path / 'sub' / 'bad.attn'}:1:10: unknown pattern 'windw'")
+    assert ".hidden" not in err and "notes.txt" not in err
+    code, out, err = run(capsys, "check", str(tmp_path / "empty"))
+    assert code == 1 and err == f"{tmp_path / 'empty'}: no .attn file in this folder or below it\n"
+
+
+def test_check_reads_the_standard_input_for_a_dash(capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO(MODEL))
+    code, out, err = run(capsys, "check", "-")
+    assert (code, out, err) == (0, "<stdin>: ok (2 specs, 2 definitions)\n", "")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("mask m = q >= kv\nspec s = m & windw(2)\n"))
+    code, out, err = run(capsys, "check", "-")
+    assert code == 1 and err.startswith("<stdin>:2:14: unknown pattern 'windw'")
+
+
+def test_check_of_a_file_with_carriage_returns_points_at_each_line(capsys, tmp_path):
+    path = tmp_path / "cr.attn"
+    path.write_bytes(b"mask ok = q >= kv\rspec s = ok & windw(3)\r")
+    code, _, err = run(capsys, "check", str(path))
+    assert code == 1 and err.startswith(f"{path}:2:15: unknown pattern 'windw'")
 
 
 def test_check_missing_file(capsys, write, tmp_path):
@@ -344,6 +427,31 @@ def test_explain_a_call_with_gradients_and_bindings(capsys):
 def test_explain_call_errors(capsys, argv, message):
     code, out, err = run(capsys, "explain", *argv)
     assert code == 1 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--heads", "0"), ("--heads", "16"), ("--batch", "1"), ("--head-dim", "64"),
+    ("--dtype", "bfloat16"), ("--block-size", "128"), ("--kv-heads", "2"), ("--device", "cpu"),
+    ("--backend", "auto"), ("--kv-len", "8"), ("--bind", "doc_ids=0"),
+])
+def test_explain_refuses_every_call_option_without_q_len(capsys, option, value):
+    """Red-team finding: `explain causal --heads 0` exited 0 and ignored --heads; an option
+    given with its default value counts as given too."""
+    code, out, err = run(capsys, "explain", "causal", option, value)
+    expected = ("--heads must be at least 1, got 0" if value == "0" else
+                f"{option} describes a call: give --q-len too")
+    assert (code, out, err) == (1, "", expected + "\n")
+
+
+@pytest.mark.parametrize("option", ["--q-len", "--kv-len", "--batch", "--heads", "--kv-heads",
+                                    "--head-dim"])
+def test_explain_refuses_a_size_below_one_with_or_without_q_len(capsys, option):
+    for argv in ([option, "0"], ["--q-len", "8", option, "0"] if option != "--q-len" else []):
+        if argv:
+            code, _, err = run(capsys, "explain", "causal", *argv)
+            assert (code, err) == (1, f"{option} must be at least 1, got 0\n")
+    code, _, err = run(capsys, "explain", "causal", "--q-len", "8", "--block-size", "24")
+    assert (code, err) == (1, "--block-size must be a positive multiple of 16, got 24\n")
 
 
 # ---- render and the picture in show -------------------------------------------------------------
