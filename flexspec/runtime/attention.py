@@ -101,7 +101,7 @@ class Attention:
         bindings' names and :func:`meta`), from the cache or made: checking the bindings and
         specializing the IR on every call would cost a quarter of a fresh block mask's time on
         a GPU (docs/performance.md, `Attention.block_mask`'s own host path)."""
-        key = (tuple(sizes.items()), device,
+        key = (tuple(sizes.items()), device, torch.is_inference_mode_enabled(),
                tuple((name, meta(value)) for name, value in bindings.items()))
         plan = self._mask_plans.get(key)
         if plan is None:

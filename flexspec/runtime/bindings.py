@@ -107,7 +107,8 @@ class Tensors:
         """The initial value of a learnable tensor nobody passed, the same for every call."""
         cache_key = (tensor_key(tensor), tuple(declared_shape(tensor, sizes)), str(device))
         if cache_key not in self._fresh_learnables:
-            self._fresh_learnables[cache_key] = init_learnable(tensor, sizes, device)
+            with torch.inference_mode(False):  # kept for calls of every mode
+                self._fresh_learnables[cache_key] = init_learnable(tensor, sizes, device)
         return self._fresh_learnables[cache_key]
 
 

@@ -18,6 +18,7 @@ from flexspec.ir import rewrites
 from flexspec.kernels.lower import Lowered, lower
 from flexspec.runtime import compiled
 from flexspec.runtime.capture import capturing
+from flexspec.runtime.identity import version
 from flexspec.runtime.contract import Backend, Plan, Prepared
 from flexspec.errors import BindingError
 
@@ -52,10 +53,10 @@ class FlexCall:
         last = self.last  # read once: another thread may replace it meanwhile
         if last is None:
             return None
-        for name, (value, version) in zip(self.mask_bindings, last[0]):
+        for name, (value, seen) in zip(self.mask_bindings, last[0]):
             given = bindings[name]
-            if given is not value or given._version != version:
-                return None
+            if given is not value or seen is None or version(given) != seen:
+                return None  # another tensor, an inference tensor, or changed in place
         return last[1]
 
 
@@ -119,7 +120,7 @@ class FlexAttentionBackend(Backend):
             captured = capturing(q.device)
             block_mask = None if captured else call.last_block_mask(bindings)
             if block_mask is None:
-                seen = tuple((bindings[name], bindings[name]._version)
+                seen = tuple((bindings[name], version(bindings[name]))
                              for name in call.mask_bindings)
                 block_mask = plan.masks.get(values or plan.values(bindings), q.device)
                 if not captured:

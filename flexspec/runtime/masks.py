@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, noop_mask
 
 from flexspec import ir
@@ -147,6 +148,8 @@ class BlockMasks:
         # so it is not kept either.
         captured = bool(key.reads) and capturing(device)
         cache_key = (key.token,) + tuple(identity(values[name]) for name in key.reads)
+        if None in cache_key:  # an inference tensor, which cannot be seen changing: built
+            return self._build(spec, sizes, values, device, key, captured)
         with self._lock:
             cached = None if captured else self._cache.get(cache_key)
             if cached is not None:
@@ -156,6 +159,26 @@ class BlockMasks:
             if waiting is not None:
                 self._admit(cache_key, *waiting)
                 return waiting[0]
+        block_mask = self._build(spec, sizes, values, device, key, captured)
+        if captured:
+            return block_mask
+        # an entry keeps the values alive, so their memory cannot be reused while it exists
+        with self._lock:
+            self._probation[cache_key] = (block_mask, values)
+            if len(self._probation) > PROBATION_SIZE:
+                self._probation.popitem(last=False)
+        return block_mask
+
+    def _build(self, spec: ir.AttentionIR, sizes: dict, values: dict, device, key: MaskKey,
+               captured: bool) -> BlockMask:
+        """The block mask of ``spec`` for these values, built (see :meth:`get`), outside
+        inference mode: the cache serves calls of every mode, and an inference tensor cannot be
+        saved for a backward pass."""
+        with torch.inference_mode(False):
+            return self._built(spec, sizes, values, device, key, captured)
+
+    def _built(self, spec: ir.AttentionIR, sizes: dict, values: dict, device, key: MaskKey,
+               captured: bool) -> BlockMask:
         self._check_size(key, sizes)
         mask_mod, _ = lower(spec, dialect=key.dialect).make_mods(sizes, values)
         if self.mode == "dense":
@@ -174,20 +197,13 @@ class BlockMasks:
                     raise BindingError(self._compiled_in_capture(error)) from error
                 # the eager builder runs every mask; this one will not be traced again
                 self._untraceable.add(key.token)
-                return self.get(spec, sizes, values, device, key)
+                return self._built(spec, sizes, values, device, key, captured)
         else:
             if captured:
                 raise BindingError(self._not_capturable(key, sizes))
             block_mask = build_block_mask(spec.mask, sizes, self.block_size, values, device,
                                           batch=key.batch, heads=key.heads, mask_mod=mask_mod,
                                           exact=self.mode == "exact")
-        if captured:
-            return block_mask
-        # an entry keeps the values alive, so their memory cannot be reused while it exists
-        with self._lock:
-            self._probation[cache_key] = (block_mask, values)
-            if len(self._probation) > PROBATION_SIZE:
-                self._probation.popitem(last=False)
         return block_mask
 
     def _not_capturable(self, key: MaskKey, sizes: dict) -> str:

@@ -152,8 +152,10 @@ def _check_ranges(spec: ir.AttentionIR, sizes: tuple, dtype: str) -> None:
 
 def call_key(q, k, v, scale, bindings: dict, learnables: dict | None,
              return_lse: bool = False) -> tuple:
-    """The input signature a plan is cached under (a TypeError for unhashable arguments)."""
-    return (meta(q), meta(k), meta(v), scale, torch.is_grad_enabled(), bool(return_lse),
+    """The input signature a plan is cached under (a TypeError for unhashable arguments). The
+    grad and inference modes are part of it: a plan keeps tensors made in its mode."""
+    return (meta(q), meta(k), meta(v), scale, torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(), bool(return_lse),
             tuple((name, meta(value)) for name, value in bindings.items()),
             None if learnables is None else
             tuple((name, id(value), meta(value)) for name, value in learnables.items()))

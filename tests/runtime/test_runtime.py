@@ -363,3 +363,60 @@ def test_strided_bindings_run():
         torch.testing.assert_close(head(q, k, v, bias=bias[::2]),
                                    head.reference(q, k, v, bias=bias[::2].contiguous()),
                                    rtol=1e-4, atol=1e-4)
+
+
+# ---- inference mode -----------------------------------------------------------------------------
+
+
+def test_bindings_made_under_inference_mode_run_the_compiled_kernel(attn, qkv):
+    """Red-team 2026-12-02, item 2: a binding made under torch.inference_mode() crashed the
+    flex path ('Inference tensors do not track version counter'). Inference tensors have no
+    version counter, so nothing is cached under them: a binding changed in place between two
+    calls gives each call its own answer."""
+    q, k, v = qkv
+    with torch.inference_mode():
+        ids = doc_ids()
+        assert ids.is_inference()
+        assert attn.explain(q, k, v, doc_ids=ids).choice.backend == "flex"
+        first = attn(q, k, v, doc_ids=ids)
+        torch.testing.assert_close(first, attn.reference(q, k, v, doc_ids=ids), atol=2e-5,
+                                   rtol=1e-5)
+        ids.copy_(doc_ids(((70,), (100,))))  # in place, unseen by any version counter
+        second = attn(q, k, v, doc_ids=ids)
+        torch.testing.assert_close(second, attn.reference(q, k, v, doc_ids=ids), atol=2e-5,
+                                   rtol=1e-5)
+    assert not torch.equal(first, second)
+
+
+def test_an_offset_first_used_in_inference_mode_serves_every_mode_later():
+    """An int q_offset becomes a tensor kept for later calls with that offset: made in inference
+    mode it crashed every later call at that offset outside it. No cache may hold a tensor
+    one mode made for another."""
+    attn = flexspec.compile("causal & window(40) + alibi")
+    q, k, v = Shape(1, 2, 2, 130, 200, 16).qkv(seed=3)
+    with torch.inference_mode():
+        inside = attn(q, k, v, q_offset=70)
+        block_mask = attn.block_mask(130, 200, q_offset=70)
+    assert not block_mask.kv_num_blocks.is_inference()  # the cache serves every mode
+    from flexspec.runtime import positions
+    assert not positions._int_tensor(70, 1, "cpu").is_inference()  # the offset's kept tensor
+    outside = attn(q, k, v, q_offset=70)
+    torch.testing.assert_close(inside, outside)
+    torch.testing.assert_close(outside, attn.reference(q, k, v, q_offset=70), atol=2e-5,
+                               rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(attn(q, k, v, q_offset=70), outside)
+    # and with gradients (the dense reference on this CPU), from the same offset tensor
+    q.requires_grad_()
+    attn(q, k, v, q_offset=70).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_kv_lengths_made_under_inference_mode():
+    attn = flexspec.compile("causal_bottom_right & window(40)")
+    q, k, v = Shape(2, 2, 2, 130, 200, 16).qkv(seed=4)
+    with torch.inference_mode():
+        lengths = torch.tensor([200, 170])
+        out = attn(q, k, v, kv_lengths=lengths)
+        torch.testing.assert_close(out, attn.reference(q, k, v, kv_lengths=lengths), atol=2e-5,
+                                   rtol=1e-5)
