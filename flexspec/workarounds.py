@@ -38,6 +38,13 @@ _TABLE = (
         "reference runs them",
         "tests/runtime/test_runtime.py::test_short_cpu_sequences_run_on_the_reference"),
     Workaround(
+        "cpu-flex-lse", "torch", "torch 2.13.0+cpu, compiled FlexAttention",
+        "flex_attention(..., return_aux=AuxRequest(lse=True)) raises 'return_lse is not "
+        "supported yet' on the CPU",
+        "the flex backend refuses return_lse=True on the CPU; auto runs such calls on the dense "
+        "reference (gpt-oss's sinks merge through the log-sum-exp)",
+        "tests/runtime/test_backends.py::test_return_lse_on_the_cpu_runs_on_the_reference"),
+    Workaround(
         "cpu-mask-free-block-mask", "torch", "torch 2.13.0+cpu, compiled FlexAttention",
         "block_mask=None with a score_mod gave wrong results (NaN, or differing run to run)",
         "a spec without a mask gets an all-full block mask on every device but CUDA",

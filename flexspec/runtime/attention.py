@@ -60,6 +60,16 @@ class Attention:
                             masks=self._masks, placement=self._placement)
         self._mask_plans = PlanCache()  # block_mask's
 
+    # ---- copies: the spec and the options travel; plans and caches are made anew (they hold
+    # tensors, compiled entries and locks, and a copy may land on another process or device)
+    def __getstate__(self) -> dict:
+        return {"spec": self.spec, "backend": self.backend, "block_size": self.block_size,
+                "block_masks": self.block_masks}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["spec"], backend=state["backend"], block_size=state["block_size"],
+                      block_masks=state["block_masks"])
+
     # ---- descriptions
     def __repr__(self) -> str:
         return f"Attention({str(self.spec)!r}, backend={self.backend!r})"

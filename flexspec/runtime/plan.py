@@ -95,12 +95,6 @@ class PlanCache:
         with self._lock:
             return list(self._plans.values())
 
-    def __getstate__(self):  # a copy of an Attention plans anew (plans hold tensors, locks)
-        return {}
-
-    def __setstate__(self, state):
-        self.__init__()
-
 
 class Failures:
     """The backends that failed to compile a spec (backend name, specialized IR) -> what went

@@ -201,3 +201,13 @@ def test_gradients_through_sinks_equal_eager(name):
             torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-3, atol=1e-5,
                                        msg=lambda m: f"{label}: {m}")
     assert ours.model.layers[0].self_attn.sinks.grad.abs().sum() > 0
+
+
+def test_sinks_run_at_long_sequences_on_the_cpu(name):
+    """gpt-oss merges its sinks through the log-sum-exp: at 128+ positions the CPU's compiled
+    kernel has none, and every gpt-oss model failed there (red-team 2026-12-02, item 4)."""
+    eager, ours = pair(MODELS["gpt-oss (attention sinks, sliding layers)"], name)
+    ids, mask = left_padded(140)
+    with torch.no_grad():
+        expected, got = eager(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+    assert (expected - got)[mask.bool()].abs().max() <= 1e-4

@@ -581,3 +581,20 @@ def test_sdpa_decoding_steps_leave_cudnn_out(monkeypatch):
         out = attn(q.as_subclass(FakeCuda), k, v)
     torch.testing.assert_close(out.as_subclass(torch.Tensor), attn.reference(q, k, v))
     assert asked and torch.nn.attention.SDPBackend.CUDNN_ATTENTION not in asked[0]
+
+
+def test_return_lse_on_the_cpu_runs_on_the_reference():
+    """Red-team 2026-12-02, item 4: at 128+ positions auto picked flex, whose CPU kernel has no
+    log-sum-exp (a BackendError wrapping torch's 'return_lse is not supported yet')."""
+    attn = flexspec.compile("causal & window(30) + alibi")
+    q, k, v = Shape(1, 2, 2, 200, 200, 8).qkv(seed=2)
+    explanation = attn.explain(q, k, v, return_lse=True)
+    assert explanation.choice.backend == "reference"
+    assert "log-sum-exp" in dict(explanation.choice.rejected)["flex"]
+    out, lse = attn(q, k, v, return_lse=True)
+    want, want_lse = attn.reference(q, k, v, return_lse=True)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    assert attn.explain(q, k, v).choice.backend == "flex"  # without the lse, the kernel
+    with pytest.raises(BackendError, match="does not return the log-sum-exp"):
+        flexspec.compile("causal & window(30)", backend="flex")(q, k, v, return_lse=True)

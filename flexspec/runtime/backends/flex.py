@@ -33,6 +33,10 @@ class FlexBackend(FlexAttentionBackend):
             return ("FlexAttention's Triton backward finds no kernel for blocks of "
                     f"{request.block_size[0]}x{request.block_size[1]}: use block_size=128 for "
                     "training, or call without gradients")
+        if device == "cpu" and request.lse:
+            return ("torch's compiled CPU FlexAttention does not return the log-sum-exp "
+                    "(flexspec.workarounds: cpu-flex-lse): return_lse=True runs on the dense "
+                    "reference on the CPU")
         if device == "cpu" and min(request.q_len, request.kv_len) < SHORT_CPU_LENGTH:
             return (f"torch's compiled CPU FlexAttention is wrong for sequences shorter than one "
                     f"block ({SHORT_CPU_LENGTH} positions; flexspec.workarounds: "
