@@ -58,7 +58,8 @@ class MultiheadAttention(nn.Module):
 
     def forward(self, query, key=None, value=None, *, key_padding_mask=None,
                 need_weights: bool = False, q_offset=None, **bindings):
-        """``(output, None)``; ``key`` and ``value`` default to ``query`` (self-attention)."""
+        """``(output, None)``; ``key`` defaults to ``query`` (self-attention) and ``value`` to
+        ``key``, as in ``torch.nn.MultiheadAttention``."""
         if need_weights:
             raise SpecError("flexspec does not compute attention weights: call with "
                             "need_weights=False (the default here)")

@@ -211,3 +211,23 @@ def test_sinks_run_at_long_sequences_on_the_cpu(name):
     with torch.no_grad():
         expected, got = eager(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
     assert (expected - got)[mask.bool()].abs().max() <= 1e-4
+
+
+def test_packing_is_found_in_the_rows_that_restart_only():
+    """Blind spot: a batch where only some rows restart their position_ids."""
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 2]])
+    documents = integration.packed_documents(positions, 2)
+    assert documents.tolist() == [[0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 1, 1]]
+    assert integration.packed_documents(torch.arange(6)[None].expand(2, 6), 2) is None
+
+
+def test_a_cache_longer_than_the_tokens_seen_pads_its_tail_as_invalid():
+    """Blind spot: a static cache holds more slots than tokens: the attention mask covers the
+    tokens seen, the slots after them are keys no query may see."""
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])  # 4 tokens seen, a cache of 8 slots
+    placed = integration.placement(2, 1, 8, q_offset=3, kv_offset=0, attention_mask=mask)
+    assert placed.valid.tolist() == [[False, True, True, True, False, False, False, False],
+                                     [True, True, True, True, False, False, False, False]]
+    # with a sliding cache that dropped keys, the mask is read from the kv offset on
+    placed = integration.placement(2, 1, 3, q_offset=4, kv_offset=1, attention_mask=mask)
+    assert placed.valid.tolist() == [[True, True, True], [True, True, True]]

@@ -128,3 +128,11 @@ def test_lookups_at_a_constant_index_and_lookups_inside_indices_are_found():
     score = ir.AttentionIR(score=ir.Binary("+", ir.SCORE, ir.Lookup(offset, (ir.Const(0),))))
     assert constant_lookup(score) == "q_offset[0]"
     assert constant_lookup(parse("causal & doc + alibi").ir) is None
+
+
+def test_a_softcap_reads_only_a_cap_equal_to_its_divisor():
+    """Blind spot: `30 * tanh(score / 10)` read as a cap of 30 would compute 30 tanh(x / 30)."""
+    library = load_text("score odd = 30.0 * tanh(score / 10.0)\n"
+                        "score even = 30.0 * tanh(score / 30.0)\n")
+    assert native_form(parse("causal + odd", library=library).ir) is None
+    assert native_form(parse("causal + even", library=library).ir).softcap == 30.0

@@ -598,3 +598,13 @@ def test_return_lse_on_the_cpu_runs_on_the_reference():
     assert attn.explain(q, k, v).choice.backend == "flex"  # without the lse, the kernel
     with pytest.raises(BackendError, match="does not return the log-sum-exp"):
         flexspec.compile("causal & window(30)", backend="flex")(q, k, v, return_lse=True)
+
+
+@pytest.mark.parametrize("q_len, kv_len", [(40, 200), (200, 40), (127, 500)])
+def test_the_short_cpu_rule_holds_when_one_length_is_short(q_len, kv_len):
+    """Blind spot: the rule was tested with both lengths short."""
+    request = dataclasses.replace(CPU, q_len=q_len, kv_len=kv_len)
+    assert "shorter than one block" in why_not("flex", request, ir("causal & window(8)"))
+    assert choose("auto", request, ir("causal & window(8)")).backend == "reference"
+    assert why_not("flex", dataclasses.replace(CPU, q_len=128, kv_len=500),
+                   ir("causal & window(8)")) is None

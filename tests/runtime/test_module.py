@@ -110,3 +110,18 @@ def test_copies_of_an_attention_and_a_multihead_layer():
     want, _ = layer(x)
     for how, copied in _copies(layer).items():
         torch.testing.assert_close(copied(x)[0], want, msg=how)
+
+
+def test_positions_reach_spec_attention_by_keyword():
+    """Blind spot: no test passed q_offset or kv_lengths to SpecAttention.forward."""
+    module = flexspec.SpecAttention("causal_bottom_right + rel_bias", num_heads=2)
+    with torch.no_grad():
+        module.tables["rel_bias_table"].normal_()
+    q = torch.randn(2, 2, 3, 8)
+    k, v = (torch.randn(2, 2, 10, 8) for _ in range(2))
+    lengths = torch.tensor([10, 6])
+    tables = {"rel_bias_table": module.tables["rel_bias_table"]}
+    for kwargs in ({"q_offset": 4}, {"kv_lengths": lengths}, {"q_offset": 2, "kv_lengths": lengths}):
+        want = module.attention.reference(q, k, v, **kwargs, **tables)
+        torch.testing.assert_close(module(q, k, v, **kwargs), want, msg=str(kwargs))
+    assert not torch.allclose(module(q, k, v, q_offset=4), module(q, k, v))

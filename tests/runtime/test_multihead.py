@@ -81,3 +81,18 @@ def test_bad_arguments_are_clear_errors():
         module(torch.randn(2, 3, 32), torch.randn(1, 5, 32))
     with pytest.raises(flexspec.BindingError, match="key_padding_mask must be a bool tensor"):
         module(torch.randn(1, 3, 32), key_padding_mask=torch.zeros(1, 3))
+
+
+def test_cross_attention_with_distinct_key_and_value_matches_torch():
+    """Blind spot (red-team 2026-12-02): no test passed key and value apart. Value defaults to
+    key, key to query, as in nn.MultiheadAttention."""
+    theirs, ours = torch_pair("full", batch_first=True)
+    generator = torch.Generator().manual_seed(5)
+    query, key, value = (torch.randn(2, n, 32, generator=generator) for n in (7, 11, 11))
+    with torch.no_grad():
+        expected, _ = theirs(query, key, value, need_weights=False)
+        got, _ = ours(query, key, value)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        # value left out is the key, not the query
+        expected_key, _ = theirs(query, key, key, need_weights=False)
+        torch.testing.assert_close(ours(query, key)[0], expected_key, rtol=1e-5, atol=1e-5)

@@ -373,3 +373,41 @@ def test_an_offset_of_zero_runs_the_spec_as_written(text):
     at_one = attn.explain(q[:, :, 1:], k, v, q_offset=1, **values)
     assert "q_offset" in at_one.mask + at_one.score
     close(attn(q, k, v, q_offset=0, **values), attn.reference(q, k, v, **values), text)
+
+
+@pytest.mark.parametrize("backend, rows", [("reference", 3), ("auto", 130)])
+def test_an_explicit_offset_of_zero_places_an_end_aligned_spec_at_the_start(backend, rows):
+    """Blind spot: q_offset=0 given to an end-aligned spec with Q_LEN < KV_LEN must place row
+    0 at position 0, not where the spec's own alignment would (KV_LEN - Q_LEN)."""
+    attn = flexspec.compile("causal_bottom_right & window(20) + alibi", backend=backend)
+    q, k, v = Shape(1, 2, 2, rows, 200, 8).qkv(3)
+    at_zero = attn(q, k, v, q_offset=0)
+    close(at_zero, attn.reference(q, k, v, q_offset=0), "q_offset=0")
+    close(attn(q, k, v), attn.reference(q, k, v), "the spec's own placement")
+    assert not torch.allclose(at_zero, attn(q, k, v))
+
+
+def test_the_answer_that_a_token_sees_every_key_is_kept_per_key_length():
+    """Blind spot: the unmasked fast path keyed without KV_LEN would serve a call with more keys
+    the first call's answer (a row at 99 sees all of 100 keys, not all of 200)."""
+    attn = flexspec.compile("causal")
+    q = torch.randn(1, 2, 1, 16)
+    for kv_len in (100, 200, 100):
+        k, v = (torch.randn(1, 2, kv_len, 16) for _ in range(2))
+        close(attn(q, k, v, q_offset=99), attn.reference(q, k, v, q_offset=99), f"KV {kv_len}")
+    assert attn.explain(q, k, v, q_offset=99).mask == "true"
+    k, v = (torch.randn(1, 2, 200, 16) for _ in range(2))
+    assert attn.explain(q, k, v, q_offset=99).mask != "true"
+
+
+@pytest.mark.parametrize("text", ["full + alibi", "document"])
+def test_kv_lengths_hide_the_tail_of_specs_that_are_not_causal_on_the_kernel(text):
+    """Blind spot: kv_lengths were tested with causal_bottom_right (whose mask hides the first
+    unused slot anyway) or on the reference; here a full and a document mask, compiled."""
+    attn = flexspec.compile(text)
+    q, k, v = Shape(2, 2, 2, 130, 200, 8).qkv(6)
+    lengths = torch.tensor([200, 150])
+    bindings = {"doc_ids": torch.arange(200) // 70} if "document" in text else {}
+    assert attn.explain(q, k, v, kv_lengths=lengths, **bindings).choice.backend == "flex"
+    close(attn(q, k, v, kv_lengths=lengths, **bindings),
+          attn.reference(q, k, v, kv_lengths=lengths, **bindings), text)

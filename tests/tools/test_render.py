@@ -218,3 +218,25 @@ def test_png(tmp_path, spec, size):
     assert render_png(spec, path, size, size) == path
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def test_the_heat_range_and_its_legend_span_exactly_the_visible_scores():
+    """Only the golden catalogue page caught a wrong range (red-team 2026-12-02): the title's
+    min and max are those of the visible pairs, also when the picture is downsampled (where
+    cells show means), and the legend's shades tile min..max without gaps."""
+    import re
+    text = render_text("causal + alibi", 64, 64, heads=1, width_limit=32)
+    assert "downsampled" in text
+    pic = picture("causal + alibi", 64, 64, heads=1)
+    scores = pic.scores[pic.mask]
+    low, high = float(scores.min()), float(scores.max())
+    title = re.search(r"min (\S+), max (\S+) over the visible pairs", text)
+    assert (float(title.group(1)), float(title.group(2).rstrip(","))) == pytest.approx(
+        (low, high), rel=1e-3, abs=1e-9)
+    legend = re.findall(r"(\S+)\.\.(\S+)", text.split("over the visible pairs")[1].split("\n")[1])
+    bounds = [(float(a), float(b)) for a, b in legend]
+    assert len(bounds) == len(SHADES)
+    assert bounds[0][0] == pytest.approx(low, rel=1e-3) and bounds[-1][1] == pytest.approx(
+        high, abs=1e-9)
+    assert all(a[1] == pytest.approx(b[0], rel=1e-3, abs=1e-12)
+               for a, b in zip(bounds, bounds[1:]))
