@@ -7,9 +7,12 @@ covered as soon as they exist). The fast share runs without ``torch.compile``: F
 CPU) are one fixed case by default and a random sweep under ``@pytest.mark.slow``.
 """
 
+import contextlib
+import copy
 import inspect
 import itertools
 import math
+import pickle
 
 import pytest
 import torch
@@ -400,3 +403,74 @@ def test_the_runtime_matches_the_reference_call_after_call(eager_kernels, case, 
 @given(runtime_cases(), st.integers(0, 2**31 - 1))
 def test_the_compiled_runtime_matches_the_reference_call_after_call(case, seed):
     check_runtime(*case, seed)
+
+
+# --- positions, modes and copies through the whole runtime ------------------------------------
+
+MODES = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad,
+         "inference": torch.inference_mode}
+
+
+@st.composite
+def positioned_calls(draw, max_len: int = 260):
+    """A runtime case with a call's q_offset and kv_lengths (int or tensor, in range or far out
+    of it), the mode it runs in (autograd, no_grad, inference mode), and whether the call goes
+    to a copy of the compiled object."""
+    spec, shape, calls = draw(runtime_cases(max_len))
+    offset = draw(st.sampled_from(["none", "int", "tensor", "too far", "too far back"]))
+    q_offset = {"none": None, "int": draw(st.integers(0, shape.KV_LEN)),
+                "tensor": torch.tensor(draw(st.lists(st.integers(0, shape.KV_LEN),
+                                                     min_size=shape.B, max_size=shape.B))),
+                "too far": torch.tensor([2**62 + 1] * shape.B), "too far back": -2**62 - 1}[offset]
+    lengths = draw(st.sampled_from(["none", "in range", "too many"]))
+    kv_lengths = {"none": None,
+                  "in range": torch.tensor(draw(st.lists(st.integers(1, shape.KV_LEN),
+                                                         min_size=shape.B, max_size=shape.B))),
+                  "too many": torch.tensor([shape.KV_LEN + 1] * shape.B)}[lengths]
+    return (spec, shape, calls[0], q_offset, kv_lengths, draw(st.sampled_from(sorted(MODES))),
+            draw(st.booleans()))
+
+
+def check_positioned(spec, shape, values, q_offset, kv_lengths, mode, copied, seed):
+    """The call equals the reference at its positions, or both refuse the positions; values
+    out of the kernels' range are refused with a BindingError that says the range."""
+    attn = flexspec.compile(spec)
+    if copied:
+        attn = copy.deepcopy(pickle.loads(pickle.dumps(attn)))
+    q, k, v = shape.qkv(seed)
+    far = isinstance(q_offset, int) and abs(q_offset) > 2**62 or \
+        isinstance(q_offset, torch.Tensor) and int(q_offset.abs().max()) > 2**62
+    too_many = kv_lengths is not None and int(kv_lengths.max()) > shape.KV_LEN
+    with MODES[mode]():
+        if far or too_many:
+            with pytest.raises(flexspec.BindingError, match="out of range|must lie in"):
+                attn(q, k, v, q_offset=q_offset, kv_lengths=kv_lengths, **values)
+            return
+        try:
+            expected = attn.reference(q, k, v, q_offset=q_offset, kv_lengths=kv_lengths,
+                                      **values)
+        except flexspec.SpecError:  # the positions read past a tensor: the call refuses too
+            with pytest.raises(flexspec.SpecError):
+                attn(q, k, v, q_offset=q_offset, kv_lengths=kv_lengths, **values)
+            return
+        out = attn(q, k, v, q_offset=q_offset, kv_lengths=kv_lengths, **values)
+    torch.testing.assert_close(out.detach(), expected.detach(), rtol=1e-4, atol=1e-4,
+                               msg=lambda m: f"{spec} {shape} offset {q_offset} lengths "
+                                             f"{kv_lengths} in {mode}: {m}")
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(positioned_calls(), st.integers(0, 2**31 - 1))
+def test_positions_modes_and_copies_through_the_runtime(eager_kernels, case, seed):
+    """Red-team 2026-12-02: random specs with q_offset and kv_lengths tensors in and out of
+    range, inference mode, no_grad and copies, on the kernels' path (eager FlexAttention here:
+    plans, caches, block masks) and on the reference (calls under 128 positions)."""
+    check_positioned(*case, seed)
+
+
+@pytest.mark.slow
+@settings(max_examples=slow_examples(8), deadline=None, suppress_health_check=list(HealthCheck))
+@given(positioned_calls(), st.integers(0, 2**31 - 1))
+def test_positions_modes_and_copies_through_the_compiled_runtime(case, seed):
+    check_positioned(*case, seed)

@@ -30,7 +30,7 @@ from flexspec.errors import BindingError
 from flexspec.ir.intervals import always
 from flexspec.ir.overflow import position_range, position_ranges
 from flexspec.ir.rewrites import KV_LENGTHS, Q_OFFSET, default_offset, placed, reads_positions
-from flexspec.limits import check_position, kernel_int_dtype
+from flexspec.limits import POSITION_LIMIT, check_position, kernel_int_dtype
 from flexspec.runtime.bindings import Tensors
 from flexspec.runtime.checks import as_device, check_qkv
 
@@ -151,6 +151,9 @@ def call_tensors(spec: ir.AttentionIR, q_offset, kv_lengths, sizes: dict, device
                           f"{low}..{high - q_len + 1}, so that rows stay at positions {low}.."
                           f"{high}, where this spec's integer arithmetic fits the kernels' "
                           f"{kernel_int_dtype(device.type)} at Q_LEN={q_len}, KV_LEN={kv_len}")
+    else:  # the bound an int offset has (check_position), for a tensor too
+        offset = _bounded(offset, -POSITION_LIMIT, POSITION_LIMIT - 1, name,
+                          "+-2**62 (positions must stay well inside int64)")
     if reads_positions(spec):
         added[Q_OFFSET] = offset
     return added
