@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from flexspec import ir
-from flexspec.errors import BindingError, did_you_mean
+from flexspec.errors import BindingError, BindingTypeError, did_you_mean
 from flexspec.ir import tensor_key
 from flexspec.ir.specialize import broadcast_dims, declared_shape, specialize_ir
 from flexspec.kernels.tensors import add_leading_dims, init_learnable, prepare
@@ -33,7 +33,7 @@ def check_binding(tensor: ir.Tensor, value, sizes: dict, device) -> torch.Tensor
     name = tensor.name
     expected = shape_text(tensor, sizes)
     if not isinstance(value, torch.Tensor):
-        raise BindingError(f"binding '{name}' must be a torch.Tensor of {expected}, got "
+        raise BindingTypeError(f"binding '{name}' must be a torch.Tensor of {expected}, got "
                            f"{type(value).__name__}")
     if not _DTYPE_OK[tensor.dtype](value.dtype):
         raise BindingError(f"binding '{name}' has dtype {value.dtype}, but {tensor.dtype} "

@@ -73,8 +73,7 @@ class Calls:
                 plan = self._new_plan(key, q, k, v, scale, bindings, learnables, return_lse)
                 warn_once(f"gave-up-{gave_up}-{hash(plan.spec)}",
                           f"flexspec: backend '{gave_up}' could not compile '{self.text}' "
-                          f"({signal.reason}); running it on '{plan.choice.backend}' instead",
-                          stacklevel=4)
+                          f"({signal.reason}); running it on '{plan.choice.backend}' instead")
 
     def _new_plan(self, key, q, k, v, scale, bindings, learnables, return_lse) -> Plan:
         plan = self.plan(q, k, v, scale, bindings, learnables, return_lse)
@@ -82,7 +81,7 @@ class Calls:
             for row in order.rows_for(plan.request):
                 if row.backend == plan.choice.backend and row.notice is not None:
                     warn_once(f"notice-{row.backend}-{plan.request.device_type}",
-                              row.notice.format(device=plan.request.device_type), stacklevel=5)
+                              row.notice.format(device=plan.request.device_type))
         if key is not None:
             self.plans.put(key, plan)
         return plan

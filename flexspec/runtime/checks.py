@@ -9,7 +9,8 @@ from typing import NamedTuple
 
 import torch
 
-from flexspec.errors import BindingError
+from flexspec.errors import BindingError, BindingTypeError
+from flexspec.runtime.notices import warn_once
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -32,7 +33,7 @@ def check_qkv(q, k, v, *, allow_float64: bool = False) -> Sizes:
     dtypes = FLOAT_DTYPES + ((torch.float64,) if allow_float64 else ())
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise BindingError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise BindingTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise BindingError(f"{name} must have 4 dimensions (B, H, S, D), got shape "
                                f"{list(t.shape)}")
@@ -63,13 +64,33 @@ def check_qkv(q, k, v, *, allow_float64: bool = False) -> Sizes:
                            "and length")
     kv_heads = k.shape[1]
     if kv_heads == 0 or heads % kv_heads:
-        raise BindingError(f"{heads} query heads must be a multiple of {kv_heads} key/value heads")
+        raise BindingError(f"{heads} query heads must be a multiple of {kv_heads} key/value heads"
+                           + _layout_hint(q, k))
+    if kv_heads > LIKELY_HEADS and kv_heads > k.shape[2]:
+        warn_once(f"layout-{tuple(k.shape)}",
+                  f"flexspec: k has shape {list(k.shape)}, read as (B, H, S, D): "
+                  f"{kv_heads} heads of {k.shape[2]} positions. If it is (B, S, H, D), as "
+                  "projections give before their transpose, pass q.transpose(1, 2), "
+                  "k.transpose(1, 2) and v.transpose(1, 2) (views: no copy)")
     if q_len == 0 or k.shape[2] == 0:
         raise BindingError("q and k must have at least one position")
     if dim == 0 or v.shape[3] == 0:
         raise BindingError(f"the head dimension must be at least 1, got q/k {dim} and v "
                            f"{v.shape[3]}")
     return Sizes(batch, heads, q_len, k.shape[2])
+
+
+# More heads than any model has: a dimension this long is more likely the sequence (see
+# check_qkv's hint).
+LIKELY_HEADS = 256
+
+
+def _layout_hint(q, k) -> str:
+    """A hint for inputs that look like (B, S, H, D) where (B, H, S, D) is read."""
+    if q.shape[2] < q.shape[1] or k.shape[2] < k.shape[1]:
+        return ("; q and k have more heads than positions: if they are (B, S, H, D), pass "
+                "q.transpose(1, 2), k.transpose(1, 2) and v.transpose(1, 2)")
+    return ""
 
 
 def checked_scale(scale) -> float | None:

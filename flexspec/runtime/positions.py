@@ -26,7 +26,7 @@ import numbers
 import torch
 
 from flexspec import ir
-from flexspec.errors import BindingError
+from flexspec.errors import BindingError, BindingTypeError
 from flexspec.ir.intervals import always
 from flexspec.ir.overflow import position_range, position_ranges
 from flexspec.ir.rewrites import KV_LENGTHS, Q_OFFSET, default_offset, placed, reads_positions
@@ -177,8 +177,8 @@ def _per_row(name: str, value, batch: int, device) -> torch.Tensor:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         value = int(value)  # a NumPy int is an int
     if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
-        raise BindingError(f"{name} must be an int or an int tensor of shape [{batch}], got "
-                           f"{type(value).__name__}")
+        raise BindingTypeError(f"{name} must be an int or an int tensor of shape [{batch}], "
+                               f"got {type(value).__name__}")
     if isinstance(value, int):
         check_position(value, name, error=BindingError)
         return _int_tensor(value, batch, str(device))

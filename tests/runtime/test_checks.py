@@ -4,6 +4,7 @@ message. No kernel runs here: every call below fails its checks."""
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -212,3 +213,35 @@ def test_a_device_is_named_as_tensors_report_it():
     assert as_device("meta") == torch.device("meta")
     with pytest.raises(BindingError, match=r"^cannot use device 'nope': .*nope$"):
         as_device("nope")
+
+
+def test_inputs_of_the_wrong_type_are_type_errors_too():
+    """torch users catch TypeError for an argument of the wrong type (first-hour review)."""
+    attn = flexspec.compile("causal", backend="reference")
+    q = torch.randn(1, 2, 8, 4)
+    for bad in ([[1.0]], None, 3):
+        with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+            attn(bad, q, q)
+    with pytest.raises(TypeError, match="q_offset must be an int"):
+        attn(q, q, q, q_offset="3")
+    with pytest.raises(flexspec.BindingError):  # still a flexspec error, and a ValueError
+        attn([[1.0]], q, q)
+
+
+def test_inputs_that_look_like_sequences_first_get_a_hint(monkeypatch):
+    """A (B, S, H, D) tensor where (B, H, S, D) is read ran silently (first-hour review): where
+    the heads do not divide, the error says how to pass the other layout; where a 'head'
+    dimension is longer than any model's heads, a warning does."""
+    from flexspec.runtime import notices
+    monkeypatch.setattr(notices, "_warned", set())
+    attn = flexspec.compile("causal", backend="reference")
+    q = torch.randn(1, 9, 4, 8)   # (B, S=9, H=4, D) of a query
+    k = torch.randn(1, 6, 2, 8)   # (B, S=6, Hkv=2, D) of keys
+    with pytest.raises(BindingError, match=r"if they are \(B, S, H, D\), pass q.transpose\(1, 2\)"):
+        attn(q, k, k)
+    q = torch.randn(1, 300, 2, 4)
+    with pytest.warns(UserWarning, match=r"k has shape \[1, 300, 2, 4\], read as \(B, H, S, D\)"):
+        attn(q, q, q)
+    with warnings.catch_warnings():  # a decoding step (one query, many heads) is not one
+        warnings.simplefilter("error")
+        attn(torch.randn(1, 32, 1, 4), torch.randn(1, 8, 20, 4), torch.randn(1, 8, 20, 4))

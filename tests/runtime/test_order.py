@@ -57,9 +57,17 @@ def test_the_notice_of_a_row_is_warned_once_when_auto_takes_it(monkeypatch):
     monkeypatch.setattr(notices, "_warned", set())
     attn = flexspec.compile("causal & window(3)")
     q, k, v = (t.requires_grad_() for t in Shape(1, 2, 2, 200, 200, 8).qkv(seed=0))
-    with pytest.warns(UserWarning, match="FlexAttention has no backward pass on cpu"):
+    with pytest.warns(UserWarning, match="FlexAttention has no backward pass on cpu") as caught:
         attn(q, k, v)
     assert attn.explain(q, k, v).choice.backend == "reference"
+    # it points at the user's line, not into flexspec or torch (first-hour review, 2026-12-02)
+    assert [w.filename for w in caught] == [__file__]
+    # through a module's forward, too
+    layer = flexspec.MultiheadAttention(16, 2, "causal & window(3)", batch_first=True)
+    monkeypatch.setattr(notices, "_warned", set())
+    with pytest.warns(UserWarning, match="no backward pass") as caught:
+        layer(torch.randn(1, 130, 16))
+    assert [w.filename for w in caught] == [__file__]
 
 
 def test_the_registry_names_the_backends():
