@@ -60,8 +60,8 @@ def pattern(name: str) -> Pattern:
 
 # The runtime's public names: importing them imports torch, so on first use, not by
 # `import flexspec` (which `flexspec check` and `fmt` keep torch-free).
-_RUNTIME_NAMES = ("Attention", "BackendError", "CompileLimitError", "MultiheadAttention",
-                  "SpecAttention")
+_RUNTIME_NAMES = ("Attention", "BackendError", "CompileLimitError", "KVCache",
+                  "MultiheadAttention", "SpecAttention")
 
 
 def __getattr__(name):
@@ -78,7 +78,6 @@ def __dir__():
 
 
 __all__ = ["Attention", "BackendError", "BindingError", "BindingTypeError", "CompileLimitError",
-           "Library", "MultiheadAttention", "Pattern", "RegistryError", "Spec", "SpecAttention",
-           "SpecCheckError", "SpecError", "SpecSyntaxError", "SpecTypeError", "backends", "compile",
-           "load",
-           "loads", "parse", "pattern", "patterns"]
+           "KVCache", "Library", "MultiheadAttention", "Pattern", "RegistryError", "Spec",
+           "SpecAttention", "SpecCheckError", "SpecError", "SpecSyntaxError", "SpecTypeError",
+           "backends", "compile", "load", "loads", "parse", "pattern", "patterns"]

@@ -3,7 +3,7 @@ queries those backends ask of a spec.
 
 * :func:`logit_factor`: a score that is the logit times a positive constant;
 * :func:`sdpa_form`: full or top-left causal attention times a constant (what
-  ``scaled_dot_product_attention`` computes);
+  ``scaled_dot_product_attention`` computes), and :func:`is_causal_mask`;
 * :func:`native_form`: a window around the diagonal (causal, sliding windows), documents as
   runs of ids, a constant factor and a softcap (what FlashAttention-4's own kernels compute);
 * :func:`constant_lookup` and :func:`nested_lookup`: tensor lookups some code generators
@@ -77,6 +77,18 @@ class SdpaForm:
 
 
 _CAUSAL_MASKS = (Binary(">=", Var("q"), Var("kv")), Binary("<=", Var("kv"), Var("q")))
+
+
+def is_causal_mask(spec: AttentionIR) -> bool:
+    """Whether ``spec``'s mask is top-left causal, or causal joined by ``&`` to more: no query
+    sees a later key (what ``is_causal=True`` says of a mask in torch).
+
+    >>> from flexspec import parse
+    >>> is_causal_mask(parse("causal & window(8) + alibi").ir), is_causal_mask(parse("full").ir)
+    (True, False)
+    """
+    atoms = spec.mask.args if isinstance(spec.mask, And) else (spec.mask,)
+    return spec.align == "start" and any(atom in _CAUSAL_MASKS for atom in atoms)
 
 
 def sdpa_form(spec: AttentionIR) -> SdpaForm | None:

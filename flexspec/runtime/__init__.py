@@ -15,6 +15,7 @@ from flexspec.runtime.attention import Attention
 from flexspec.runtime.contract import BackendError
 from flexspec.runtime.compiled import CompileLimitError
 from flexspec.runtime.module import SpecAttention
-from flexspec.runtime.multihead import MultiheadAttention
+from flexspec.runtime.multihead import KVCache, MultiheadAttention
 
-__all__ = ["Attention", "BackendError", "CompileLimitError", "MultiheadAttention", "SpecAttention"]
+__all__ = ["Attention", "BackendError", "CompileLimitError", "KVCache", "MultiheadAttention",
+           "SpecAttention"]

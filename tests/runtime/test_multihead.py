@@ -96,3 +96,64 @@ def test_cross_attention_with_distinct_key_and_value_matches_torch():
         # value left out is the key, not the query
         expected_key, _ = theirs(query, key, key, need_weights=False)
         torch.testing.assert_close(ours(query, key)[0], expected_key, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_habits_get_errors_that_say_the_flexspec_way():
+    """First-hour review: dropout=0.1 raised a TypeError naming SpecAttention.__init__, a
+    positional float third argument 'expected spec text', attn_mask= and is_causal= 'unexpected
+    binding'. Each now says what flexspec takes instead; what torch means and flexspec does
+    anyway (dropout 0, is_causal on a causal spec) is accepted."""
+    with pytest.raises(TypeError, match="third argument of flexspec.MultiheadAttention is the "
+                                        "spec .* not dropout"):
+        flexspec.MultiheadAttention(32, 4, 0.1)
+    with pytest.raises(flexspec.SpecError, match="no attention dropout \\(dropout=0.1\\)"):
+        flexspec.MultiheadAttention(32, 4, dropout=0.1)
+    with pytest.raises(flexspec.SpecError, match="no add_bias_kv or add_zero_attn"):
+        flexspec.MultiheadAttention(32, 4, add_bias_kv=True)
+    layer = flexspec.MultiheadAttention(32, 4, "causal & window(3)", dropout=0.0,
+                                        batch_first=True)
+    x = torch.randn(1, 5, 32)
+    with pytest.raises(flexspec.SpecError, match="takes its pattern as a spec, not an attn_mask"):
+        layer(x, attn_mask=torch.ones(5, 5, dtype=torch.bool))
+    torch.testing.assert_close(layer(x, is_causal=True)[0], layer(x)[0])
+    with pytest.raises(flexspec.SpecError, match="is_causal=True, but this layer's spec is "
+                                                 "'full', which is not causal"):
+        flexspec.MultiheadAttention(32, 4, "full")(x.transpose(0, 1), is_causal=True)
+
+
+def test_kdim_and_vdim_match_torch():
+    torch.manual_seed(4)
+    theirs = nn.MultiheadAttention(32, 4, kdim=12, vdim=20, batch_first=True).eval()
+    ours = flexspec.MultiheadAttention(32, 4, "full", kdim=12, vdim=20, batch_first=True).eval()
+    with torch.no_grad():
+        ours.q_proj.weight.copy_(theirs.q_proj_weight)
+        ours.k_proj.weight.copy_(theirs.k_proj_weight)
+        ours.v_proj.weight.copy_(theirs.v_proj_weight)
+        for i, proj in enumerate((ours.q_proj, ours.k_proj, ours.v_proj)):
+            proj.bias.copy_(theirs.in_proj_bias[32 * i:32 * (i + 1)])
+        ours.out_proj.load_state_dict(theirs.out_proj.state_dict())
+        query, key, value = torch.randn(2, 7, 32), torch.randn(2, 9, 12), torch.randn(2, 9, 20)
+        torch.testing.assert_close(ours(query, key, value)[0],
+                                   theirs(query, key, value, need_weights=False)[0],
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["causal", "causal & window(3) + alibi"])
+def test_decoding_with_a_cache_equals_the_whole_sequence(spec):
+    """A KVCache keeps the projected keys and values: token by token (and a prompt first), each
+    step projects only its new tokens, and the outputs are the rows of one call over the whole
+    sequence (first-hour review: there was no way to decode without re-projecting)."""
+    torch.manual_seed(6)
+    layer = flexspec.MultiheadAttention(32, 4, spec, num_kv_heads=2, batch_first=True).eval()
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        whole, _ = layer(x)
+        cache = flexspec.KVCache()
+        steps = [layer(x[:, :4], cache=cache)[0]]
+        steps += [layer(x[:, i:i + 1], cache=cache)[0] for i in range(4, 9)]
+    assert cache.length == 9 and cache.k.shape == (2, 2, 9, 8)
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-5, atol=1e-5)
+    with pytest.raises(flexspec.BindingError, match="use one cache per layer and batch"):
+        layer(x[:1, :1], cache=cache)
+    with pytest.raises(TypeError, match="cache must be a flexspec.KVCache"):
+        layer(x, cache={})
