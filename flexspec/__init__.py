@@ -40,6 +40,18 @@ def compile(spec, *, library: Library | None = None, backend: str = "auto", bloc
                      block_masks=block_masks)
 
 
+def render(spec, q_len: int, kv_len: int | None = None, **options):
+    """A picture of ``spec`` (text, a :class:`Spec` or an ``Attention``) at ``q_len`` x
+    ``kv_len`` (default: square) for scripts and notebooks: ``print()`` shows the mask (and the
+    score heat), a notebook the PNG where matplotlib is installed, ``.save(path)`` writes it.
+    ``options``: ``batch``, ``head``, ``heads``, ``width_limit``, ``color`` (as in
+    ``flexspec render``) and the spec's bindings by name; a tensor not given gets a demo value,
+    listed under the text picture. Imports torch."""
+    from flexspec.tools.render import rendering
+
+    return rendering(spec, q_len, kv_len, **options)
+
+
 def backends() -> tuple[str, ...]:
     """The names ``compile(..., backend=...)`` takes: ``"auto"`` and every registered backend
     (importing them imports torch)."""
@@ -80,4 +92,4 @@ def __dir__():
 __all__ = ["Attention", "BackendError", "BindingError", "BindingTypeError", "CompileLimitError",
            "KVCache", "Library", "MultiheadAttention", "Pattern", "RegistryError", "Spec",
            "SpecAttention", "SpecCheckError", "SpecError", "SpecSyntaxError", "SpecTypeError",
-           "backends", "compile", "load", "loads", "parse", "pattern", "patterns"]
+           "backends", "compile", "load", "loads", "parse", "pattern", "patterns", "render"]

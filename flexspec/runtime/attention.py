@@ -72,7 +72,15 @@ class Attention:
 
     # ---- descriptions
     def __repr__(self) -> str:
-        return f"Attention({str(self.spec)!r}, backend={self.backend!r})"
+        """The call that compiles it again (``flexspec.compile(flexspec.parse('causal'),
+        backend='auto')``, with the library its names resolved in and options not left at their
+        defaults)."""
+        options = f"backend={self.backend!r}"
+        if self.block_size != (128, 128):
+            options += f", block_size={self.block_size!r}"
+        if self.block_masks != "exact":
+            options += f", block_masks={self.block_masks!r}"
+        return f"flexspec.compile({self.spec!r}, {options})"
 
     @property
     def bindings(self) -> list[str]:

@@ -17,11 +17,12 @@ Everything is computed by the dense reference (:mod:`flexspec.kernels.reference`
 a spec means, never by the FlexAttention lowering. Runtime bindings are passed by name like
 ``Attention.dense_mask``; :func:`demo_bindings` makes example values for the command line.
 
-Only the command line and the catalogue import this module.
+The command line, the catalogue and ``flexspec.render`` (on first use) import this module.
 """
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass, field
 
@@ -416,6 +417,55 @@ def render_png(attn_or_spec, path, q_len: int, kv_len: int, *, batch: int = 0, h
     return path
 
 
-__all__ = ["DEFAULT_HEADS", "DEFAULT_WIDTH", "Picture", "SHADES", "demo_bindings", "format_picture",
-           "heat_lines", "mask_lines", "picture", "render_example", "render_png", "render_text",
-           "resolve_heads"]
+_PICTURE_OPTIONS = ("batch", "head", "heads", "width_limit", "color")
+
+
+def rendering(attn_or_spec, q_len: int, kv_len: int | None = None, **options) -> "Rendering":
+    """What ``flexspec.render`` returns (see there): the picture, with demo values for the
+    tensors ``options`` do not bind (as ``flexspec render`` gives them)."""
+    attn = attention_of(attn_or_spec)
+    kv_len = q_len if kv_len is None else kv_len
+    bindings = {key: value for key, value in options.items() if key not in _PICTURE_OPTIONS}
+    chosen = {key: value for key, value in options.items() if key in _PICTURE_OPTIONS}
+    heads = resolve_heads(attn, chosen.get("head", 0), chosen.get("heads"), bindings)
+    demo, notes = demo_bindings(attn, q_len, kv_len, batch=chosen.get("batch", 0), heads=heads,
+                                given=bindings)
+    return Rendering(attn, q_len, kv_len, notes, **chosen, **demo, **bindings)
+
+
+class Rendering:
+    """A spec's picture for scripts and notebooks (what ``flexspec.render`` returns): ``str()``
+    and ``print()`` give the text picture; a notebook shows the PNG where matplotlib is installed
+    (``pip install 'flexspec[plot]'``) and the text otherwise; :meth:`save` writes the PNG."""
+
+    def __init__(self, attn, q_len: int, kv_len: int, notes=(), **options):
+        self._args, self._options = (attn, q_len, kv_len), options
+        # checks every argument now
+        self.text = render_text(*self._args, **options) + "".join(f"{note}\n" for note in notes)
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __repr__(self) -> str:
+        return self.text
+
+    def save(self, path):
+        """Write the PNG to ``path`` (a path or a binary file); needs matplotlib."""
+        options = {key: value for key, value in self._options.items()
+                   if key not in ("width_limit", "color")}
+        return render_png(self._args[0], path, *self._args[1:], **options)
+
+    def _repr_png_(self) -> bytes | None:
+        """The PNG for a notebook, or None (the text is shown) without matplotlib."""
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return None
+        buffer = io.BytesIO()
+        self.save(buffer)
+        return buffer.getvalue()
+
+
+__all__ = ["DEFAULT_HEADS", "DEFAULT_WIDTH", "Picture", "Rendering", "SHADES", "demo_bindings",
+           "format_picture", "heat_lines", "mask_lines", "picture", "render_example",
+           "render_png", "render_text", "resolve_heads"]

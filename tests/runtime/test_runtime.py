@@ -172,10 +172,17 @@ def test_source_of_a_mask_only_spec_has_no_score_mod():
 
 
 def test_repr():
+    """The repr is the call that compiles it again (first-hour review: a spec from a library
+    could not be pasted back)."""
     assert repr(flexspec.compile("causal&window(3)+alibi")) == \
-        "Attention('causal & window(3) + alibi', backend='auto')"
-    assert repr(flexspec.compile("causal", backend="reference")) == \
-        "Attention('causal', backend='reference')"
+        "flexspec.compile(flexspec.parse('causal & window(3) + alibi'), backend='auto')"
+    attn = flexspec.compile("causal", backend="reference", block_size=(64, 128),
+                            block_masks="dense")
+    assert repr(attn) == ("flexspec.compile(flexspec.parse('causal'), backend='reference', "
+                          "block_size=(64, 128), block_masks='dense')")
+    again = eval(repr(attn), {"flexspec": flexspec})
+    assert (again.spec, again.backend, again.block_size, again.block_masks) == \
+        (attn.spec, attn.backend, attn.block_size, attn.block_masks)
     module = flexspec.SpecAttention("causal + rel_bias(max_distance=4)", num_heads=2)
     assert "'causal + rel_bias(max_distance=4)', num_heads=2" in repr(module)
 

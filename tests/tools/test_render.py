@@ -240,3 +240,29 @@ def test_the_heat_range_and_its_legend_span_exactly_the_visible_scores():
         high, abs=1e-9)
     assert all(a[1] == pytest.approx(b[0], rel=1e-3, abs=1e-12)
                for a, b in zip(bounds, bounds[1:]))
+
+
+def test_flexspec_render_draws_for_notebooks_and_scripts():
+    """First-hour review: there was no Python way to draw a mask in a notebook. ``print`` gives
+    the text picture (with demo values for bindings not given), a notebook the PNG or, without
+    matplotlib, the text."""
+    import flexspec
+    shown = flexspec.render("causal & doc", 8)
+    assert str(shown).startswith(render_text("causal & doc", 8, 8,
+                                             doc_ids=torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])))
+    assert "doc_ids: demo value" in str(shown) and repr(shown) == str(shown)
+    given = flexspec.render("causal & doc", 6, 8, doc_ids=torch.zeros(8, dtype=torch.int64))
+    assert str(given) == render_text("causal & doc", 6, 8,
+                                     doc_ids=torch.zeros(8, dtype=torch.int64))
+    assert str(flexspec.render("alibi", 4, heads=2, head=1)) == render_text("alibi", 4, 4,
+                                                                             heads=2, head=1)
+    with pytest.raises(flexspec.SpecError, match="q_len"):
+        flexspec.render("causal", 0)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert shown._repr_png_() is None
+        with pytest.raises(flexspec.SpecError, match="needs matplotlib"):
+            shown.save("unused.png")
+    else:
+        assert shown._repr_png_().startswith(b"\\x89PNG")
