@@ -15,6 +15,7 @@ from flexspec.runtime.masks import BlockMasks
 from flexspec.runtime.notices import warn_once
 from flexspec.runtime.plan import PlanCache, call_key, failed, make_plan, run
 from flexspec.runtime.positions import Placement
+from flexspec.runtime.progress import log
 
 
 class Calls:
@@ -77,6 +78,8 @@ class Calls:
 
     def _new_plan(self, key, q, k, v, scale, bindings, learnables, return_lse) -> Plan:
         plan = self.plan(q, k, v, scale, bindings, learnables, return_lse)
+        log.debug("planned '%s' at %s on %s: %s (%s)", self.text, plan.sizes, plan.device,
+                  plan.choice.backend, plan.choice.reason)
         if self.asked == "auto":
             for row in order.rows_for(plan.request):
                 if row.backend == plan.choice.backend and row.notice is not None:

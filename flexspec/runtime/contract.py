@@ -195,6 +195,8 @@ class Backend:
     dialect: str = "torch"
     # takes float64 inputs (only a dense float64 backend does)
     float64: bool = False
+    # computes every (q, kv) pair, whatever the mask (what explain counts as its work)
+    dense: bool = False
 
     def cannot_run(self, spec: ir.AttentionIR) -> str | None:
         """Why this backend can run no call of ``spec`` (said when the spec is compiled), or

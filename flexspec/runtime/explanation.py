@@ -42,6 +42,7 @@ class Explanation:
     flops: float          # forward FLOPs of the visible pairs
     grads: bool
     choice: Choice
+    dense: bool = False   # the chosen backend computes every pair (the dense reference)
 
     def __str__(self) -> str:
         s = self.sizes
@@ -54,8 +55,10 @@ class Explanation:
             f"call:     B={s['B']} {heads} Q_LEN={s['Q_LEN']} KV_LEN={s['KV_LEN']} "
             f"D={self.head_dim} {str(self.dtype).replace('torch.', '')} on {self.device}"
             + (", with gradients" if self.grads else ""),
-            f"density:  {self.density:.2%} of (q, kv) pairs visible; {self.tile_density:.2%} "
-            f"of {self.block_size[0]}x{self.block_size[1]} tiles computed",
+            f"density:  {self.density:.2%} of (q, kv) pairs visible; "
+            + ("every pair computed (the chosen backend is dense)" if self.dense else
+               f"{self.tile_density:.2%} of {self.block_size[0]}x{self.block_size[1]} tiles "
+               "computed"),
             f"work:     {_flops_text(self.flops)} forward"
             + (f", {_flops_text(self.flops * FORWARD_AND_BACKWARD)} forward+backward"
                if self.grads else ""),
@@ -77,7 +80,8 @@ def explain_plan(plan, values: dict, block_mask, text: str, q, k, v) -> Explanat
     """The explanation of a planned call, given its tensor values and its block mask.
 
     The visible pairs are the area of the block mask's full tiles plus the pairs counted cell by
-    cell inside its partial ones (its tables say which tiles are partial, not how full)."""
+    cell inside its partial ones (its tables say which tiles are partial, not how full). A dense
+    backend (the reference) computes every pair: its work counts them all."""
     sizes, spec, mask = plan.sizes, plan.spec, plan.masks
     block_size = plan.request.block_size
     visible = count_visible(spec.mask, sizes, block_size, values, q.device,
@@ -86,6 +90,9 @@ def explain_plan(plan, values: dict, block_mask, text: str, q, k, v) -> Explanat
     tiles = int(block_mask.kv_num_blocks.sum()) + int(block_mask.full_kv_num_blocks.sum())
     nq, nk = tile_grid(sizes, block_size)
     pairs = visible * (sizes["B"] // mask.batch) * (sizes["H"] // mask.heads)
+    dense = plan.backend.dense
+    if dense:
+        pairs = sizes["B"] * sizes["H"] * sizes["Q_LEN"] * sizes["KV_LEN"]
     return Explanation(
         spec=text, mask=ir.to_text(spec.mask), score=ir.to_text(spec.score),
         sizes={**sizes, "KV_HEADS": k.shape[1]}, head_dim=q.shape[-1], dtype=q.dtype,
@@ -93,4 +100,4 @@ def explain_plan(plan, values: dict, block_mask, text: str, q, k, v) -> Explanat
         density=visible / (mask.batch * mask.heads * sizes["Q_LEN"] * sizes["KV_LEN"]),
         tile_density=tiles / (mask.batch * mask.heads * nq * nk), block_size=block_size,
         flops=attention_flops(pairs, q.shape[-1], v.shape[-1], backward=False),
-        grads=plan.request.grads, choice=plan.choice)
+        grads=plan.request.grads, choice=plan.choice, dense=dense)

@@ -19,6 +19,7 @@ from flexspec.kernels.lower import Lowered, lower
 from flexspec.runtime import compiled
 from flexspec.runtime.capture import capturing
 from flexspec.runtime.identity import version
+from flexspec.runtime.progress import timed
 from flexspec.runtime.contract import Backend, Plan, Prepared
 from flexspec.errors import BindingError
 
@@ -143,7 +144,11 @@ class FlexAttentionBackend(Backend):
         else:
             try:
                 compiled.mark_lengths_dynamic(call.entry, *args[:5])
-                out = compiled.run_compiled(call.entry, *args)
+                sizes = plan.sizes
+                with timed(f"first call of '{plan.text}' on backend '{self.name}' at "
+                           f"B={sizes['B']} H={sizes['H']} Q_LEN={sizes['Q_LEN']} "
+                           f"KV_LEN={sizes['KV_LEN']}, which compiles its kernel where new"):
+                    out = compiled.run_compiled(call.entry, *args)
             except compiled.CompileLimitError:
                 raise
             except Exception as err:  # noqa: BLE001 - inductor's errors have no stable type

@@ -5,6 +5,7 @@ handle a plan holds of it (:class:`BoundMasks`, what backends see)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from flexspec.kernels.lower import lower
 from flexspec.limits import MAX_FUSED_TILES, check_block_mask
 from flexspec.runtime.capture import capturing
 from flexspec.runtime.identity import identity
+from flexspec.runtime.progress import timed
 
 # Devices where masks that read tensors are built by one compiled program each (fused_blocks):
 # on the CPU a program's first compile (about 20 s on a 2-core machine) outweighs what it saves.
@@ -110,6 +112,7 @@ class BlockMasks:
         # mask is built outside the lock; two threads may build the same one, harmlessly)
         self._lock = threading.Lock()
         self._untraceable: set = set()  # tokens of masks the fused program could not trace
+        self._built_once: set = set()  # tokens of masks the fused program has built
 
     def key(self, spec: ir.AttentionIR, sizes: dict, device, dialect: str = "torch") -> MaskKey:
         """The :class:`MaskKey` of ``spec``'s mask at ``sizes`` on ``device``, its block masks
@@ -186,10 +189,14 @@ class BlockMasks:
                                            sizes["Q_LEN"], sizes["KV_LEN"], device=device,
                                            BLOCK_SIZE=self.block_size)
         elif self._fused(key, sizes, device):
+            first = key.token not in self._built_once
+            self._built_once.add(key.token)
             try:
-                block_mask = fused_blocks.fused_block_mask(
-                    spec.mask, sizes, self.block_size, values, device, batch=key.batch,
-                    heads=key.heads, mask_mod=mask_mod)
+                with timed(f"building the block-mask program of '{ir.to_text(spec.mask)}' "
+                           f"(its first build compiles)") if first else contextlib.nullcontext():
+                    block_mask = fused_blocks.fused_block_mask(
+                        spec.mask, sizes, self.block_size, values, device, batch=key.batch,
+                        heads=key.heads, mask_mod=mask_mod)
             except fused_blocks.Untraceable as error:
                 if captured:
                     # compiling inside a capture can fail where it works outside (inductor

@@ -608,3 +608,17 @@ def test_the_short_cpu_rule_holds_when_one_length_is_short(q_len, kv_len):
     assert choose("auto", request, ir("causal & window(8)")).backend == "reference"
     assert why_not("flex", dataclasses.replace(CPU, q_len=128, kv_len=500),
                    ir("causal & window(8)")) is None
+
+
+def test_explain_counts_every_pair_for_a_dense_backend():
+    """First-hour review: explain --grad reported sparse work while choosing the dense
+    reference, which computes every pair."""
+    attn = flexspec.compile("causal & window(8)")
+    q, k, v = (t.requires_grad_() for t in Shape(1, 2, 2, 200, 200, 8).qkv(seed=0))
+    sparse = attn.explain(q.detach(), k.detach(), v.detach())
+    dense = attn.explain(q, k, v)
+    assert (sparse.choice.backend, dense.choice.backend) == ("flex", "reference")
+    assert sparse.density == dense.density  # what is visible does not change
+    assert sparse.flops == attention_flops(sparse.density * 2 * 200 * 200, 8, 8, backward=False)
+    assert dense.flops == attention_flops(2 * 200 * 200, 8, 8, backward=False)
+    assert "every pair computed" in str(dense) and "tiles computed" in str(sparse)

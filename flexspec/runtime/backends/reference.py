@@ -10,6 +10,7 @@ from flexspec.runtime.contract import Backend, Prepared
 class ReferenceBackend(Backend):
     name = "reference"
     float64 = True
+    dense = True
 
     def why_not(self, request, spec):
         if not request.reference_fits:
