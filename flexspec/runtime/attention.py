@@ -10,6 +10,8 @@ signature, :mod:`flexspec.runtime.plan`), queries are placed by the spec's
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -18,7 +20,7 @@ from flexspec.errors import SpecError, did_you_mean
 from flexspec.kernels.lower import lower
 from flexspec.kernels.reference import dense_mask, reference_attention
 from flexspec.lang.spec import Spec
-from flexspec.runtime.backends import REGISTRY, BackendError, check_backend_name
+from flexspec.runtime.backends import REGISTRY, BackendError, check_backend_name, choose
 from flexspec.runtime.bindings import implied_sizes, sizes_tensors_read
 from flexspec.runtime.calls import Calls
 from flexspec.runtime.checks import as_device, check_qkv, given_sizes
@@ -204,16 +206,29 @@ class Attention:
                            q_offset=q_offset, kv_lengths=kv_lengths, return_lse=return_lse)
 
     def explain(self, q, k, v, *, scale=None, q_offset=None, kv_lengths=None,
-                return_lse: bool = False, **bindings) -> Explanation:
+                return_lse: bool = False, target: str | None = None, capability=None,
+                facts: dict | None = None, **bindings) -> Explanation:
         """What a call with these inputs would do: the canonical spec, the visible fraction of
         the score matrix, the work in FLOPs, the backend chosen and why (and why not the others).
         Only the shapes, dtypes and devices of ``q``, ``k``, ``v`` matter (and the values of the
-        tensors the mask reads)."""
+        tensors the mask reads).
+
+        With ``target`` (a device type such as ``"cuda"``), the choice is the one a call on that
+        device would make, planned from inputs on another (a laptop's CPU): ``capability`` is
+        the target GPU's compute capability (``(9, 0)``: Hopper) and ``facts`` what is installed
+        there, by the names backends read (``{"fa4.installed": True}``)."""
         calls = self._calls.unmasked_for(q, k, q_offset, kv_lengths) or self._calls
         if calls is not self._calls:  # the rows see every key: the call runs without the mask
             q_offset = kv_lengths = None
         bindings = calls.placement.for_call(q, k, bindings, q_offset, kv_lengths)
         plan = calls.plan(q, k, v, scale, bindings, None, return_lse)
         values = plan.values(bindings)
-        return explain_plan(plan, values, plan.masks.get(values, q.device), str(self.spec),
-                            q, k, v)
+        block_mask = plan.masks.get(values, q.device)
+        choice = device = None
+        if target is not None:
+            request = dataclasses.replace(plan.request, device_type=target, capability=capability,
+                                          facts=tuple(sorted((facts or {}).items())))
+            choice = choose(self.backend, request, plan.spec)
+            device = f"{target} (planned on {q.device})"
+        return explain_plan(plan, values, block_mask, str(self.spec), q, k, v, choice=choice,
+                            device=device)

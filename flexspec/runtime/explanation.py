@@ -10,6 +10,7 @@ import torch
 from flexspec import ir
 from flexspec.kernels.block_tables import tile_classes, tile_grid
 from flexspec.kernels.blocks import count_visible
+from flexspec.runtime.backends import REGISTRY
 from flexspec.runtime.contract import Choice
 
 # Forward+backward work in forwards: the backward does 2.5 forwards' matrix products (five
@@ -76,12 +77,15 @@ def _flops_text(flops: float) -> str:
     return f"{flops:.3g} FLOP"
 
 
-def explain_plan(plan, values: dict, block_mask, text: str, q, k, v) -> Explanation:
+def explain_plan(plan, values: dict, block_mask, text: str, q, k, v, *, choice=None,
+                 device: str | None = None) -> Explanation:
     """The explanation of a planned call, given its tensor values and its block mask.
 
     The visible pairs are the area of the block mask's full tiles plus the pairs counted cell by
     cell inside its partial ones (its tables say which tiles are partial, not how full). A dense
-    backend (the reference) computes every pair: its work counts them all."""
+    backend (the reference) computes every pair: its work counts them all. ``choice`` and
+    ``device`` replace the plan's where the call is explained for another device."""
+    choice = plan.choice if choice is None else choice
     sizes, spec, mask = plan.sizes, plan.spec, plan.masks
     block_size = plan.request.block_size
     visible = count_visible(spec.mask, sizes, block_size, values, q.device,
@@ -90,14 +94,14 @@ def explain_plan(plan, values: dict, block_mask, text: str, q, k, v) -> Explanat
     tiles = int(block_mask.kv_num_blocks.sum()) + int(block_mask.full_kv_num_blocks.sum())
     nq, nk = tile_grid(sizes, block_size)
     pairs = visible * (sizes["B"] // mask.batch) * (sizes["H"] // mask.heads)
-    dense = plan.backend.dense
+    dense = REGISTRY[choice.backend].dense
     if dense:
         pairs = sizes["B"] * sizes["H"] * sizes["Q_LEN"] * sizes["KV_LEN"]
     return Explanation(
         spec=text, mask=ir.to_text(spec.mask), score=ir.to_text(spec.score),
         sizes={**sizes, "KV_HEADS": k.shape[1]}, head_dim=q.shape[-1], dtype=q.dtype,
-        device=str(q.device),
+        device=str(q.device) if device is None else device,
         density=visible / (mask.batch * mask.heads * sizes["Q_LEN"] * sizes["KV_LEN"]),
         tile_density=tiles / (mask.batch * mask.heads * nq * nk), block_size=block_size,
         flops=attention_flops(pairs, q.shape[-1], v.shape[-1], backward=False),
-        grads=plan.request.grads, choice=plan.choice, dense=dense)
+        grads=plan.request.grads, choice=choice, dense=dense)

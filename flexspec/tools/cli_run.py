@@ -39,6 +39,12 @@ def _add_explain(subparsers) -> None:
                    help="input dtype (default bfloat16)")
     p.add_argument("--device", help="device, e.g. cpu or cuda (default cpu)")
     p.add_argument("--grad", action="store_true", help="the inputs require gradients")
+    p.add_argument("--capability", metavar="X.Y",
+                   help="with --device cuda on a machine without CUDA: the compute capability "
+                        "of the GPU planned for (default 9.0, Hopper)")
+    p.add_argument("--fa4", action="store_true",
+                   help="with --device cuda on a machine without CUDA: plan as if "
+                        "FlashAttention-4 were installed there")
     p.add_argument("--backend", action=_BackendOption, help="the backend asked for (default auto)")
     p.add_argument("--block-size", type=int, metavar="N",
                    help="block size of the block mask, a multiple of 16 (default 128)")
@@ -62,7 +68,7 @@ def _spec(args):
 # with its default value (`--heads 16`) still counts as given.
 CALL_OPTIONS = {"kv_len": None, "batch": 1, "heads": 16, "kv_heads": None, "head_dim": 128,
                 "dtype": "bfloat16", "device": "cpu", "grad": False, "backend": "auto",
-                "block_size": 128, "bind": []}
+                "block_size": 128, "bind": [], "capability": None, "fa4": False}
 
 
 def cmd_explain(args) -> int:
@@ -124,7 +130,8 @@ def _explain_call(spec, args):
     kv_len = args.q_len if args.kv_len is None else args.kv_len
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     attn = compile_spec(spec, backend=args.backend, block_size=args.block_size)
-    device = as_device(args.device)
+    target = _target(args)
+    device = as_device("cpu" if target else args.device)
     dtype = getattr(torch, args.dtype)
 
     def placeholder(heads, length):
@@ -137,11 +144,41 @@ def _explain_call(spec, args):
     sizes = {"B": args.batch, "H": args.heads, "Q_LEN": args.q_len, "KV_LEN": kv_len}
     bindings, notes = bindings_from_text(attn, parse_binds(attn, args.bind), sizes)
     bindings = {name: value.to(device) for name, value in bindings.items()}
-    explanation = attn.explain(q, k, v, **bindings)
+    if target:
+        explanation = attn.explain(q, k, v, target=target["type"],
+                                   capability=target["capability"], facts=target["facts"],
+                                   **bindings)
+        explanation = str(explanation) + "\n" + target["note"]
+    else:
+        explanation = attn.explain(q, k, v, **bindings)
     if notes:
         text = str(explanation) + "\nnot given with --bind, so explained with demo values:\n"
         return text + "\n".join(f"  {note}" for note in notes)
     return explanation
+
+
+def _target(args) -> dict | None:
+    """Where ``--device`` names a CUDA device this machine has not: the device to plan for from
+    the CPU (what explain needs of a GPU is its compute capability and what is installed)."""
+    import torch
+
+    from flexspec.runtime import fa4
+
+    if not args.device.startswith("cuda") or torch.cuda.is_available():
+        if args.capability is not None or args.fa4:
+            raise SpecError("--capability and --fa4 describe a GPU this machine does not have: "
+                            "give them with --device cuda on a machine without CUDA")
+        return None
+    text = args.capability or "9.0"
+    try:
+        capability = tuple(int(part) for part in text.split("."))
+    except ValueError:
+        raise SpecError(f"--capability takes a compute capability such as 9.0 or 10.0, got "
+                        f"{text!r}") from None
+    return {"type": "cuda", "capability": capability, "facts": {fa4.INSTALLED: args.fa4},
+            "note": f"planned without a GPU: a CUDA device of compute capability {text}, "
+                    f"FlashAttention-4 {'installed' if args.fa4 else 'not installed'} "
+                    "(--capability, --fa4)"}
 
 
 # ---- render ------------------------------------------------------------------------------------

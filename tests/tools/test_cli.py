@@ -592,3 +592,21 @@ def test_render_to_a_narrow_encoding_does_not_crash(encoding):
                             encoding=encoding, errors="replace")
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr and "density" in result.stdout
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="plans without a GPU")
+def test_explain_plans_for_a_gpu_from_a_machine_without_one(capsys):
+    """First-hour review: `explain --device cuda` needed a GPU although nothing is allocated."""
+    args = ("explain", "causal & window(1024)", "--q-len", "8192", "--batch", "4",
+            "--device", "cuda")
+    code, out, _ = run(capsys, *args)
+    assert code == 0 and "on cuda (planned on cpu)" in out
+    assert "backend:  flex: " in out and "FlashAttention-4 not installed" in out
+    code, out, _ = run(capsys, *args, "--fa4")
+    assert "backend:  fa4: " in out and "FlashAttention-4 installed" in out
+    code, out, _ = run(capsys, *args, "--fa4", "--capability", "8.0")
+    assert "backend:  flex: " in out and "this one is 8.0" in out
+    code, _, err = run(capsys, *args, "--capability", "nine")
+    assert code == 1 and "--capability takes a compute capability such as 9.0" in err
+    code, _, err = run(capsys, "explain", "causal", "--q-len", "8", "--fa4")
+    assert code == 1 and "describe a GPU this machine does not have" in err
