@@ -231,3 +231,17 @@ def test_a_cache_longer_than_the_tokens_seen_pads_its_tail_as_invalid():
     # with a sliding cache that dropped keys, the mask is read from the kv offset on
     placed = integration.placement(2, 1, 3, q_offset=4, kv_offset=1, attention_mask=mask)
     assert placed.valid.tolist() == [[True, True, True], [True, True, True]]
+
+
+def test_a_prompt_past_one_block_runs_the_compiled_kernel(name, caplog):
+    """The tiny-model tests above stay under 128 positions, where the CPU runs the dense
+    reference: a left-padded prompt of 140 tokens reaches the compiled FlexAttention kernel
+    (first-hour review), and gives eager's logits."""
+    import logging
+    eager, ours = pair(MODELS["llama"], name)
+    ids, mask = left_padded(140)
+    with torch.no_grad(), caplog.at_level(logging.DEBUG, logger="flexspec"):
+        expected, got = eager(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+    assert (expected - got)[mask.bool()].abs().max() <= 1e-4
+    planned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("planned")]
+    assert planned and all(": flex (" in message for message in planned), planned
