@@ -33,6 +33,7 @@ transformers is an optional dependency: ``pip install 'flexspec[transformers]'``
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -52,6 +53,11 @@ class Placement:
     kv_offset: int
     valid: torch.Tensor | None
     given_mask: bool = False  # the model got a 2-D attention_mask (then packing is not looked for)
+
+    # generate() prepares the mask of a step before the model's forward, which prepares it
+    # again from what generate() made: transformers reads `ndim` to tell a 2-D mask it must
+    # move from one it has prepared (a placement is never 2-D)
+    ndim = 4
 
 
 def register(name: str = "flexspec", spec: str = "causal", library=None,
@@ -78,7 +84,14 @@ def placement(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
               mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs
               ) -> Placement:
     """transformers' mask function for flexspec: instead of a mask, where the call's queries and
-    keys stand and which keys are padding. The mask itself comes from the spec."""
+    keys stand and which keys are padding. The mask itself comes from the spec. A placement
+    given as the attention mask (generate() prepared it for this step) is kept, at this call's
+    offsets."""
+    if isinstance(attention_mask, Placement):
+        if attention_mask.valid is not None and attention_mask.valid.shape[-1] != kv_length:
+            raise SpecError(f"the prepared placement covers {attention_mask.valid.shape[-1]} "
+                            f"keys, this call {kv_length}: please report it")
+        return dataclasses.replace(attention_mask, q_offset=q_offset, kv_offset=kv_offset)
     valid = None
     if attention_mask is not None:
         if attention_mask.dim() != 2:

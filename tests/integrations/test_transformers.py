@@ -245,3 +245,19 @@ def test_a_prompt_past_one_block_runs_the_compiled_kernel(name, caplog):
     assert (expected - got)[mask.bool()].abs().max() <= 1e-4
     planned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("planned")]
     assert planned and all(": flex (" in message for message in planned), planned
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_generate_with_the_static_cache_gives_eager_tokens(model, name):
+    """Issue 26: `cache_implementation = "static"` raised AttributeError ('Placement' object
+    has no attribute 'ndim'): generate() prepares each step's mask before the forward, which
+    prepares it again. Left-padded prompts; the cache is longer than the tokens seen (its tail
+    is empty); sliding layers get transformers' sliding static layers."""
+    eager, ours = pair(MODELS[model], name)
+    ids, mask = left_padded(20)
+    for m in (eager, ours):
+        m.generation_config.cache_implementation = "static"
+    with torch.no_grad():
+        tokens = eager.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+        ours_tokens = ours.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    assert torch.equal(tokens, ours_tokens)
