@@ -261,3 +261,19 @@ def test_generate_with_the_static_cache_gives_eager_tokens(model, name):
         tokens = eager.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
         ours_tokens = ours.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
     assert torch.equal(tokens, ours_tokens)
+
+
+@pytest.mark.slow
+def test_a_compiled_forward_with_the_static_cache_gives_eager_tokens(name):
+    """transformers' production decode path: the static cache with torch.compile(model.forward)
+    (flexspec's call breaks the graph around itself). On the CPU here; CUDA graphs
+    (mode='reduce-overhead') need the GPU suite."""
+    eager, ours = pair(MODELS["llama"], name)
+    ids, mask = left_padded(20)
+    for m in (eager, ours):
+        m.generation_config.cache_implementation = "static"
+    ours.forward = torch.compile(ours.forward)
+    with torch.no_grad():
+        tokens = eager.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        ours_tokens = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(tokens, ours_tokens)
