@@ -73,7 +73,7 @@ def pattern(name: str) -> Pattern:
 # The runtime's public names: importing them imports torch, so on first use, not by
 # `import flexspec` (which `flexspec check` and `fmt` keep torch-free).
 _RUNTIME_NAMES = ("Attention", "BackendError", "CompileLimitError", "KVCache",
-                  "MultiheadAttention", "SpecAttention")
+                  "MultiheadAttention", "SpecAttention", "Step")
 
 
 def __getattr__(name):
@@ -92,4 +92,5 @@ def __dir__():
 __all__ = ["Attention", "BackendError", "BindingError", "BindingTypeError", "CompileLimitError",
            "KVCache", "Library", "MultiheadAttention", "Pattern", "RegistryError", "Spec",
            "SpecAttention", "SpecCheckError", "SpecError", "SpecSyntaxError", "SpecTypeError",
-           "backends", "compile", "load", "loads", "parse", "pattern", "patterns", "render"]
+           "Step", "backends", "compile", "load", "loads", "parse", "pattern", "patterns",
+           "render"]

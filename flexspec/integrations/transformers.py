@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,17 +47,42 @@ from flexspec.lang.api import with_mask, with_score
 @dataclass(frozen=True)
 class Placement:
     """What the mask function hands to the attention function: where the queries and keys stand,
-    and which keys are padding (``valid``: bool ``[B, KV_LEN]``, ``None`` when none is)."""
+    and which keys are padding (``valid``: bool ``[B, KV_LEN]``, ``None`` when none is). Every
+    layer of a forward (of one kind: full or sliding) gets the same one, so it keeps the
+    forward's :class:`flexspec.Step`: positions, padding and packed documents are derived once,
+    not once per layer."""
 
     q_offset: object        # int, or an int tensor (a static cache)
     kv_offset: int
     valid: torch.Tensor | None
     given_mask: bool = False  # the model got a 2-D attention_mask (then packing is not looked for)
+    _steps: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     # generate() prepares the mask of a step before the model's forward, which prepares it
     # again from what generate() made: transformers reads `ndim` to tell a 2-D mask it must
     # move from one it has prepared (a placement is never 2-D)
     ndim = 4
+
+    def step(self, kwargs: dict, batch: int):
+        """The forward's step: the queries at ``q_offset - kv_offset`` (a sliding cache that
+        dropped old keys shifts both), the padding as ``valid``, and documents packed by
+        restarting ``position_ids`` as ``doc_ids``, found as transformers finds them: without a
+        mask and without a cache (then both give the same logits), unless the model was given
+        ``doc_ids`` by name."""
+        positions = kwargs.get("position_ids")
+        key = (id(positions), bool(kwargs.get("use_cache")), "doc_ids" in kwargs, batch)
+        found = self._steps.get(key)
+        if found is None:
+            bindings = {} if self.valid is None else {"valid": self.valid}
+            if not self.given_mask and positions is not None and not kwargs.get("use_cache") \
+                    and "doc_ids" not in kwargs and isinstance(self.q_offset, int) \
+                    and self.q_offset == 0:
+                packed = packed_documents(positions, batch)
+                if packed is not None:
+                    bindings["doc_ids"] = packed
+            q_offset = self.q_offset - self.kv_offset if self.kv_offset else self.q_offset
+            found = self._steps[key] = flexspec.Step(q_offset=q_offset, **bindings)
+        return found
 
 
 def register(name: str = "flexspec", spec: str = "causal", library=None,
@@ -169,30 +194,18 @@ class _Layers:
                             "register() both with transformers (it does) and build the model "
                             "with attn_implementation set to the registered name")
         where = attention_mask or Placement(0, 0, None)
-        packed = None
-        # transformers looks for packing only without a mask and without a cache (use_cache
-        # off): the same here, so that both give the same logits
-        if not where.given_mask and kwargs.get("position_ids") is not None \
-                and not kwargs.get("use_cache") and "doc_ids" not in kwargs \
-                and isinstance(where.q_offset, int) and where.q_offset == 0:
-            packed = packed_documents(kwargs["position_ids"], query.shape[0])
+        step = where.step(kwargs, query.shape[0])
         attn = self.attention_for(sliding_window, softcap, where.valid is not None,
-                                  packed is not None)
-        bindings = {name: kwargs[name] for name in attn.bindings if name in kwargs}
-        if packed is not None:
-            bindings["doc_ids"] = packed
-        if where.valid is not None:
-            bindings["valid"] = where.valid
-        q_offset = where.q_offset
-        if where.kv_offset:
-            q_offset = q_offset - where.kv_offset
+                                  "doc_ids" in step.bindings and "doc_ids" not in kwargs)
+        bindings = {name: kwargs[name] for name in attn.bindings
+                    if name in kwargs and name not in step.bindings}
         if s_aux is None:
-            out = attn(query, key, value, scale=scaling, q_offset=q_offset, **bindings)
+            out = attn(query, key, value, scale=scaling, step=step, **bindings)
         else:
             # a sink is one more logit per head in every row's softmax, on no value: it scales
             # the row's output by exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)
-            out, lse = attn(query, key, value, scale=scaling, q_offset=q_offset,
-                            return_lse=True, **bindings)
+            out, lse = attn(query, key, value, scale=scaling, step=step, return_lse=True,
+                            **bindings)
             if lse.grad_fn is None and torch.is_grad_enabled() and any(
                     t.requires_grad for t in (query, key, value)):
                 raise SpecError("attention sinks (s_aux) run through the log-sum-exp, which "

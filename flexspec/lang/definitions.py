@@ -19,7 +19,8 @@ SCALAR_TYPES = ("int", "float", "bool")
 
 # The arguments of every attention call (Attention.__call__ and SpecAttention.forward): a runtime
 # tensor cannot be bound under one of these names, since the call would take it as the argument.
-CALL_ARGUMENTS = ("self", "q", "k", "v", "scale", "q_offset", "kv_lengths", "return_lse")
+CALL_ARGUMENTS = ("self", "q", "k", "v", "scale", "q_offset", "kv_lengths", "return_lse",
+                  "step")
 
 
 @dataclass(frozen=True)

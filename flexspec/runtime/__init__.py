@@ -16,6 +16,7 @@ from flexspec.runtime.contract import BackendError
 from flexspec.runtime.compiled import CompileLimitError
 from flexspec.runtime.module import SpecAttention
 from flexspec.runtime.multihead import KVCache, MultiheadAttention
+from flexspec.runtime.step import Step
 
 __all__ = ["Attention", "BackendError", "CompileLimitError", "KVCache", "MultiheadAttention",
-           "SpecAttention"]
+           "SpecAttention", "Step"]

@@ -185,7 +185,7 @@ class Attention:
                                    q_offset=offset, kv_lengths=lengths, return_lse=return_lse)
 
     def __call__(self, q, k, v, *, scale=None, q_offset=None, kv_lengths=None,
-                 return_lse: bool = False, **bindings):
+                 return_lse: bool = False, step=None, **bindings):
         """Attention of ``q`` ``(B, Hq, Q_LEN, D)`` over ``k``, ``v`` ``(B, Hkv, KV_LEN, D)``.
 
         ``q_offset`` (an int, or an int tensor ``[B]``) places query row ``i`` at absolute
@@ -193,17 +193,20 @@ class Attention:
         ``[B]``) says how many keys of a preallocated cache are valid per batch row. With
         ``return_lse``, returns ``(out, lse)``: the natural-log sum of ``exp`` of the scores over
         the visible keys, ``(B, Hq, Q_LEN)`` float32, ``-inf`` for a row that sees no key.
-        Bindings are passed by name (``doc_ids=ids``)."""
+        Bindings are passed by name (``doc_ids=ids``). With ``step`` (a :class:`flexspec.Step`),
+        the positions and the bindings the step holds come from it, and what every layer of the
+        step would derive from them is derived once (see :mod:`flexspec.runtime.step`)."""
         return self._calls(q, k, v, scale=scale, bindings=bindings, q_offset=q_offset,
-                           kv_lengths=kv_lengths, return_lse=return_lse)
+                           kv_lengths=kv_lengths, return_lse=return_lse, step=step)
 
     def call(self, q, k, v, *, bindings: dict, learnables: dict | None = None, scale=None,
-             q_offset=None, kv_lengths=None, return_lse: bool = False):
+             q_offset=None, kv_lengths=None, return_lse: bool = False, step=None):
         """A call as :meth:`__call__` makes it, with the bindings as a dict and the values of
         the spec's learnable tensors (by tensor key) from the module that owns them
         (``SpecAttention``)."""
         return self._calls(q, k, v, scale=scale, bindings=bindings, learnables=learnables,
-                           q_offset=q_offset, kv_lengths=kv_lengths, return_lse=return_lse)
+                           q_offset=q_offset, kv_lengths=kv_lengths, return_lse=return_lse,
+                           step=step)
 
     def explain(self, q, k, v, *, scale=None, q_offset=None, kv_lengths=None,
                 return_lse: bool = False, target: str | None = None, capability=None,

@@ -9,6 +9,7 @@ import torch
 
 from flexspec import ir
 from flexspec.runtime import order
+from flexspec.errors import BindingError, BindingTypeError
 from flexspec.runtime.checks import checked_scale
 from flexspec.runtime.contract import Plan, Replan
 from flexspec.runtime.masks import BlockMasks
@@ -16,6 +17,7 @@ from flexspec.runtime.notices import warn_once
 from flexspec.runtime.plan import PlanCache, call_key, failed, make_plan, run
 from flexspec.runtime.positions import Placement
 from flexspec.runtime.progress import log
+from flexspec.runtime.step import NO_STEP, Step
 
 
 class Calls:
@@ -51,13 +53,24 @@ class Calls:
     # compiling its own kernel, and the model's graph breaks around it.
     @torch.compiler.disable
     def __call__(self, q, k, v, *, scale=None, bindings: dict, learnables: dict | None = None,
-                 q_offset=None, kv_lengths=None, return_lse: bool = False):
+                 q_offset=None, kv_lengths=None, return_lse: bool = False, step=None):
         scale = checked_scale(scale)  # before the key: 0.5 and numpy's 0.5 are one signature
+        if step is not None:
+            q_offset, kv_lengths, bindings = self._from_step(step, q, q_offset, kv_lengths,
+                                                             bindings)
+        else:
+            step = NO_STEP
         unmasked = self.unmasked_for(q, k, q_offset, kv_lengths)
         if unmasked is not None:
             return unmasked(q, k, v, scale=scale, bindings=bindings, learnables=learnables,
-                            return_lse=return_lse)
-        bindings = self.placement.for_call(q, k, bindings, q_offset, kv_lengths)
+                            return_lse=return_lse, step=None if step is NO_STEP else step)
+        if step is NO_STEP:
+            bindings = self.placement.for_call(q, k, bindings, q_offset, kv_lengths)
+        else:  # the position tensors of this spec at these shapes, made once per step
+            placed = step.shared(("placed", id(self.placement), tuple(q.shape), tuple(k.shape),
+                                  q.device), lambda: self.placement.for_call(
+                                      q, k, {}, q_offset, kv_lengths))
+            bindings = {**bindings, **placed} if placed else bindings
         try:
             key = call_key(q, k, v, scale, bindings, learnables, return_lse)
             plan = self.plans.get(key)
@@ -67,7 +80,7 @@ class Calls:
             plan = self._new_plan(key, q, k, v, scale, bindings, learnables, return_lse)
         while True:
             try:
-                return run(plan, q, k, v, scale, bindings)
+                return run(plan, q, k, v, scale, bindings, step)
             except Replan as signal:  # lasting: this backend can never run the plan's calls
                 failed(plan, signal)  # remembered, so that the next plan goes elsewhere
                 gave_up = plan.backend.name
@@ -75,6 +88,23 @@ class Calls:
                 warn_once(f"gave-up-{gave_up}-{hash(plan.spec)}",
                           f"flexspec: backend '{gave_up}' could not compile '{self.text}' "
                           f"({signal.reason}); running it on '{plan.choice.backend}' instead")
+
+    @staticmethod
+    def _from_step(step, q, q_offset, kv_lengths, bindings: dict) -> tuple:
+        """A call's positions and bindings from its model step (a step's call gives neither
+        positions nor a binding the step holds)."""
+        if not isinstance(step, Step):
+            raise BindingTypeError(f"step must be a flexspec.Step, got {type(step).__name__}")
+        if q_offset is not None or kv_lengths is not None:
+            raise BindingError("a call with a step takes q_offset and kv_lengths from the step: "
+                               "give them to flexspec.Step(...)")
+        shared = step.bindings_for(q.shape[0], q.shape[2]) if isinstance(q, torch.Tensor) \
+            and q.dim() == 4 else step.bindings
+        twice = sorted(set(shared) & set(bindings))
+        if twice:
+            raise BindingError(f"{', '.join(twice)} given to the call and to its step: give them "
+                               "once")
+        return step.q_offset, step.kv_lengths, {**shared, **bindings}
 
     def _new_plan(self, key, q, k, v, scale, bindings, learnables, return_lse) -> Plan:
         plan = self.plan(q, k, v, scale, bindings, learnables, return_lse)

@@ -230,7 +230,10 @@ class Backend:
         """Build, outside any CUDA graph capture, what a first call of ``plan`` would build
         (its block mask): called for fallback plans, whose first call may come inside one."""
 
-    def run(self, plan: Plan, q, k, v, scale, bindings: dict, values: dict | None):
+    def run(self, plan: Plan, q, k, v, scale, bindings: dict, values: dict | None, step=None):
         """One call's attention. ``values`` are the call's tensor values when the plan needs
-        them (see :class:`Prepared`), else ``None``."""
+        them (see :class:`Prepared`), else ``None``; ``step`` is the model step the call belongs
+        to (:class:`flexspec.runtime.step.Step`, or ``NO_STEP``): what a backend derives from
+        the step's inputs it keeps there (``step.shared(key, make)``), for the step's other
+        layers."""
         raise NotImplementedError

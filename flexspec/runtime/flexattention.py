@@ -111,7 +111,7 @@ class FlexAttentionBackend(Backend):
                 # capture, which would need it, gets the same error then
                 pass
 
-    def run(self, plan: Plan, q, k, v, scale, bindings, values):
+    def run(self, plan: Plan, q, k, v, scale, bindings, values, step=None):
         call: FlexCall = plan.state
         if not call.mask_bindings:
             block_mask = call.block_mask

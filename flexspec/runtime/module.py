@@ -39,7 +39,7 @@ class SpecAttention(nn.Module):
             self._keys[tensor_key(tensor)] = tensor.name
 
     def forward(self, q, k, v, *, scale=None, q_offset=None, kv_lengths=None,
-                return_lse: bool = False, **bindings):
+                return_lse: bool = False, step=None, **bindings):
         """Attention as :meth:`flexspec.runtime.attention.Attention.__call__` computes it, with
         this module's tables."""
         if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] != self.num_heads:
@@ -48,7 +48,7 @@ class SpecAttention(nn.Module):
                                f"{found}; q must be (B, H, S, D)")
         return self.attention.call(q, k, v, bindings=bindings, learnables=self.learnables(),
                                    scale=scale, q_offset=q_offset, kv_lengths=kv_lengths,
-                                   return_lse=return_lse)
+                                   return_lse=return_lse, step=step)
 
     def learnables(self) -> dict:
         """This module's tables by tensor key, as :class:`Attention` calls take them."""

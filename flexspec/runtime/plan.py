@@ -34,6 +34,7 @@ from flexspec.runtime.contract import (BackendError, Choice, InputPlan, Plan, Re
 from flexspec.runtime.identity import meta
 from flexspec.runtime.lookups import LookupCheck
 from flexspec.runtime.masks import BlockMasks
+from flexspec.runtime.step import NO_STEP
 
 PLAN_CACHE_SIZE = 64
 # Failed compiles remembered, (backend, spec) pairs, the least recently failed out first.
@@ -232,17 +233,17 @@ def _fallback(plan: Plan, values: dict, masks: BlockMasks, why: str):
     return fallback
 
 
-def run(plan: Plan, q, k, v, scale, bindings: dict):
-    """One call on ``plan``: its values gathered where read, lookups checked, the backend run;
-    a call the backend hands back for this call alone runs on the plan's fallback. A lasting
-    hand-back (:class:`Replan`) propagates to the caller, who plans anew (see :func:`replanned`).
-    """
+def run(plan: Plan, q, k, v, scale, bindings: dict, step=NO_STEP):
+    """One call on ``plan`` (in the model step ``step``): its values gathered where read,
+    lookups checked, the backend run; a call the backend hands back for this call alone runs on
+    the plan's fallback. A lasting hand-back (:class:`Replan`) propagates to the caller, who
+    plans anew (flexspec.runtime.calls)."""
     # gathering the values costs a dict and a view per binding: only where they are read
     values = plan.values(bindings) if plan.needs_values else None
     if plan.lookups:
         plan.lookups.check(values)
     try:
-        return plan.backend.run(plan, q, k, v, scale, bindings, values)
+        return plan.backend.run(plan, q, k, v, scale, bindings, values, step)
     except Replan as signal:
         if signal.lasting:
             raise
@@ -251,7 +252,7 @@ def run(plan: Plan, q, k, v, scale, bindings: dict):
         if plan.fallback is None:
             raise BackendError(f"backend '{plan.backend.name}' handed back a call it said it "
                                f"would run ({signal.reason}); please report it") from None
-        return run(plan.fallback, q, k, v, scale, bindings)
+        return run(plan.fallback, q, k, v, scale, bindings, step)
 
 
 def failed(plan: Plan, signal: Replan) -> None:

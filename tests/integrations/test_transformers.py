@@ -277,3 +277,19 @@ def test_a_compiled_forward_with_the_static_cache_gives_eager_tokens(name):
         tokens = eager.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
         ours_tokens = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     assert torch.equal(tokens, ours_tokens)
+
+
+def test_a_forward_finds_its_packed_documents_once_for_all_layers(monkeypatch):
+    """The layers of one forward share its flexspec.Step: packed documents are found from
+    position_ids once per forward, not once per layer (issue 26)."""
+    implementation = integration.register("flexspec_packed_once")
+    _, model = pair(MODELS["llama"], implementation)
+    found = []
+    real = integration.packed_documents
+    monkeypatch.setattr(integration, "packed_documents",
+                        lambda *args: found.append(1) or real(*args))
+    ids = torch.randint(0, 100, (1, 30), generator=torch.Generator().manual_seed(4))
+    positions = torch.cat([torch.arange(12), torch.arange(18)])[None]
+    with torch.no_grad():
+        model(ids, position_ids=positions, use_cache=False)
+    assert len(found) == 1 and model.config.num_hidden_layers == 2

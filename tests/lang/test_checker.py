@@ -745,18 +745,18 @@ def test_a_long_chain_of_definitions_is_refused_without_checking_each_again():
     ("cap(true)", "'c' of 'cap' expects a float, got a bool (true)", 5),
     ("flag(1)", "'on' of 'flag' expects a bool, got an int (1)", 6),
     ("same(q_offset)", "'q_offset' cannot name the runtime tensor 'ids' of 'same': every call "
-     "takes an argument of that name (q, k, v, scale, q_offset, kv_lengths, return_lse); bind "
-     "it under another name, e.g. same(ids=my_q_offset)", 6),
+     "takes an argument of that name (q, k, v, scale, q_offset, kv_lengths, return_lse, "
+     "step); bind it under another name, e.g. same(ids=my_q_offset)", 6),
     ("same(ids=kv_lengths)", "'kv_lengths' cannot name the runtime tensor 'ids' of 'same': "
      "every call takes an argument of that name (q, k, v, scale, q_offset, kv_lengths, "
-     "return_lse); bind it under another name, e.g. same(ids=my_kv_lengths)", 10),
+     "return_lse, step); bind it under another name, e.g. same(ids=my_kv_lengths)", 10),
     ("twice(x) & same(x)", "the binding 'x' is used as int[Q_LEN] and as int[B, KV_LEN]; give "
      "the two uses different names", 1),
     ("atleast(-1)", "'atleast' requires n >= 0, but n = -1", 9),
     # a tensor parameter left out is bound under its own name, here one a call takes
     ("lower & lenm", "'kv_lengths' cannot name the runtime tensor 'kv_lengths' of 'lenm': every "
-     "call takes an argument of that name (q, k, v, scale, q_offset, kv_lengths, return_lse); "
-     "bind it under another name, e.g. lenm(kv_lengths=my_kv_lengths)", 9),
+     "call takes an argument of that name (q, k, v, scale, q_offset, kv_lengths, return_lse, "
+     "step); bind it under another name, e.g. lenm(kv_lengths=my_kv_lengths)", 9),
     # the alibi slopes (a builtin tensor, not a binding) come before the two uses of x
     ("lower + slope + sk(x) + sq(x)", "the binding 'x' is used as float[KV_LEN] and as "
      "float[Q_LEN]; give the two uses different names", 1),

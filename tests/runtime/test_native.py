@@ -378,3 +378,41 @@ def test_inside_a_cuda_graph_capture_documents_are_handed_to_the_fallback_plan(f
     monkeypatch.setattr(native, "capturing", lambda device: True)
     out, fallback, handed, _ = _handed_to_the_fallback(torch.arange(150) // 30)
     assert out == "fallback's output" and handed == [fallback] and fa4_interface == []
+
+
+def test_a_step_finds_its_documents_once_for_every_layer(fa4_interface, monkeypatch):
+    """Issue 26: the ids were turned into boundaries with a host read on every call, so a
+    32-layer model paid it 32 times a step. With a step: once; with boundaries given
+    (cu_seqlens, max_seqlen): never, and FA4 gets them as they are."""
+    import dataclasses
+    from flexspec.runtime import plan as planning
+    from flexspec.runtime.backends import REGISTRY, native
+    looked = []
+    real = native.document_segments
+    monkeypatch.setattr(native, "document_segments",
+                        lambda ids: looked.append(1) or real(ids))
+    attn = flexspec.compile("causal & doc")
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.tensor([[0] * 60 + [1] * 90, [2] * 150])
+
+    def layer(step, bindings):
+        q, k, v = (torch.randn(2, 2, 150, 16, generator=generator) for _ in range(3))
+        placed = {**bindings, **step.bindings_for(2, 150)}
+        plan = attn._calls.plan(q, k, v, None, placed, None)
+        prepared = REGISTRY["fa4"].prepare(plan, plan.values(placed))
+        plan = dataclasses.replace(plan, backend=REGISTRY["fa4"], state=prepared.state,
+                                   needs_values=True)
+        out = planning.run(plan, q, k, v, None, placed, step)
+        torch.testing.assert_close(out.double(), attn.reference(
+            q.double(), k.double(), v.double(), doc_ids=placed["doc_ids"]), rtol=1e-4, atol=1e-5)
+
+    step = flexspec.Step(doc_ids=ids)
+    for _ in range(3):
+        layer(step, {})
+    assert len(looked) == 1 and [call[0] for call in fa4_interface] == ["varlen"] * 3
+    looked.clear()
+    fa4_interface.clear()
+    bounds = flexspec.Step(cu_seqlens=torch.tensor([0, 60, 150, 300]), max_seqlen=150)
+    for _ in range(3):
+        layer(bounds, {})
+    assert looked == [] and fa4_interface == [("varlen", [0, 60, 150, 300], 150)] * 3

@@ -92,7 +92,7 @@ class ToyBackend(Backend):
     def prepare(self, plan, values):
         return Prepared(state="toy state", needs_values=True)
 
-    def run(self, plan, q, k, v, scale, bindings, values):
+    def run(self, plan, q, k, v, scale, bindings, values, step=None):
         assert plan.state == "toy state"
         return reference_attention(plan.spec, q, k, v, scale=scale, tensors=values)
 

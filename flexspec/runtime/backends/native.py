@@ -27,6 +27,7 @@ from flexspec.limits import fits_int
 from flexspec.runtime import fa4
 from flexspec.runtime.capture import capturing
 from flexspec.runtime.contract import Backend, Prepared, Replan
+from flexspec.runtime.step import NO_STEP
 
 # Why a call with documents may be handed back (see the module docstring).
 HANDS_BACK = ("document ids that are not contiguous runs, which FA4's own kernels cannot run, "
@@ -113,19 +114,24 @@ class NativeBackend(Backend):
         return Prepared(state=form, needs_values=documents,
                         hands_back=HANDS_BACK if documents else None)
 
-    def run(self, plan, q, k, v, scale, bindings, values):
+    def run(self, plan, q, k, v, scale, bindings, values, step=NO_STEP):
         from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
         form: NativeForm = plan.state
         segments = None
         if form.documents is not None:
             batch, length = q.shape[0], q.shape[2]
-            if capturing(q.device):
-                raise Replan(CAPTURED)
             ids = values[ir.tensor_key(form.documents)]
-            segments = document_segments(ids.expand(batch, length))
+            # boundaries the step was given need no look at the ids; else one look per step
+            segments = step.segments(bindings.get(form.documents.name))
             if segments is None:
-                raise Replan(NOT_RUNS)
+                if capturing(q.device):
+                    raise Replan(CAPTURED)
+                segments = step.shared(("segments", id(ids), batch, length),
+                                       lambda: document_segments(ids.expand(batch, length))
+                                       or NOT_RUNS)
+                if segments is NOT_RUNS:
+                    raise Replan(NOT_RUNS)
         if plan.detach:
             q, k, v = q.detach(), k.detach(), v.detach()
         base = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)

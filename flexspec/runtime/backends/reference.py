@@ -21,7 +21,7 @@ class ReferenceBackend(Backend):
     def prepare(self, plan, values):
         return Prepared(needs_values=True)
 
-    def run(self, plan, q, k, v, scale, bindings, values):
+    def run(self, plan, q, k, v, scale, bindings, values, step=None):
         return reference_attention(plan.spec, q, k, v, scale=scale, tensors=values,
                                    return_lse=plan.request.lse)
 

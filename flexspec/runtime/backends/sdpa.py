@@ -57,7 +57,7 @@ class SdpaBackend(Backend):
     def prepare(self, plan, values):
         return Prepared(state=sdpa_form(plan.spec))
 
-    def run(self, plan, q, k, v, scale, bindings, values):
+    def run(self, plan, q, k, v, scale, bindings, values, step=None):
         form: SdpaForm = plan.state
         base = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         decoding = q.is_cuda and q.shape[2] <= DECODING_ROWS

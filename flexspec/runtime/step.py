@@ -1,0 +1,94 @@
+"""One model step's shared attention inputs: :class:`Step`.
+
+A model runs the same positions, lengths and documents through every layer of a step. Given as
+``attn(q, k, v, step=step)``, a :class:`Step` holds them once, and what the runtime derives from
+them (the position tensors of a spec, documents as FA4's variable-length segments, document ids
+from boundaries) is computed by the step's first call that needs it and reused by every later
+layer, so that a step costs one host read at most, never one per layer.
+
+Documents are given as ids (``doc_ids=...``, any binding by name) or as boundaries:
+``cu_seqlens`` (int ``[n + 1]``, the start of each of ``n`` documents in the rows laid end to
+end, then the total, as FlashAttention's variable-length interface takes them) and, optionally,
+``max_seqlen`` (the longest document; found with one host read per step where not given). A
+spec reads them as the binding named ``documents`` (``doc_ids`` by default).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flexspec.errors import BindingError, BindingTypeError
+
+
+class Step:
+    """What the attention calls of one model step share (see the module docstring)."""
+
+    def __init__(self, *, q_offset=None, kv_lengths=None, cu_seqlens=None, max_seqlen=None,
+                 documents: str = "doc_ids", **bindings):
+        if cu_seqlens is not None:
+            if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
+                    or cu_seqlens.dtype.is_floating_point or cu_seqlens.numel() < 2:
+                raise BindingTypeError("cu_seqlens must be a 1-D int tensor of n + 1 document "
+                                       f"starts (0 first, the total last), got {cu_seqlens!r}")
+            if documents in bindings:
+                raise BindingError(f"give the documents once: as cu_seqlens or as {documents}")
+        if max_seqlen is not None and cu_seqlens is None:
+            raise BindingError("max_seqlen goes with cu_seqlens")
+        self.q_offset, self.kv_lengths = q_offset, kv_lengths
+        self.cu_seqlens, self.max_seqlen, self.documents = cu_seqlens, max_seqlen, documents
+        self.bindings = bindings
+        self._shared: dict = {}
+        self._segments: dict = {}  # id of a document-ids tensor made here -> its segments
+
+    def shared(self, key, make):
+        """The value kept under ``key`` for this step, made by ``make()`` on the first ask."""
+        found = self._shared.get(key)
+        if found is None:
+            found = self._shared[key] = make()
+        return found
+
+    def bindings_for(self, batch: int, length: int) -> dict:
+        """The step's bindings for calls of ``batch`` rows of ``length`` positions: those given,
+        and the document ids of ``cu_seqlens`` (made once, on the device)."""
+        if self.cu_seqlens is None:
+            return self.bindings
+        return self.shared(("bindings", batch, length), lambda: self._with_ids(batch, length))
+
+    def _with_ids(self, batch: int, length: int) -> dict:
+        bounds = self.cu_seqlens.to(torch.int64)
+        positions = torch.arange(batch * length, device=bounds.device)
+        ids = (torch.searchsorted(bounds, positions, right=True) - 1).reshape(batch, length)
+        self._segments[id(ids)] = (ids, self._cumulative(batch, length))
+        return {**self.bindings, self.documents: ids}
+
+    def _cumulative(self, batch: int, length: int) -> tuple:
+        cumulative = self.cu_seqlens.to(torch.int32)
+        longest = self.max_seqlen
+        if longest is None:  # the one host read of the step
+            longest = int((cumulative[1:] - cumulative[:-1]).max())
+        return cumulative, longest
+
+    def segments(self, ids: torch.Tensor) -> tuple | None:
+        """``(cumulative lengths, longest)`` of document ids this step made from ``cu_seqlens``
+        (FA4's variable-length arguments, with no look at the ids), or ``None``."""
+        found = self._segments.get(id(ids))
+        return found[1] if found is not None and found[0] is ids else None
+
+
+class NoStep:
+    """A call without a step: nothing is kept from one call to the next."""
+
+    bindings: dict = {}
+    q_offset = kv_lengths = None
+
+    def shared(self, key, make):
+        return make()
+
+    def bindings_for(self, batch: int, length: int) -> dict:
+        return {}
+
+    def segments(self, ids) -> None:
+        return None
+
+
+NO_STEP = NoStep()
