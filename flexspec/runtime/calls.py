@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from flexspec import ir
-from flexspec.runtime import order
 from flexspec.errors import BindingError, BindingTypeError
+from flexspec.runtime import order
 from flexspec.runtime.checks import checked_scale
 from flexspec.runtime.contract import Plan, Replan
 from flexspec.runtime.masks import BlockMasks
@@ -62,8 +62,9 @@ class Calls:
             step = NO_STEP
         unmasked = self.unmasked_for(q, k, q_offset, kv_lengths)
         if unmasked is not None:
+            # its spec reads no position and its mask no tensor: the step's bindings are merged
             return unmasked(q, k, v, scale=scale, bindings=bindings, learnables=learnables,
-                            return_lse=return_lse, step=None if step is NO_STEP else step)
+                            return_lse=return_lse)
         if step is NO_STEP:
             bindings = self.placement.for_call(q, k, bindings, q_offset, kv_lengths)
         else:  # the position tensors of this spec at these shapes, made once per step

@@ -92,3 +92,14 @@ def test_a_module_passes_its_step():
     q, k, v = Shape(1, 2, 2, 3, 9, 8).qkv(1)
     step = flexspec.Step(q_offset=6)
     torch.testing.assert_close(module(q, k, v, step=step), module(q, k, v, q_offset=6))
+
+
+def test_a_decoded_token_of_a_step_that_sees_every_key_runs_unmasked():
+    """The call drops its mask (the token sees the whole cache) and takes the step's bindings
+    with it."""
+    attn = flexspec.compile("causal + head_bias")
+    q, k, v = Shape(1, 2, 2, 1, 50, 8).qkv(2)
+    bias = torch.tensor([0.5, -0.25])
+    assert attn.explain(q, k, v, q_offset=49, bias=bias).mask == "true"
+    torch.testing.assert_close(attn(q, k, v, step=flexspec.Step(q_offset=49, bias=bias)),
+                               attn.reference(q, k, v, q_offset=49, bias=bias))
