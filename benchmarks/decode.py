@@ -26,6 +26,7 @@ medians of ``triton.testing.do_bench``. The last lines printed are the table (ma
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -38,7 +39,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flexspec  # noqa: E402
 
-SPECS = ["causal", "sliding_window(4096)", "causal & (window(4096) | sink(4))", "causal & doc"]
+SPECS = ["causal", "sliding_window(4096)", "causal & (window(4096) | sink(4))", "causal & doc",
+         "causal + alibi", "causal + softcap(30)"]
 HEADS, KV_HEADS, DIM = 32, 8, 128
 BANDWIDTH = 4.3e12  # bytes per second, the H200's HBM3e
 DOCUMENTS = 8
@@ -47,7 +49,7 @@ STEPS = 100
 
 def hand_mask(text: str, position: int, ids):
     """The mask a user writes by hand for the newest token at ``position`` (not flexspec's)."""
-    if text == "causal":
+    if text == "causal" or text.startswith("causal +"):
         return lambda b, h, q, kv: q + position >= kv
     if text == "sliding_window(4096)":
         return lambda b, h, q, kv: (q + position >= kv) & (q + position - kv <= 4096)
@@ -56,9 +58,29 @@ def hand_mask(text: str, position: int, ids):
     return lambda b, h, q, kv: (q + position >= kv) & (ids[b, q + position] == ids[b, kv])
 
 
+def hand_score(text: str, position: int, device):
+    """The score_mod a user writes by hand (``None`` for a plain score)."""
+    if text.endswith("alibi"):
+        slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / HEADS) for h in range(HEADS)],
+                              device=device)
+        return lambda score, b, h, q, kv: score - slopes[h] * (q + position - kv).abs()
+    if text.endswith("softcap(30)"):
+        return lambda score, b, h, q, kv: 30.0 * torch.tanh(score / 30.0)
+    return None
+
+
+def sdpa_bias(text: str, position: int, length: int, device):
+    """SDPA's additive float mask for a score SDPA can take (alibi), else ``None``."""
+    if not text.endswith("alibi"):
+        return None
+    slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / HEADS) for h in range(HEADS)], device=device)
+    distance = (position - torch.arange(length, device=device)).abs()
+    return (-slopes.view(1, -1, 1, 1) * distance.view(1, 1, 1, -1)).to(torch.bfloat16)
+
+
 def visible_keys(text: str, length: int, ids) -> float:
     """Keys the newest token sees, averaged over the batch (for the bandwidth floor)."""
-    if text == "causal":
+    if text == "causal" or text.startswith("causal +"):
         return float(length)
     if "sink" in text:
         return float(min(length, 4097 + 4))
@@ -131,22 +153,31 @@ def measure(text, q, k, v, ids, length, batch) -> dict:
         mask = create_block_mask(hand_mask(text, position, ids), batch if bindings else None,
                                  None, 1, length, device=q.device, _compile=True)
         compiled = torch.compile(flex_attention)
-        hand = bench(lambda: compiled(q, kc, vc, block_mask=mask, enable_gqa=True))
-        sdpa_mask = None
-        if text != "causal":  # the hand mask, evaluated densely for the one query row
+        score_mod = hand_score(text, position, q.device)
+        hand = bench(lambda: compiled(q, kc, vc, score_mod=score_mod, block_mask=mask,
+                                      enable_gqa=True))
+        sdpa_mask = sdpa_bias(text, position, length, q.device)
+        if text.endswith("softcap(30)"):
+            sdpa_mask = "none"  # SDPA has no softcap
+        elif sdpa_mask is None and text != "causal":  # the hand mask, densely for the one row
             kv = torch.arange(length, device=q.device).view(1, -1)
             rows = torch.arange(batch, device=q.device).view(-1, 1)
             zero = torch.zeros(1, 1, dtype=torch.long, device=q.device)
             sdpa_mask = hand_mask(text, position, ids)(rows, 0, zero, kv).expand(batch, length)
             sdpa_mask = sdpa_mask.reshape(batch, 1, 1, length)
-        sdpa = bench(lambda: F.scaled_dot_product_attention(q, kc, vc, attn_mask=sdpa_mask,
-                                                             enable_gqa=True))
+        sdpa = math.nan if isinstance(sdpa_mask, str) else bench(
+            lambda: F.scaled_dot_product_attention(q, kc, vc, attn_mask=sdpa_mask,
+                                                   enable_gqa=True))
     keys = visible_keys(text, length, ids[:, :length])
     floor = 2 * batch * KV_HEADS * keys * DIM * 2 / BANDWIDTH * 1e3
     return {"spec": text, "cache": length, "batch": batch, "backend": backend,
             "error": error, "flexspec step": step_ms, "flexspec static": static_ms,
             "flexspec warm": warm, "hand flex": hand,
             "sdpa": sdpa, "floor": floor}
+
+
+def _ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.3f} ms"
 
 
 def table(rows) -> str:
@@ -157,7 +188,7 @@ def table(rows) -> str:
         lines.append(f"| {r['cache'] // 1024}K | {r['batch']} | `{r['spec']}` | {r['backend']} | "
                      f"{r['flexspec step']:.3f} ms | {r['flexspec static']:.3f} ms | "
                      f"{r['flexspec warm']:.3f} ms | "
-                     f"{r['hand flex']:.3f} ms | {r['sdpa']:.3f} ms | {r['floor']:.3f} ms | "
+                     f"{r['hand flex']:.3f} ms | {_ms(r['sdpa'])} | {r['floor']:.3f} ms | "
                      f"{r['flexspec warm'] / r['floor']:.2f}x | {r['error']:.1e} |")
     return "\n".join(lines)
 

@@ -58,6 +58,35 @@ def test_decode_benchmark_hand_masks_match_flexspec():
         assert decode.visible_keys(text, length, ids) == want.sum(-1).float().mean().item(), text
 
 
+def test_decode_benchmark_hand_scores_match_flexspec(monkeypatch):
+    """The hand-written score_mods (and SDPA's alibi bias) of benchmarks/decode.py compute what
+    flexspec's reference computes for the newest token."""
+    import sys
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    spec = importlib.util.spec_from_file_location("benchmark_decode", ROOT / "benchmarks" / "decode.py")
+    decode = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "benchmark_decode", decode)  # dynamo traces its mods
+    spec.loader.exec_module(decode)
+    import flexspec
+
+    length = 300
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, decode.HEADS, 1, 16, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(1, decode.HEADS, length, 16, generator=generator, dtype=torch.float64)
+            for _ in range(2))
+    for text in [t for t in decode.SPECS if "+" in t]:
+        want = flexspec.compile(text).reference(q, k, v, q_offset=length - 1)
+        mask = create_block_mask(decode.hand_mask(text, length - 1, None), None, None, 1, length,
+                                 device="cpu")
+        got = flex_attention(q, k, v, score_mod=decode.hand_score(text, length - 1, "cpu"),
+                             block_mask=mask)
+        torch.testing.assert_close(got, want, msg=text)
+        bias = decode.sdpa_bias(text, length - 1, length, "cpu")
+        if bias is not None:
+            sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias.double())
+            torch.testing.assert_close(sdpa, want, rtol=1e-2, atol=1e-2, msg=text)  # bf16 bias
+
+
 @pytest.mark.slow
 def test_the_training_step_mode_runs_on_the_cpu(capsys):
     """`gpu.py --training-step` hands over to benchmarks/training_step.py; on the CPU (no FA4,

@@ -526,6 +526,39 @@ def test_twelve_lengths_compile_at_most_twice_on_the_gpu(backend):
     assert counters["stats"]["unique_graphs"] - before <= 3
 
 
+@pytest.mark.parametrize("tensor_offset", [False, True])
+def test_a_warm_decode_call_builds_its_block_mask_once(monkeypatch, tensor_offset):
+    """Repeated at one offset (an int, or one unchanged tensor), a decode call finds its block
+    mask again: a clamp of the offset made anew on every call rebuilt it every time (about 1 ms
+    per call on an H200, 3-4x the kernel)."""
+    from flexspec.runtime.masks import BlockMasks
+    builds = []
+    build = BlockMasks._build
+    monkeypatch.setattr(BlockMasks, "_build",
+                        lambda self, *args: builds.append(1) or build(self, *args))
+    attn = flexspec.compile("causal & (window(256) | sink(4))")  # absolute keys: no slice
+    q = torch.randn(2, 8, 1, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 3000, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    offset = torch.tensor([2999, 2000], device="cuda") if tensor_offset else 2999
+    with torch.no_grad():
+        outs = [attn(q, k, v, q_offset=offset) for _ in range(4)]
+    assert len(builds) == 1
+    ref = attn.reference(q, k, v, q_offset=offset)
+    assert _relative_error(outs[-1], ref) < TOLERANCE[torch.bfloat16]
+
+
+def test_a_decoded_token_under_a_window_reads_its_window_on_the_gpu():
+    """sliding_window decoding over a long cache runs on the window's keys only (plain
+    attention there), equal to the reference over the whole cache."""
+    attn = flexspec.compile("sliding_window(1000) + softcap(30.0)")
+    q = torch.randn(4, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(4, 2, 9000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    assert attn.explain(q, k, v, q_offset=8999).keys == (7999, 9000, 9000)
+    with torch.no_grad():
+        out = attn(q, k, v, q_offset=8999)
+    assert _relative_error(out, attn.reference(q, k, v, q_offset=8999)) < TOLERANCE[torch.bfloat16]
+
+
 def test_a_static_cache_decode_step_is_captured_in_a_cuda_graph():
     """A decode step over a preallocated cache (kv_lengths given per row) runs without host
     synchronisation, so it can be captured once and replayed: each replay rebuilds the block

@@ -7,7 +7,9 @@ queries those backends ask of a spec.
 * :func:`native_form`: a window around the diagonal (causal, sliding windows), documents as
   runs of ids, a constant factor and a softcap (what FlashAttention-4's own kernels compute);
 * :func:`constant_lookup` and :func:`nested_lookup`: tensor lookups some code generators
-  cannot compile (at a constant index, or indexed by another lookup).
+  cannot compile (at a constant index, or indexed by another lookup);
+* :func:`distance_span`: the band of distances ``q - kv`` outside which a spec that reads
+  positions only through that distance sees nothing (the keys a decoded token needs at all).
 
 Every function is pure and cached by the (frozen, hashable) IR it reads.
 """
@@ -19,7 +21,8 @@ import math
 from dataclasses import dataclass
 
 from flexspec.ir.nodes import (COMPARE_OPS, SCORE, TRUE, And, AttentionIR, Binary, Call, Const,
-                               Expr, Lookup, Tensor, Unary, Var, free_vars, to_text, walk)
+                               Expr, Lookup, Tensor, Unary, Var, children, free_vars, to_text,
+                               walk)
 
 
 # ---- a constant factor of the logit ------------------------------------------------------------
@@ -172,6 +175,45 @@ def native_form(spec: AttentionIR) -> NativeForm | None:
     return NativeForm(left=None if high == math.inf else int(high),
                       right=None if low == -math.inf else int(-low),
                       documents=documents, softcap=softcap, factor=factor)
+
+
+@functools.lru_cache(maxsize=512)
+def distance_span(spec: AttentionIR) -> tuple | None:
+    """``(low, high)``: every visible pair has ``low <= q - kv <= high`` (ints or infinities,
+    from the mask's conjuncts that bound the distance), for a spec whose mask and score read
+    ``q`` and ``kv`` only through ``q - kv`` and never read ``KV_LEN``: moving every position by
+    the same amount (cutting keys off the front of the cache and the queries' offset with them)
+    then changes nothing. ``None`` for any other spec, or where neither side is bounded.
+
+    >>> from flexspec import parse
+    >>> distance_span(parse("sliding_window(1024)").ir)
+    (0, 1024)
+    >>> distance_span(parse("causal & (window(8) | sink(4))").ir) is None
+    True
+    """
+    if not (_through_distance(spec.mask) and _through_distance(spec.score)):
+        return None
+    low, high = -math.inf, math.inf
+    for atom in spec.mask.args if isinstance(spec.mask, And) else (spec.mask,):
+        bounds = distance_bounds(atom)
+        if bounds is not None:
+            low, high = max(low, bounds[0]), min(high, bounds[1])
+    if low == -math.inf and high == math.inf:
+        return None
+    return low, high
+
+
+def _through_distance(node: Expr) -> bool:
+    """Whether ``node`` reads ``q`` and ``kv`` only as ``c * (q - kv)`` terms, and no ``KV_LEN``
+    (sound, not complete: a sum such as ``q + 1 - kv`` counts, ``2 * q - 2 * kv`` does not)."""
+    linear = _linear(node)
+    if linear is None and isinstance(node, Binary) and node.op in COMPARE_OPS:
+        linear = _linear(Binary("-", node.left, node.right))  # q >= kv is q - kv >= 0
+    if linear is not None:
+        return linear[0] == -linear[1]
+    if isinstance(node, Var):
+        return node.name not in ("q", "kv", "KV_LEN")
+    return all(_through_distance(child) for child in children(node))
 
 
 def same_document(atom: Expr) -> Tensor | None:

@@ -220,6 +220,12 @@ class Attention:
         device would make, planned from inputs on another (a laptop's CPU): ``capability`` is
         the target GPU's compute capability (``(9, 0)``: Hopper) and ``facts`` what is installed
         there, by the names backends read (``{"fa4.installed": True}``)."""
+        keys = None
+        visible = self._calls.placement.visible_keys(q, k, v, q_offset, kv_lengths)
+        if visible is not None:  # as a call does: only the keys its rows may see are read
+            start, end, q_offset = visible
+            keys = (start, end, k.shape[2])
+            k, v = k[:, :, start:end], v[:, :, start:end]
         calls = self._calls.unmasked_for(q, k, q_offset, kv_lengths) or self._calls
         if calls is not self._calls:  # the rows see every key: the call runs without the mask
             q_offset = kv_lengths = None
@@ -234,4 +240,4 @@ class Attention:
             choice = choose(self.backend, request, plan.spec)
             device = f"{target} (planned on {q.device})"
         return explain_plan(plan, values, block_mask, str(self.spec), q, k, v, choice=choice,
-                            device=device)
+                            device=device, keys=keys)

@@ -1,7 +1,8 @@
 """The call path of one compiled spec: a plan per input signature (made on the first call,
-cached), then a few cheap steps per call; calls whose rows provably see every key run on the
-spec without its mask; a backend that can never run a plan's calls (a failed compile) has the
-signature planned anew without it."""
+cached), then a few cheap steps per call; calls whose rows provably see only a slice of the keys
+(a decoded token under a sliding window) run on that slice; calls whose rows provably see every
+key run on the spec without its mask; a backend that can never run a plan's calls (a failed
+compile) has the signature planned anew without it."""
 
 from __future__ import annotations
 
@@ -60,6 +61,10 @@ class Calls:
                                                              bindings)
         else:
             step = NO_STEP
+        visible = self.placement.visible_keys(q, k, v, q_offset, kv_lengths)
+        if visible is not None:  # the rows see keys start:end only: the rest is not read
+            start, end, q_offset = visible
+            k, v = k[:, :, start:end], v[:, :, start:end]
         unmasked = self.unmasked_for(q, k, q_offset, kv_lengths)
         if unmasked is not None:
             # its spec reads no position and its mask no tensor: the step's bindings are merged

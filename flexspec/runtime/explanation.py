@@ -44,6 +44,7 @@ class Explanation:
     grads: bool
     choice: Choice
     dense: bool = False   # the chosen backend computes every pair (the dense reference)
+    keys: tuple | None = None  # (start, end, cache length): the call reads only keys start:end
 
     def __str__(self) -> str:
         s = self.sizes
@@ -56,6 +57,8 @@ class Explanation:
             f"call:     B={s['B']} {heads} Q_LEN={s['Q_LEN']} KV_LEN={s['KV_LEN']} "
             f"D={self.head_dim} {str(self.dtype).replace('torch.', '')} on {self.device}"
             + (", with gradients" if self.grads else ""),
+            *([f"keys:     only {self.keys[0]}:{self.keys[1]} of the cache's {self.keys[2]} are "
+               "read (its rows see no other key), so KV_LEN is theirs"] if self.keys else []),
             f"density:  {self.density:.2%} of (q, kv) pairs visible; "
             + ("every pair computed (the chosen backend is dense)" if self.dense else
                f"{self.tile_density:.2%} of {self.block_size[0]}x{self.block_size[1]} tiles "
@@ -78,13 +81,14 @@ def _flops_text(flops: float) -> str:
 
 
 def explain_plan(plan, values: dict, block_mask, text: str, q, k, v, *, choice=None,
-                 device: str | None = None) -> Explanation:
+                 device: str | None = None, keys: tuple | None = None) -> Explanation:
     """The explanation of a planned call, given its tensor values and its block mask.
 
     The visible pairs are the area of the block mask's full tiles plus the pairs counted cell by
     cell inside its partial ones (its tables say which tiles are partial, not how full). A dense
     backend (the reference) computes every pair: its work counts them all. ``choice`` and
-    ``device`` replace the plan's where the call is explained for another device."""
+    ``device`` replace the plan's where the call is explained for another device; ``keys`` says
+    which keys of the cache a call reads, where it reads only some."""
     choice = plan.choice if choice is None else choice
     sizes, spec, mask = plan.sizes, plan.spec, plan.masks
     block_size = plan.request.block_size
@@ -104,4 +108,4 @@ def explain_plan(plan, values: dict, block_mask, text: str, q, k, v, *, choice=N
         density=visible / (mask.batch * mask.heads * sizes["Q_LEN"] * sizes["KV_LEN"]),
         tile_density=tiles / (mask.batch * mask.heads * nq * nk), block_size=block_size,
         flops=attention_flops(pairs, q.shape[-1], v.shape[-1], backward=False),
-        grads=plan.request.grads, choice=choice, dense=dense)
+        grads=plan.request.grads, choice=choice, dense=dense, keys=keys)

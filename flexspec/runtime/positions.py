@@ -20,25 +20,35 @@ placing rows reads, and whether a call's rows provably see every key (then it ru
 
 from __future__ import annotations
 
+import collections
 import functools
+import math
 import numbers
+import threading
 
 import torch
 
 from flexspec import ir
 from flexspec.errors import BindingError, BindingTypeError
+from flexspec.ir.forms import distance_span
 from flexspec.ir.intervals import always
 from flexspec.ir.overflow import position_range, position_ranges
 from flexspec.ir.rewrites import KV_LENGTHS, Q_OFFSET, default_offset, placed, reads_positions
 from flexspec.limits import POSITION_LIMIT, check_position, kernel_int_dtype
 from flexspec.runtime.bindings import Tensors
+from flexspec.runtime.capture import capturing
 from flexspec.runtime.checks import as_device, check_qkv
+from flexspec.runtime.identity import identity
 
 # Ints given as q_offset are turned into tensors once per (value, device): the block-mask cache
 # then sees the same tensor when the same offset comes again.
 _OFFSET_TENSORS_KEPT = 256
 # Calls whose "sees every key" answer is kept per Placement (then forgotten all at once).
 _SEEN_KEPT = 64
+# Device tensors clamped into their range, kept by the identity of the tensor given: a caller
+# that passes the same unchanged tensor again gets the same clamped one, so the block-mask cache
+# (keyed by tensor identity) finds its mask instead of building it anew on every call.
+_CLAMPED_KEPT = 16
 
 
 class Placement:
@@ -51,6 +61,7 @@ class Placement:
         # a Tensors per way a call places its queries: (q_offset read, kv_lengths read)
         self._tensors = {(False, False): Tensors(spec)}
         self._sees: dict = {}
+        self._span = distance_span(spec)
 
     def tensors_for(self, bindings: dict) -> Tensors:
         """The gatherer of the spec as placed by the position tensors ``bindings`` hold."""
@@ -92,6 +103,32 @@ class Placement:
                                kernels=False)
         return (checked.get(Q_OFFSET) if q_offset is not None else None,
                 checked.get(KV_LENGTHS))
+
+    def visible_keys(self, q, k, v, q_offset, kv_lengths) -> tuple | None:
+        """``(start, end, offset)`` when a call's rows provably see no key outside
+        ``start:end`` of the cache and the spec is the same when every position moves by one
+        amount (:func:`flexspec.ir.forms.distance_span`): the call may then run on
+        ``k[:, :, start:end]`` with its rows at ``offset`` (a decoded token under a sliding
+        window reads only its window, at any cache length). ``None`` where positions are not
+        known on the host (a tensor offset, ``kv_lengths``) or nothing would be cut off, and for
+        q, k, v that are not what a call takes (its checks then say what is wrong)."""
+        span = self._span
+        if (span is None or kv_lengths is not None
+                or not (q_offset is None or (isinstance(q_offset, numbers.Integral)
+                                             and not isinstance(q_offset, bool)))
+                or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v))
+                or v.shape[2] != k.shape[2]):
+            return None
+        q_len, kv_len = q.shape[2], k.shape[2]
+        if q_offset is None:
+            q_offset = kv_len - q_len if self.default_offset else 0
+        q_offset = int(q_offset)
+        low, high = span
+        start = 0 if high == math.inf else max(0, q_offset - int(high))
+        end = kv_len if low == -math.inf else min(kv_len, q_offset + q_len - int(low))
+        if end <= start or (start == 0 and end == kv_len):
+            return None  # no key visible (the call says so itself), or nothing to cut
+        return start, end, q_offset - start
 
     def sees_every_key(self, q, k, q_offset, kv_lengths) -> bool:
         """Whether a call's rows provably see every key (a decoded token under ``causal``):
@@ -142,18 +179,25 @@ def call_tensors(spec: ir.AttentionIR, q_offset, kv_lengths, sizes: dict, device
         name = Q_OFFSET
     if q_offset is None:
         return added
+    host_value = q_offset if isinstance(q_offset, numbers.Integral) else None
     offset = _per_row(Q_OFFSET, q_offset, batch, device)
     span = position_range(spec, tuple(sorted(sizes.items())), kernel_int_dtype(device.type)) \
         if kernels and reads_positions(spec) else None
     if span is not None:
-        low, high = span
-        offset = _bounded(offset, low, high - q_len + 1, name,
-                          f"{low}..{high - q_len + 1}, so that rows stay at positions {low}.."
-                          f"{high}, where this spec's integer arithmetic fits the kernels' "
-                          f"{kernel_int_dtype(device.type)} at Q_LEN={q_len}, KV_LEN={kv_len}")
+        low, high = span[0], span[1] - q_len + 1
+        allowed = (f"{low}..{high}, so that rows stay at positions {low}..{span[1]}, where this "
+                   f"spec's integer arithmetic fits the kernels' "
+                   f"{kernel_int_dtype(device.type)} at Q_LEN={q_len}, KV_LEN={kv_len}")
     else:  # the bound an int offset has (check_position), for a tensor too
-        offset = _bounded(offset, -POSITION_LIMIT, POSITION_LIMIT - 1, name,
-                          "+-2**62 (positions must stay well inside int64)")
+        low, high = -POSITION_LIMIT, POSITION_LIMIT - 1
+        allowed = "+-2**62 (positions must stay well inside int64)"
+    if host_value is not None:
+        # an int is checked as it is: its tensor is the one kept per value (_int_tensor), which
+        # the block-mask cache then recognises on the next call with this offset
+        if not low <= int(host_value) <= high:
+            raise BindingError(f"{name} must lie in {allowed}; got {int(host_value)}")
+    else:
+        offset = _bounded(offset, low, high, name, allowed)
     if reads_positions(spec):
         added[Q_OFFSET] = offset
     return added
@@ -170,7 +214,34 @@ def _bounded(value: torch.Tensor, low: int, high: int, name: str, allowed: str,
             if found_low < low or found_high > high:
                 raise BindingError(f"{name} must lie in {allowed}; got {found_low}..{found_high}")
         return value
-    return value.clamp(low, high)
+    return _clamped(value, low, high)
+
+
+_clamped_lock = threading.Lock()
+_clamped_kept: collections.OrderedDict = collections.OrderedDict()
+
+
+def _clamped(value: torch.Tensor, low: int, high: int) -> torch.Tensor:
+    """``value.clamp(low, high)``, the same tensor again for the same unchanged ``value`` (see
+    _CLAMPED_KEPT). Not kept inside a CUDA graph capture (the clamp must be recorded, and
+    replays see new contents) nor for an inference tensor (its changes cannot be seen)."""
+    seen = None if capturing(value.device) else identity(value)
+    if seen is None:
+        return value.clamp(low, high)
+    key = (seen, low, high)
+    with _clamped_lock:
+        kept = _clamped_kept.get(key)
+        if kept is not None:
+            _clamped_kept.move_to_end(key)
+            return kept[1]
+    with torch.inference_mode(False):  # it serves calls in every mode, as _int_tensor does
+        clamped = value.clamp(low, high)
+    with _clamped_lock:
+        # the entry keeps value alive, so that no other tensor takes its memory (and identity)
+        _clamped_kept[key] = (value, clamped)
+        if len(_clamped_kept) > _CLAMPED_KEPT:
+            _clamped_kept.popitem(last=False)
+    return clamped
 
 
 def _per_row(name: str, value, batch: int, device) -> torch.Tensor:

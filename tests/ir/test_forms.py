@@ -1,14 +1,21 @@
 """Known forms read off the IR (flexspec.ir.forms): a constant factor, SDPA's form, FA4's
-native form and the lookup queries. What a native form computes is checked against the
+native form, the lookup queries and the band of distances a decoded token needs. What a native form computes is checked against the
 reference in tests/runtime/test_native.py (an emulation of FA4's arguments)."""
 
+import math
+
 import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 import flexspec
 from flexspec import ir, parse
-from flexspec.ir.forms import (SdpaForm, constant_lookup, logit_factor, native_form, nested_lookup,
-                               sdpa_form)
+from flexspec.ir.forms import (SdpaForm, constant_lookup, distance_span, logit_factor,
+                               native_form, nested_lookup, sdpa_form)
+from flexspec.lang.api import with_mask
 from flexspec.lang.library import load_text
+from flexspec.testing.specs import spec_texts
 
 LIBRARY = load_text("score halve = score / 2.0\nscore twice = 2 * score\n"
                     "score flip = score * -1.0\nscore shifted = score + 1.0\n"
@@ -136,3 +143,49 @@ def test_a_softcap_reads_only_a_cap_equal_to_its_divisor():
                         "score even = 30.0 * tanh(score / 30.0)\n")
     assert native_form(parse("causal + odd", library=library).ir) is None
     assert native_form(parse("causal + even", library=library).ir).softcap == 30.0
+
+
+# ---- the band of distances a decoded token needs -----------------------------------------------
+
+
+@pytest.mark.parametrize("text, span", [
+    ("sliding_window(1024)", (0, 1024)), ("causal", (0, math.inf)), ("window(3)", (-3, 3)),
+    ("causal & window(5) + alibi + softcap(9.0)", (0, 5)), ("dilated(8, 2)", (-8, 8)),
+    ("causal_bottom_right & window(9)", (0, 9)), ("strictly_causal", (1, math.inf)),
+    ("causal & window(4) + head_bias", (0, 4)),
+    # a key read at an absolute position, a lookup by position, KV_LEN, no bound: no band
+    ("causal & (window(8) | sink(4))", None), ("causal & doc", None), ("prefix_lm(8)", None),
+    ("chunked(8) & causal", None), ("tall", None), ("full", None), ("causal & tall", None),
+])
+def test_the_band_of_distances_outside_which_nothing_is_seen(text, span):
+    assert distance_span(parse(text, library=LIBRARY).ir) == span
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(spec_texts(kinds=("static",)), st.integers(1, 40), st.integers(1, 12), st.integers(0, 30),
+       st.integers(-20, 60))
+def test_a_band_bounds_every_visible_pair_and_moving_all_positions_changes_nothing(
+        text, window, q_len, cut, offset):
+    """Soundness against the dense reference: no visible pair outside the band, and the spec on
+    keys cut:KV_LEN with its rows moved back by ``cut`` is the spec on all keys, there."""
+    try:
+        spec = with_mask(parse(text), f"window({window})")
+    except flexspec.SpecError:  # a named spec with score modifiers takes no joined mask
+        assume(False)
+    span = distance_span(spec.ir)
+    assume(span is not None)
+    kv_len = q_len + 40
+    attn = flexspec.compile(spec, backend="reference")
+    assume(not attn.bindings)
+    mask = attn.dense_mask(q_len, kv_len, batch=1, heads=2, q_offset=offset)
+    q_pos = torch.arange(q_len).view(-1, 1) + offset
+    distance = q_pos - torch.arange(kv_len).view(1, -1)
+    outside = (distance < span[0]) | (distance > span[1])
+    assert not (mask & outside).any(), spec
+    moved = attn.dense_mask(q_len, kv_len - cut, batch=1, heads=2, q_offset=offset - cut)
+    assert torch.equal(moved, mask[..., cut:]), spec
+    q, k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64) for n in (q_len, kv_len, kv_len))
+    full = attn.reference(q, k, v, q_offset=offset)
+    visible = mask[..., :cut].any(-1, keepdim=True)  # rows that see a key cut off differ
+    part = attn.reference(q, k[:, :, cut:], v[:, :, cut:], q_offset=offset - cut)
+    torch.testing.assert_close(torch.where(visible, 0.0, part), torch.where(visible, 0.0, full))

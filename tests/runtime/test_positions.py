@@ -244,6 +244,36 @@ def test_off_the_host_offsets_and_lengths_are_bounded_on_the_device():
     assert _bounded(values, -10, 100, "q_offset", "", host_reads=True) is values
 
 
+def test_a_repeated_offset_keeps_its_tensor_so_the_block_mask_is_found_again(monkeypatch):
+    """A decode step repeated at one offset must present the block-mask cache the same tensor:
+    an int offset its kept tensor, a device tensor its clamp kept by identity. (A clamp made anew
+    each call rebuilt the block mask on every warm GPU call, 3-4x the kernel's time.)"""
+    from flexspec.runtime import positions
+    bounded = positions._bounded
+    # as on a GPU: nothing given is read on the host
+    monkeypatch.setattr(positions, "_bounded",
+                        lambda *args, **kwargs: bounded(*args, **kwargs, host_reads=False))
+    spec = flexspec.parse("sliding_window(8)").ir
+    sizes = {"B": 2, "H": 1, "Q_LEN": 1, "KV_LEN": 300}
+    cpu = torch.device("cpu")
+    first = positions.call_tensors(spec, 299, None, sizes, cpu)["q_offset"]
+    assert positions.call_tensors(spec, 299, None, sizes, cpu)["q_offset"] is first
+    times_four = flexspec.parse("m", library=flexspec.loads("mask m = q * 4 >= kv\n")).ir
+    with pytest.raises(flexspec.BindingError, match=r"^q_offset must lie in .*; got 2305843009"):
+        positions.call_tensors(times_four, 2**61, None, sizes, cpu)
+    offset, lengths = torch.tensor([5, 299]), torch.tensor([6, 300])
+    placed = positions.call_tensors(spec, offset, lengths, sizes, cpu)
+    again = positions.call_tensors(spec, offset, lengths, sizes, cpu)
+    assert again["q_offset"] is placed["q_offset"] and again["kv_lengths"] is placed["kv_lengths"]
+    lengths += 1  # changed in place: clamped anew, with the new contents
+    moved = positions.call_tensors(spec, offset, lengths, sizes, cpu)["kv_lengths"]
+    assert moved is not placed["kv_lengths"] and moved.tolist() == [7, 300]
+    with torch.inference_mode():  # no version counter: nothing kept, every call clamps
+        fresh = torch.tensor([5, 299])
+        assert (positions.call_tensors(spec, fresh, None, sizes, cpu)["q_offset"]
+                is not positions.call_tensors(spec, fresh, None, sizes, cpu)["q_offset"])
+
+
 def test_the_position_range_holds_the_lengths_and_is_one_sided_where_negatives_divide_by_zero():
     from flexspec.ir.overflow import position_range
     sizes = (("B", 1), ("H", 1), ("KV_LEN", 300), ("Q_LEN", 200))
@@ -301,8 +331,11 @@ def test_two_partial_attentions_merge_exactly_through_their_lse():
 
 
 @pytest.mark.parametrize("text, offset, unmasked", [
-    ("causal", 299, True), ("causal_bottom_right", None, True), ("causal", 298, False),
-    ("sliding_window(400)", 299, True), ("sliding_window(100)", 299, False),
+    ("causal", 299, True), ("causal_bottom_right", None, True),
+    ("sliding_window(400)", 299, True),
+    # the call reads only the keys the token may see (0..298; 199..299), and sees them all
+    ("causal", 298, True), ("sliding_window(100)", 299, True),
+    ("causal & (window(100) | sink(4))", 299, False),  # keys 4..198 are not seen
     ("causal + alibi", 299, False),  # the score reads positions: the mask stays
 ])
 def test_a_decoded_token_that_sees_every_key_runs_as_plain_attention(text, offset, unmasked):
@@ -389,8 +422,9 @@ def test_an_explicit_offset_of_zero_places_an_end_aligned_spec_at_the_start(back
 
 def test_the_answer_that_a_token_sees_every_key_is_kept_per_key_length():
     """Blind spot: the unmasked fast path keyed without KV_LEN would serve a call with more keys
-    the first call's answer (a row at 99 sees all of 100 keys, not all of 200)."""
-    attn = flexspec.compile("causal")
+    the first call's answer (a row at 99 sees all of 100 keys, not all of 200). The sink keeps
+    the call on the whole cache (under `causal` it would read keys 0..99 only)."""
+    attn = flexspec.compile("causal & (window(1000) | sink(4))")
     q = torch.randn(1, 2, 1, 16)
     for kv_len in (100, 200, 100):
         k, v = (torch.randn(1, 2, kv_len, 16) for _ in range(2))
@@ -411,3 +445,98 @@ def test_kv_lengths_hide_the_tail_of_specs_that_are_not_causal_on_the_kernel(tex
     assert attn.explain(q, k, v, kv_lengths=lengths, **bindings).choice.backend == "flex"
     close(attn(q, k, v, kv_lengths=lengths, **bindings),
           attn.reference(q, k, v, kv_lengths=lengths, **bindings), text)
+
+
+# ---- calls that read only the keys their rows may see --------------------------------------------
+
+
+def test_a_decoded_token_under_a_window_reads_only_its_window():
+    """The call runs on the keys the window lets the token see (its time follows the window, not
+    the cache), equals the reference on the whole cache, and sends gradients to those keys
+    only; explain says which keys it reads."""
+    attn = flexspec.compile("sliding_window(300)")
+    q = torch.randn(2, 4, 1, 16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 1000, 16, requires_grad=True) for _ in range(2))
+    explained = attn.explain(q, k, v, q_offset=999)
+    assert explained.keys == (699, 1000, 1000) and explained.sizes["KV_LEN"] == 301
+    assert "only 699:1000 of the cache's 1000 are read" in str(explained)
+    out = attn(q, k, v, q_offset=999)
+    out.sum().backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attn.reference(q64, k64, v64, q_offset=999)
+    ref.sum().backward()
+    close(out.double(), ref, "output")
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        close(got.double(), want, "gradient")
+    assert not k.grad[:, :, :699].any() and k.grad[:, :, 699:].abs().sum() > 0
+    # early on, before the window fills, the token reads keys 0..offset
+    assert attn.explain(q, k, v, q_offset=40).keys == (0, 41, 1000)
+
+
+def test_a_chunk_under_a_window_runs_compiled_on_its_slice():
+    """A prefill chunk of 130 rows at offset 500 of a 1000-key cache reads keys 300..629 and
+    runs on the compiled kernel (130 x 330 positions), equal to the reference."""
+    attn = flexspec.compile("causal & window(200) + alibi")
+    q = torch.randn(1, 2, 130, 16)
+    k, v = (torch.randn(1, 2, 1000, 16) for _ in range(2))
+    explained = attn.explain(q, k, v, q_offset=500)
+    assert explained.keys == (300, 630, 1000) and explained.choice.backend == "flex"
+    with torch.no_grad():
+        close(attn(q, k, v, q_offset=500), attn.reference(q, k, v, q_offset=500), "chunk")
+
+
+@pytest.mark.parametrize("text, kwargs", [
+    ("causal & (window(50) | sink(4))", {"q_offset": 999}),   # sink reads absolute keys
+    ("causal & doc", {"q_offset": 999}),                         # documents too
+    ("sliding_window(50)", {"q_offset": torch.tensor([999, 999])}),   # not known on the host
+    ("sliding_window(50)", {"kv_lengths": torch.tensor([1000, 900])}),
+    ("causal", {"q_offset": 999}),                               # every key is seen anyway
+])
+def test_calls_whose_keys_the_host_cannot_bound_read_the_whole_cache(text, kwargs):
+    attn = flexspec.compile(text)
+    q, k = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1000, 8)
+    assert attn._calls.placement.visible_keys(q, k, k, kwargs.get("q_offset"),
+                                              kwargs.get("kv_lengths")) is None
+
+
+@pytest.mark.parametrize("v", [None, "values", torch.randn(2, 2, 1000), torch.randn(2, 2, 999, 8)])
+def test_a_window_call_with_values_that_do_not_fit_gets_the_checks_error(v):
+    """The slice is taken only of inputs a call takes: others reach the checks, which name them
+    (no raw IndexError from slicing)."""
+    attn = flexspec.compile("sliding_window(50)")
+    q, k = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1000, 8)
+    with pytest.raises(flexspec.SpecError, match=r"\bv\b"):
+        attn(q, k, v, q_offset=999)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_random_windowed_specs_decode_on_their_slice_like_the_reference(data):
+    """Random specs with a window joined: at any int offset (negative, inside, past the cache)
+    and any number of rows, the call (on the slice its rows may see) equals the reference on
+    the whole cache."""
+    from flexspec.lang.api import with_mask
+    from flexspec.testing.specs import spec_texts
+    text = data.draw(spec_texts(kinds=("static", "binding")))
+    window = data.draw(st.integers(1, 60))
+    try:
+        spec = with_mask(flexspec.parse(text), f"sliding_window({window})")
+    except flexspec.SpecError:
+        assume(False)
+    kv_heads = data.draw(st.integers(1, 2))
+    shape = Shape(data.draw(st.integers(1, 2)), kv_heads * data.draw(st.integers(1, 2)), kv_heads,
+                  data.draw(st.integers(1, 20)), data.draw(st.integers(1, 200)), 8)
+    assume(lookups_fit(spec, shape))
+    values = data.draw(bindings(spec, shape))
+    offset = data.draw(st.integers(-10, shape.KV_LEN + 10))
+    attn = flexspec.compile(spec)
+    q, k, v = shape.qkv(data.draw(st.integers(0, 2**31 - 1)))
+    try:
+        want = attn.reference(q, k, v, q_offset=offset, **values)
+    except flexspec.SpecError:  # a lookup out of range there: the call refuses it too
+        with pytest.raises(flexspec.SpecError):
+            attn(q, k, v, q_offset=offset, **values)
+        return
+    with torch.no_grad():
+        got = attn(q, k, v, q_offset=offset, **values)
+    close(got, want, f"{spec} {shape} at {offset}")
