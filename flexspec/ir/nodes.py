@@ -154,6 +154,19 @@ class AttentionIR:
     score: Expr = SCORE
     align: Align = "start"
 
+    def __hash__(self):
+        # kept after the first call: the runtime's caches are keyed by the IR on every call,
+        # and hashing walks the whole tree
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.mask, self.score, self.align))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self):
+        # string hashes differ between processes: a copy computes its own
+        return {name: value for name, value in self.__dict__.items() if name != "_hash"}
+
     @property
     def has_mask(self) -> bool:
         return self.mask != TRUE

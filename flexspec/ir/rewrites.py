@@ -32,6 +32,7 @@ LENGTHS_TENSOR = Tensor(KV_LENGTHS, _PER_ROW, "int")
 SCALE_TENSOR = Tensor(SCALE, _PER_ROW, "float")
 
 
+@functools.lru_cache(maxsize=512)
 def reads_positions(spec: AttentionIR) -> bool:
     """Whether the spec reads ``q`` at all (else an offset changes nothing)."""
     return "q" in free_vars(spec.mask) | free_vars(spec.score)

@@ -57,8 +57,8 @@ class Explanation:
             f"call:     B={s['B']} {heads} Q_LEN={s['Q_LEN']} KV_LEN={s['KV_LEN']} "
             f"D={self.head_dim} {str(self.dtype).replace('torch.', '')} on {self.device}"
             + (", with gradients" if self.grads else ""),
-            *([f"keys:     only {self.keys[0]}:{self.keys[1]} of the cache's {self.keys[2]} are "
-               "read (its rows see no other key), so KV_LEN is theirs"] if self.keys else []),
+            *([f"keys:     only {self.keys[0]}:{self.keys[1]} of the {self.keys[2]} keys are read "
+               "(the rows see no other key)"] if self.keys else []),
             f"density:  {self.density:.2%} of (q, kv) pairs visible; "
             + ("every pair computed (the chosen backend is dense)" if self.dense else
                f"{self.tile_density:.2%} of {self.block_size[0]}x{self.block_size[1]} tiles "
@@ -96,16 +96,18 @@ def explain_plan(plan, values: dict, block_mask, text: str, q, k, v, *, choice=N
                             batch=mask.batch, heads=mask.heads,
                             classes=tile_classes(block_mask))
     tiles = int(block_mask.kv_num_blocks.sum()) + int(block_mask.full_kv_num_blocks.sum())
-    nq, nk = tile_grid(sizes, block_size)
     pairs = visible * (sizes["B"] // mask.batch) * (sizes["H"] // mask.heads)
     dense = REGISTRY[choice.backend].dense
     if dense:
         pairs = sizes["B"] * sizes["H"] * sizes["Q_LEN"] * sizes["KV_LEN"]
+    # the fractions are of the call as given: all of its keys, also those it does not read
+    given = sizes if keys is None else {**sizes, "KV_LEN": keys[2]}
+    nq, nk = tile_grid(given, block_size)
     return Explanation(
         spec=text, mask=ir.to_text(spec.mask), score=ir.to_text(spec.score),
-        sizes={**sizes, "KV_HEADS": k.shape[1]}, head_dim=q.shape[-1], dtype=q.dtype,
+        sizes={**given, "KV_HEADS": k.shape[1]}, head_dim=q.shape[-1], dtype=q.dtype,
         device=str(q.device) if device is None else device,
-        density=visible / (mask.batch * mask.heads * sizes["Q_LEN"] * sizes["KV_LEN"]),
+        density=visible / (mask.batch * mask.heads * given["Q_LEN"] * given["KV_LEN"]),
         tile_density=tiles / (mask.batch * mask.heads * nq * nk), block_size=block_size,
         flops=attention_flops(pairs, q.shape[-1], v.shape[-1], backward=False),
         grads=plan.request.grads, choice=choice, dense=dense, keys=keys)

@@ -338,10 +338,15 @@ def test_auto_uses_sdpa_for_causal_on_the_cpu():
 def test_sdpa_refusals_at_compile_and_call_time():
     with pytest.raises(BackendError, match="backend 'sdpa' cannot run 'causal & window\\(8\\)'"):
         flexspec.compile("causal & window(8)", backend="sdpa")
-    q = torch.randn(1, 1, 10, 8)
-    k = torch.randn(1, 1, 12, 8)
-    with pytest.raises(BackendError, match="Q_LEN == KV_LEN, got 10 and 12"):
+    q = torch.randn(1, 1, 12, 8)
+    k = torch.randn(1, 1, 10, 8)
+    with pytest.raises(BackendError, match="Q_LEN == KV_LEN, got 12 and 10"):
         flexspec.compile("causal", backend="sdpa")(q, k, k)
+    # ten rows over twelve keys see none of the last two: the call reads keys 0..9 only, which
+    # SDPA runs
+    causal = flexspec.compile("causal", backend="sdpa")
+    q, k = torch.randn(1, 1, 10, 8), torch.randn(1, 1, 12, 8)
+    torch.testing.assert_close(causal(q, k, k), causal.reference(q, k, k))
 
 
 def test_flash_on_the_cpu_says_why_not():
@@ -379,6 +384,8 @@ def test_explain_counts_exactly():
     text = str(explanation)
     assert "B=2 H=4 (KV heads 2) Q_LEN=200 KV_LEN=300 D=16 float32 on cpu" in text
     assert "backend:  flex" in text and "not sdpa: SDPA runs only" in text
+    # no row sees a key past 199: the call reads keys 0..199 only, and says so
+    assert explanation.keys == (0, 200, 300) and "only 0:200 of the 300 keys are read" in text
 
 
 def test_explain_with_batch_dependent_bindings_counts_every_row():

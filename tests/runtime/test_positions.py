@@ -458,8 +458,9 @@ def test_a_decoded_token_under_a_window_reads_only_its_window():
     q = torch.randn(2, 4, 1, 16, requires_grad=True)
     k, v = (torch.randn(2, 2, 1000, 16, requires_grad=True) for _ in range(2))
     explained = attn.explain(q, k, v, q_offset=999)
-    assert explained.keys == (699, 1000, 1000) and explained.sizes["KV_LEN"] == 301
-    assert "only 699:1000 of the cache's 1000 are read" in str(explained)
+    assert explained.keys == (699, 1000, 1000) and explained.sizes["KV_LEN"] == 1000
+    assert "keys:     only 699:1000 of the 1000 keys are read" in str(explained)
+    assert explained.density == 301 / 1000 and explained.tile_density == 3 / 8
     out = attn(q, k, v, q_offset=999)
     out.sum().backward()
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))

@@ -1,0 +1,33 @@
+"""IR nodes (flexspec.ir.nodes): what the runtime's caches rely on, a spec's IR hashed once and
+its hash never carried into a copy made in another process."""
+
+import os
+import pickle
+import subprocess
+import sys
+
+import flexspec
+
+SPEC = "causal & window(3) + alibi"
+
+
+def test_the_hash_of_an_ir_is_its_value_and_stays_out_of_a_pickle():
+    spec = flexspec.parse(SPEC).ir
+    assert hash(spec) == hash(spec) == hash(flexspec.parse(SPEC).ir)
+    copy = pickle.loads(pickle.dumps(spec))
+    assert copy == spec and hash(copy) == hash(spec)
+    assert b"_hash" not in pickle.dumps(spec)
+
+
+def test_an_ir_pickled_in_one_process_is_found_by_value_in_another():
+    """String hashes differ between processes (PYTHONHASHSEED): a hash carried in the pickle
+    would make the copy miss every cache keyed by an equal IR."""
+    spec = flexspec.parse(SPEC).ir
+    hash(spec)
+    code = ("import pickle, sys, flexspec\n"
+            "copy = pickle.loads(sys.stdin.buffer.read())\n"
+            f"print({{flexspec.parse({SPEC!r}).ir: 'found'}}.get(copy, 'missed'))\n")
+    result = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(spec),
+                            capture_output=True, env={**os.environ, "PYTHONHASHSEED": "12345"},
+                            check=True)
+    assert result.stdout.decode().strip() == "found"
