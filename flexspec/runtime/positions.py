@@ -45,6 +45,9 @@ from flexspec.runtime.identity import identity
 _OFFSET_TENSORS_KEPT = 256
 # Calls whose "sees every key" answer is kept per Placement (then forgotten all at once).
 _SEEN_KEPT = 64
+# The position tensors of calls at an int offset (or none), kept per Placement (then forgotten
+# all at once): checked once, then the same tensors for every call there.
+_PLACED_KEPT = 64
 # Device tensors clamped into their range, kept by the identity of the tensor given: a caller
 # that passes the same unchanged tensor again gets the same clamped one, so the block-mask cache
 # (keyed by tensor identity) finds its mask instead of building it anew on every call.
@@ -61,6 +64,7 @@ class Placement:
         # a Tensors per way a call places its queries: (q_offset read, kv_lengths read)
         self._tensors = {(False, False): Tensors(spec)}
         self._sees: dict = {}
+        self._placed_ints: dict = {}  # (int offset or None, sizes, device) -> tensors added
         self._span = distance_span(spec)
 
     def tensors_for(self, bindings: dict) -> Tensors:
@@ -76,7 +80,15 @@ class Placement:
         alignment asks for them (``sizes``: the call's ``B H Q_LEN KV_LEN``)."""
         if q_offset is None and kv_lengths is None and not self.default_offset:
             return bindings
-        added = call_tensors(self.ir, q_offset, kv_lengths, sizes, as_device(device))
+        host_known = kv_lengths is None and (q_offset is None or type(q_offset) is int)
+        key = (q_offset, sizes["B"], sizes["H"], sizes["Q_LEN"], sizes["KV_LEN"], str(device))
+        added = self._placed_ints.get(key) if host_known else None
+        if added is None:
+            added = call_tensors(self.ir, q_offset, kv_lengths, sizes, as_device(device))
+            if host_known:  # a decode step at a known offset: its tensors are made once
+                if len(self._placed_ints) >= _PLACED_KEPT:
+                    self._placed_ints.clear()
+                self._placed_ints[key] = added
         return {**bindings, **added} if added else bindings
 
     def for_call(self, q, k, bindings: dict, q_offset, kv_lengths) -> dict:

@@ -274,6 +274,19 @@ def test_a_repeated_offset_keeps_its_tensor_so_the_block_mask_is_found_again(mon
                 is not positions.call_tensors(spec, fresh, None, sizes, cpu)["q_offset"])
 
 
+def test_a_placement_makes_the_tensors_of_an_int_offset_once_and_refuses_bad_ones_every_time():
+    placement = flexspec.compile("causal & window(8)")._calls.placement
+    q, k = torch.randn(2, 2, 3, 8), torch.randn(2, 2, 300, 8)
+    first = placement.for_call(q, k, {}, 290, None)
+    again = placement.for_call(q, k, {"x": q}, 290, None)
+    assert again["q_offset"] is first["q_offset"] and again["x"] is q
+    assert placement.for_call(q, k, {}, 291, None)["q_offset"].tolist() == [291, 291]
+    assert placement.for_call(q[:1], k[:1], {}, 290, None)["q_offset"].tolist() == [290]
+    for _ in range(2):
+        with pytest.raises(flexspec.BindingError, match="q_offset = 4611686018427387904"):
+            placement.for_call(q, k, {}, 2**62, None)
+
+
 def test_the_position_range_holds_the_lengths_and_is_one_sided_where_negatives_divide_by_zero():
     from flexspec.ir.overflow import position_range
     sizes = (("B", 1), ("H", 1), ("KV_LEN", 300), ("Q_LEN", 200))
