@@ -15,7 +15,8 @@ new tensor contents, never new code (no recompilation):
 
 Both names are reserved: a spec's own bindings cannot take them (the checker says so).
 :class:`Placement` is one spec's policy: which calls need the tensors at all, the spec each way of
-placing rows reads, and whether a call's rows provably see every key (then it runs unmasked).
+placing rows reads, which slice of the keys a call's rows may see at all (a window's: the call
+then reads only that slice), and whether they provably see every key (then it runs unmasked).
 """
 
 from __future__ import annotations
