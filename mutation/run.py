@@ -55,6 +55,7 @@ MODULES: dict[str, list[str]] = {
     "runtime/lookups": ["tests/runtime/test_lookups.py", "tests/runtime/test_plan.py"],
     "runtime/order": ["tests/runtime/test_order.py"],
     "runtime/attention": ["tests/runtime/test_runtime.py"],
+    "runtime/positions": ["tests/runtime/test_positions.py"],
     "runtime/backends/__init__": ["tests/runtime/test_backends.py", "tests/runtime/test_order.py"],
     "lang/checker": ["tests/lang/test_checker.py"],
 }

@@ -554,3 +554,135 @@ def test_random_windowed_specs_decode_on_their_slice_like_the_reference(data):
     with torch.no_grad():
         got = attn(q, k, v, q_offset=offset, **values)
     close(got, want, f"{spec} {shape} at {offset}")
+
+
+# ---- mutation testing of runtime/positions (2026-12-02): what its survivors showed untested -----
+
+
+def test_host_read_bounds_take_both_ends_and_refuse_one_past_either():
+    from flexspec.runtime.positions import _bounded
+    edges = torch.tensor([0, 20])
+    assert _bounded(edges, 0, 20, "kv_lengths", "0..20", host_reads=True) is edges
+    for outside in ([-1, 20], [0, 21]):
+        with pytest.raises(flexspec.BindingError, match="kv_lengths must lie in 0..20"):
+            _bounded(torch.tensor(outside), 0, 20, "kv_lengths", "0..20", host_reads=True)
+
+
+@pytest.fixture
+def fresh_clamps(monkeypatch):
+    from flexspec.runtime import positions
+    monkeypatch.setattr(positions, "_clamped_kept", type(positions._clamped_kept)())
+    return positions
+
+
+def test_device_clamps_are_right_in_every_mode_and_never_kept_as_inference_tensors(fresh_clamps):
+    clamped = fresh_clamps._clamped
+    with torch.inference_mode():
+        fresh = torch.tensor([-5, 3, 99])
+        assert clamped(fresh, 0, 20).tolist() == [0, 3, 20]  # an inference tensor: not kept
+    outside = torch.tensor([-5, 3, 99])
+    with torch.inference_mode():  # a tensor made outside, clamped inside: kept for every mode
+        kept = clamped(outside, 0, 20)
+    assert kept.tolist() == [0, 3, 20] and not kept.is_inference()
+    assert clamped(outside, 0, 20) is kept and clamped(outside, 0, 30) is not kept
+
+
+def test_device_clamps_inside_a_capture_are_made_each_time(fresh_clamps, monkeypatch):
+    """A clamp recorded in a CUDA graph must run on every replay: never served from the kept
+    ones (capturing() is true only on a GPU; here it is made to say so)."""
+    monkeypatch.setattr(fresh_clamps, "capturing", lambda device: True)
+    value = torch.tensor([-5, 3, 99])
+    first = fresh_clamps._clamped(value, 0, 20)
+    assert first.tolist() == [0, 3, 20] and fresh_clamps._clamped(value, 0, 20) is not first
+
+
+def test_the_kept_clamps_are_bounded_and_the_oldest_goes_first(fresh_clamps):
+    clamped, kept = fresh_clamps._clamped, fresh_clamps._CLAMPED_KEPT
+    values = [torch.tensor([n]) for n in range(kept + 1)]
+    results = [clamped(value, 0, 1000) for value in values[:kept]]
+    assert all(clamped(value, 0, 1000) is result for value, result in zip(values, results))
+    newest = clamped(values[kept], 0, 1000)  # one more: the least recently used goes
+    assert clamped(values[kept], 0, 1000) is newest
+    assert clamped(values[1], 0, 1000) is results[1]
+    assert clamped(values[0], 0, 1000) is not results[0]
+
+
+@pytest.mark.parametrize("text", ["causal + alibi", "causal"])
+@pytest.mark.parametrize("bad, message", [
+    ((["q"], None, None), r"^q must be a torch\.Tensor, got list$"),
+    ((None, ["k"], None), r"^k must be a torch\.Tensor, got list$"),
+    (("3d", None, None), r"^q must have 4 dimensions \(B, H, S, D\), got shape \[1, 1, 10\]$"),
+])
+def test_a_positioned_call_with_inputs_that_are_not_tensors_gets_the_checks_error(text, bad,
+                                                                                  message):
+    k = torch.randn(1, 1, 10, 8)
+    q_bad, k_bad, _ = bad
+    q = torch.randn(1, 1, 10) if q_bad == "3d" else (q_bad if q_bad is not None else k)
+    with pytest.raises(flexspec.SpecError, match=message):
+        flexspec.compile(text)(q, k_bad if k_bad is not None else k, k, q_offset=5)
+
+
+def test_an_end_aligned_spec_places_a_chunk_shorter_than_the_cache_at_its_end():
+    """On the compiled kernel (130 x 300 positions), which places rows only as the runtime's
+    position tensors say (the reference would place an end-aligned spec's rows itself)."""
+    attn = flexspec.compile("causal_bottom_right + alibi")
+    q, k, v = Shape(1, 2, 2, 130, 300, 8).qkv(4)
+    with torch.no_grad():
+        close(attn(q, k, v), attn.reference(q, k, v, q_offset=170), "rows at 170..299")
+
+
+def test_the_offset_range_counts_the_heads_a_spec_multiplies_by():
+    """The kernels' range depends on every size the spec's arithmetic reads (H here)."""
+    library = flexspec.loads("mask m = q * H <= kv + 5\n")  # never all keys: stays masked
+    attn = flexspec.compile("m", library=library)
+    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 4, 10, 8)
+    with pytest.raises(flexspec.BindingError, match="q_offset must lie in"):
+        attn(q, k, k, q_offset=2**61)  # 2**61 * 4 leaves int64's safe range; 2**61 * 1 would not
+
+
+def test_a_batch_row_that_sees_nothing_keeps_the_call_masked():
+    """Whether a decoded token sees every key is asked of every batch row: the second row
+    here sees nothing (B=2, one head), so the call cannot drop the mask."""
+    library = flexspec.loads("mask first_row_causal = q >= kv & b < 1\n")
+    attn = flexspec.compile("first_row_causal", library=library)
+    q, k, v = Shape(2, 1, 1, 1, 10, 8).qkv(6)
+    out = attn(q, k, v, q_offset=9)
+    close(out, attn.reference(q, k, v, q_offset=9), "per-row visibility")
+    assert not out[1].any()
+
+
+@pytest.mark.parametrize("kv_len", [2, 10])
+def test_rows_at_their_own_place_are_not_taken_for_rows_at_the_end(kv_len):
+    """No q_offset on a start-aligned spec: the row stands at 0 and sees key 0 only; read as
+    standing at the end it would see every key and drop the mask (the sink keeps the call on
+    the whole cache, so the unmasked answer is asked for these very positions)."""
+    attn = flexspec.compile("causal & (window(100) | sink(4))")
+    q, k, v = Shape(1, 2, 2, 1, kv_len, 8).qkv(7)
+    close(attn(q, k, v), attn.reference(q, k, v), f"KV {kv_len}")
+
+
+def test_every_row_of_a_chunk_must_see_every_key_to_drop_the_mask():
+    attn = flexspec.compile("causal & (window(100) | sink(4))")
+    q, k, v = Shape(1, 2, 2, 2, 10, 8).qkv(8)  # rows at 8 and 9: row 8 does not see key 9
+    close(attn(q, k, v, q_offset=8), attn.reference(q, k, v, q_offset=8), "rows 8, 9")
+
+
+def test_a_head_that_sees_nothing_keeps_the_call_masked():
+    library = flexspec.loads("mask first_head_causal = q >= kv & h < 1\n")
+    attn = flexspec.compile("first_head_causal", library=library)
+    q, k, v = Shape(1, 2, 2, 1, 10, 8).qkv(9)
+    out = attn(q, k, v, q_offset=9)
+    close(out, attn.reference(q, k, v, q_offset=9), "per-head visibility")
+    assert not out[:, 1].any()
+
+
+@pytest.mark.parametrize("text, kwargs, keys", [
+    ("sliding_window(3)", {}, (0, 1, 100)),               # no offset: the row stands at 0
+    ("window(5)", {"q_offset": 20}, (15, 26, 100)),       # a window on both sides
+    ("causal_bottom_right & window(5)", {}, (94, 100, 100)),
+])
+def test_the_slice_follows_the_rows_place_and_both_sides_of_the_window(text, kwargs, keys):
+    attn = flexspec.compile(text)
+    q, k, v = Shape(1, 2, 2, 1, 100, 8).qkv(10)
+    assert attn.explain(q, k, v, **kwargs).keys == keys
+    close(attn(q, k, v, **kwargs), attn.reference(q, k, v, **kwargs), text)
