@@ -686,3 +686,60 @@ def test_the_slice_follows_the_rows_place_and_both_sides_of_the_window(text, kwa
     q, k, v = Shape(1, 2, 2, 1, 100, 8).qkv(10)
     assert attn.explain(q, k, v, **kwargs).keys == keys
     close(attn(q, k, v, **kwargs), attn.reference(q, k, v, **kwargs), text)
+
+
+def test_kept_position_tensors_never_stand_for_other_lengths_or_changed_offsets(monkeypatch):
+    """The tensors a Placement keeps for an int offset are for calls without kv_lengths and
+    with that very int: a call with lengths, or with a tensor offset changed in place, gets its
+    own (checked as on a GPU: device tensors clamped, not read on the host)."""
+    from flexspec.runtime import positions
+    bounded = positions._bounded
+    monkeypatch.setattr(positions, "_bounded",
+                        lambda *args, **kwargs: bounded(*args, **kwargs, host_reads=False))
+    placement = flexspec.compile("causal & window(8) + alibi")._calls.placement
+    q, k = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 300, 8)
+    assert "kv_lengths" not in placement.for_call(q, k, {}, 5, None)
+    lengths = torch.tensor([100, 200])
+    placed = placement.for_call(q, k, {}, 5, lengths)
+    assert placed["kv_lengths"].tolist() == [100, 200]
+    lengths[0] = 150
+    assert placement.for_call(q, k, {}, 5, lengths)["kv_lengths"].tolist() == [150, 200]
+    offset = torch.tensor([5, 6])
+    assert placement.for_call(q, k, {}, offset, None)["q_offset"].tolist() == [5, 6]
+    offset[0] = 7
+    assert placement.for_call(q, k, {}, offset, None)["q_offset"].tolist() == [7, 6]
+
+
+def test_an_end_aligned_spec_with_valid_lengths_stands_at_each_rows_own_end():
+    attn = flexspec.compile("causal_bottom_right + alibi")
+    q, k, v = Shape(2, 2, 2, 1, 10, 8).qkv(11)
+    lengths = torch.tensor([6, 10])
+    out = attn(q, k, v, kv_lengths=lengths)
+    close(out[:1], attn.reference(q[:1], k[:1, :, :6], v[:1, :, :6]), "row 0 at key 5")
+    close(out[1:], attn.reference(q[1:], k[1:], v[1:]), "row 1 at key 9")
+
+
+def test_a_cache_row_may_hold_no_valid_key():
+    attn = flexspec.compile("full")
+    q, k, v = Shape(2, 2, 2, 1, 10, 8).qkv(12)
+    out = attn(q, k, v, kv_lengths=torch.tensor([0, 10]))
+    assert not out[0].any()
+    close(out[1:], attn.reference(q[1:], k[1:], v[1:]), "a full row")
+
+
+def test_mods_of_an_end_aligned_spec_place_its_rows_at_the_end():
+    mask_mod, _ = flexspec.compile("causal_bottom_right").mods(q_len=2, kv_len=5)
+    zero = torch.tensor(0)
+    assert [bool(mask_mod(zero, zero, zero, torch.tensor(kv))) for kv in range(5)] == \
+        [True, True, True, True, False]
+
+
+def test_the_reference_checks_its_own_arithmetic_not_the_kernels_range():
+    """The reference computes every position exactly: an offset is refused there by its own
+    overflow check (which names the arithmetic), not by the kernels' range."""
+    attn = flexspec.compile("m", library=flexspec.loads("mask m = q * 4 <= kv + 5\n"))
+    q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 10, 8)
+    with pytest.raises(flexspec.SpecError, match=r"'q \* 4' reaches .* beyond the 64-bit ints"):
+        attn.reference(q, k, k, q_offset=2**61)
+    with pytest.raises(flexspec.BindingError, match="q_offset must lie in"):
+        attn(q, k, k, q_offset=2**61)
