@@ -743,3 +743,44 @@ def test_the_reference_checks_its_own_arithmetic_not_the_kernels_range():
         attn.reference(q, k, k, q_offset=2**61)
     with pytest.raises(flexspec.BindingError, match="q_offset must lie in"):
         attn(q, k, k, q_offset=2**61)
+
+
+LIMITS = flexspec.loads("mask ends_divide = causal_bottom_right & kv // (q + 1) == 0\n"
+                        "mask divide = kv // (q + 1) == 0\nmask times_four = q * 4 <= kv + 5\n")
+
+
+def test_an_end_aligned_offset_out_of_range_is_named_as_such():
+    attn = flexspec.compile("ends_divide", library=LIMITS)  # rows below 0 would divide by zero
+    q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 10, 8)
+    with pytest.raises(flexspec.BindingError, match=r"^the end-aligned offset kv_lengths - Q_LEN "
+                                                    r"must lie in 0\.\.\d+, .*; got -1\.\.-1$"):
+        attn(q, k, k, kv_lengths=torch.tensor([0]))
+
+
+def test_int_offsets_are_accepted_up_to_both_ends_of_the_kernels_range():
+    from flexspec.runtime.positions import call_tensors
+    cpu, sizes = torch.device("cpu"), {"B": 1, "H": 1, "Q_LEN": 3, "KV_LEN": 10}
+    divide = flexspec.parse("divide", library=LIMITS).ir      # positions 0 .. 2**62
+    times_four = flexspec.parse("times_four", library=LIMITS).ir  # positions +-2**60
+    assert call_tensors(divide, 0, None, sizes, cpu)["q_offset"].tolist() == [0]
+    last = 2**60 - 3 + 1  # the last row at 2**60
+    assert call_tensors(times_four, last, None, sizes, cpu)["q_offset"].tolist() == [last]
+    assert call_tensors(times_four, -2**60, None, sizes, cpu)["q_offset"].tolist() == [-2**60]
+    for outside in (last + 1, -2**60 - 1):
+        with pytest.raises(flexspec.BindingError, match=rf"must lie in -{2**60}\.\.{last}, so "):
+            call_tensors(times_four, outside, None, sizes, cpu)
+    with pytest.raises(flexspec.BindingError, match=r"must lie in 0\.\."):
+        call_tensors(divide, -1, None, sizes, cpu)
+
+
+def test_a_tensor_offset_of_a_spec_that_reads_no_position_is_bounded_at_both_ends():
+    from flexspec.runtime.positions import call_tensors
+    cpu, sizes = torch.device("cpu"), {"B": 1, "H": 1, "Q_LEN": 3, "KV_LEN": 10}
+    full = flexspec.parse("full").ir
+    for inside in (2**62 - 1, -2**62):
+        assert call_tensors(full, torch.tensor([inside]), None, sizes, cpu) == {}
+    for outside in (2**62, -2**62 - 1):
+        with pytest.raises(flexspec.BindingError, match=r"^q_offset must lie in \+-2\*\*62 "
+                                                        r"\(positions must stay well inside "
+                                                        r"int64\); got "):
+            call_tensors(full, torch.tensor([outside]), None, sizes, cpu)
