@@ -784,3 +784,30 @@ def test_a_tensor_offset_of_a_spec_that_reads_no_position_is_bounded_at_both_end
                                                         r"\(positions must stay well inside "
                                                         r"int64\); got "):
             call_tensors(full, torch.tensor([outside]), None, sizes, cpu)
+
+
+@pytest.mark.parametrize("offset, error, message", [
+    ([5], flexspec.BindingTypeError,
+     r"^q_offset must be an int or an int tensor of shape \[2\], got list$"),
+    (torch.tensor([True, False]), flexspec.BindingError, r"^q_offset must hold ints, got dtype "
+                                                         r"torch\.bool$"),
+    (torch.tensor([[5], [6]]), flexspec.BindingError, r"got shape \[2, 1\]$"),
+    (torch.tensor([5, 6], device="meta"), flexspec.BindingError,
+     r"^q_offset is on meta, but q is on cpu; move it with \.to\('cpu'\)$"),
+])
+def test_offsets_of_the_wrong_kind_say_what_a_call_takes(offset, error, message):
+    attn = flexspec.compile("causal + alibi")
+    q, k = torch.randn(2, 1, 1, 8), torch.randn(2, 1, 10, 8)
+    with pytest.raises(error, match=message):
+        attn(q, k, k, q_offset=offset)
+
+
+def test_a_one_entry_offset_serves_every_batch_row_and_any_int_dtype_is_int64():
+    from flexspec.runtime.positions import call_tensors
+    spec, cpu = flexspec.parse("causal + alibi").ir, torch.device("cpu")
+    sizes = {"B": 2, "H": 1, "Q_LEN": 1, "KV_LEN": 10}
+    placed = call_tensors(spec, torch.tensor([7], dtype=torch.int32), None, sizes, cpu)
+    assert placed["q_offset"].dtype == torch.int64 and placed["q_offset"].tolist() == [7]
+    attn = flexspec.compile("causal + alibi")
+    q, k, v = Shape(2, 1, 1, 1, 10, 8).qkv(13)
+    close(attn(q, k, v, q_offset=torch.tensor([7])), attn.reference(q, k, v, q_offset=7), "[1]")
