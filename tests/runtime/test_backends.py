@@ -338,10 +338,15 @@ def test_auto_uses_sdpa_for_causal_on_the_cpu():
 def test_sdpa_refusals_at_compile_and_call_time():
     with pytest.raises(BackendError, match="backend 'sdpa' cannot run 'causal & window\\(8\\)'"):
         flexspec.compile("causal & window(8)", backend="sdpa")
-    q = torch.randn(1, 1, 10, 8)
-    k = torch.randn(1, 1, 12, 8)
-    with pytest.raises(BackendError, match="Q_LEN == KV_LEN, got 10 and 12"):
+    # more queries than keys: every key is seen, so no slice of the keys makes Q_LEN == KV_LEN
+    q = torch.randn(1, 1, 12, 8)
+    k = torch.randn(1, 1, 10, 8)
+    with pytest.raises(BackendError, match="Q_LEN == KV_LEN, got 12 and 10"):
         flexspec.compile("causal", backend="sdpa")(q, k, k)
+    # fewer: the last two keys are seen by no row, and the call runs on the first ten
+    # (ir.forms.distance_span), where SDPA's is_causal is `causal`
+    attn = flexspec.compile("causal", backend="sdpa")
+    torch.testing.assert_close(attn(k, q, q), attn.reference(k, q, q))
 
 
 def test_flash_on_the_cpu_says_why_not():
@@ -374,10 +379,13 @@ def test_explain_counts_exactly():
     rows = torch.arange(200).reshape(-1, 1)
     cols = torch.arange(300).reshape(1, -1)
     visible = int(((rows >= cols) & (rows - cols <= 20)).sum())
-    assert explanation.density == visible / (200 * 300)
+    # no row sees a key past 199: the call reads keys 0:200 only, and its KV_LEN is theirs
+    assert explanation.keys == (0, 200, 300)
+    assert explanation.density == visible / (200 * 200)
     assert explanation.flops == 2 * 2 * 4 * visible * (16 + 16)
     text = str(explanation)
-    assert "B=2 H=4 (KV heads 2) Q_LEN=200 KV_LEN=300 D=16 float32 on cpu" in text
+    assert "B=2 H=4 (KV heads 2) Q_LEN=200 KV_LEN=200 D=16 float32 on cpu" in text
+    assert "keys:     only 0:200 of the cache's 300 are read" in text
     assert "backend:  flex" in text and "not sdpa: SDPA runs only" in text
 
 
