@@ -257,7 +257,8 @@ def distance_bounds(atom: Expr) -> tuple | None:
             return None
         return (-atom.right.value, atom.right.value)
     difference = _difference(Binary("-", atom.left, atom.right))
-    if difference is None or difference[0] == 0:
+    if difference is None or abs(difference[0]) != 1:
+        # s * (q - kv) + c op 0 for |s| > 1 bounds q - kv by -c / s, rounded: not read here
         return None
     sign, constant = difference  # atom: sign * (q - kv) + constant  op  0
     op = atom.op if sign > 0 else _MIRRORED[atom.op]

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 import flexspec
 from flexspec import ir, parse
-from flexspec.ir.forms import (SdpaForm, constant_lookup, distance_span, logit_factor,
-                               native_form, nested_lookup, sdpa_form)
+from flexspec.ir.forms import (SdpaForm, constant_lookup, distance_bounds, distance_span,
+                               is_causal_mask, logit_factor, native_form, nested_lookup,
+                               same_document, sdpa_form, softcap_form)
 from flexspec.lang.api import with_mask
 from flexspec.lang.library import load_text
 from flexspec.testing.specs import spec_texts
@@ -158,7 +159,10 @@ def test_a_softcap_reads_only_a_cap_equal_to_its_divisor():
     ("chunked(8) & causal", None), ("tall", None), ("full", None), ("causal & tall", None),
 ])
 def test_the_band_of_distances_outside_which_nothing_is_seen(text, span):
-    assert distance_span(parse(text, library=LIBRARY).ir) == span
+    found = distance_span(parse(text, library=LIBRARY).ir)
+    assert found == span
+    # ints or infinities
+    assert found is None or all(type(n) is int or math.isinf(n) for n in found)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -189,3 +193,74 @@ def test_a_band_bounds_every_visible_pair_and_moving_all_positions_changes_nothi
     visible = mask[..., :cut].any(-1, keepdim=True)  # rows that see a key cut off differ
     part = attn.reference(q, k[:, :, cut:], v[:, :, cut:], q_offset=offset - cut)
     torch.testing.assert_close(torch.where(visible, 0.0, part), torch.where(visible, 0.0, full))
+
+
+def _mask(text):
+    return parse("m", library=load_text(f"mask m = {text}")).ir.mask
+
+
+# (atom, low <= q - kv <= high exactly, worked out by hand; None: not a bound on the distance)
+BOUNDS = [
+    ("q - kv == 3", (3, 3)), ("q - kv > 2", (3, math.inf)), ("q - kv >= 2", (2, math.inf)),
+    ("q - kv < 2", (-math.inf, 1)), ("q - kv <= 2", (-math.inf, 2)),
+    ("kv - q > 2", (-math.inf, -3)), ("kv + 1 <= q", (1, math.inf)),
+    ("q - kv != 2", None), ("q >= 3", None), ("q + q - kv >= 0", None),
+    ("abs(q - kv) <= 4", (-4, 4)), ("abs(kv - q) <= 4", (-4, 4)),
+    # sums of q - kv with factors other than one, or shifted inside abs
+    ("q - kv + q - kv >= 4", (2, math.inf)), ("q - kv + (q - kv) <= 5", (-math.inf, 2)),
+    ("abs(q - kv + (q - kv)) <= 4", (-2, 2)), ("abs(q - kv + 1) <= 4", (-5, 3)),
+]
+
+
+@pytest.mark.parametrize("text, exact", BOUNDS)
+def test_a_distance_bound_is_exact_or_not_given(text, exact):
+    """Where distance_bounds gives a band it is the atom's own (a narrower band would cut off
+    keys a row sees); it may pass over one it does not read (None)."""
+    bounds = distance_bounds(_mask(text))
+    assert bounds is None or bounds == exact
+    if text.startswith("q - kv") and "+" not in text and "!=" not in text:
+        assert bounds == exact  # the plain comparisons are all read
+    if exact is None:
+        assert bounds is None
+
+
+def test_a_mask_with_twice_the_distance_runs_on_the_keys_it_sees():
+    """Found by mutation testing (2026-12-02): `q - kv + q - kv >= 4` (q - kv >= 2) was read as
+    q - kv >= 8, and a decoded token at 19 ran on keys 0..11 only, losing 12..17."""
+    library = load_text("mask twice_apart = q - kv + q - kv >= 4")
+    assert distance_span(parse("twice_apart", library=library).ir) in (None, (2, math.inf))
+    attn = flexspec.compile("twice_apart", library=library)
+    q, k, v = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 20, 8), torch.randn(1, 1, 20, 8)
+    torch.testing.assert_close(attn(q, k, v, q_offset=19), attn.reference(q, k, v, q_offset=19),
+                               atol=1e-6, rtol=1e-5)
+
+
+def test_a_negated_expression_that_is_not_a_distance_is_read_through():
+    library = load_text("score negated = -(score * 2.0)")
+    assert distance_span(parse("causal + negated", library=library).ir) == (0, math.inf)
+    assert distance_span(parse("window(3) + negated", library=library).ir) == (-3, 3)
+
+
+@pytest.mark.parametrize("text, causal", [
+    ("causal", True), ("causal & window(8) + alibi", True), ("window(8) & causal", True),
+    ("causal_kv", True), ("full", False), ("window(8)", False), ("causal_bottom_right", False),
+])
+def test_a_causal_mask_is_top_left_causal_joined_to_more(text, causal):
+    library = load_text("mask causal_kv = kv <= q")
+    assert is_causal_mask(parse(text, library=library).ir) is causal
+
+
+def test_documents_are_two_lookups_of_one_tensor():
+    ids = ir.Tensor("doc_ids", (ir.Var("B"), ir.Var("KV_LEN")), "int")
+    b, q, kv = ir.Var("b"), ir.Var("q"), ir.Var("kv")
+    assert same_document(ir.Binary("==", ir.Lookup(ids, (b, q)), ir.Lookup(ids, (b, kv)))) == ids
+    assert same_document(ir.Binary("==", ir.Lookup(ids, (b, q)), ir.Const(0))) is None
+    assert same_document(ir.Binary("==", ir.Const(0), ir.Lookup(ids, (b, kv)))) is None
+
+
+@pytest.mark.parametrize("cap, form", [(30.0, (30.0, 1.0)), (math.inf, None), (-5.0, None),
+                                       (0.0, None)])
+def test_a_softcap_must_be_positive_and_finite(cap, form):
+    constant = ir.Const(cap)
+    score = ir.Binary("*", constant, ir.Call("tanh", (ir.Binary("/", ir.SCORE, constant),)))
+    assert softcap_form(score) == form

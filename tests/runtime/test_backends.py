@@ -629,3 +629,37 @@ def test_explain_counts_every_pair_for_a_dense_backend():
     assert sparse.flops == attention_flops(sparse.density * 2 * 200 * 200, 8, 8, backward=False)
     assert dense.flops == attention_flops(2 * 200 * 200, 8, 8, backward=False)
     assert "every pair computed" in str(dense) and "tiles computed" in str(sparse)
+
+
+# ---- the choice's other backends ----------------------------------------------------------------
+
+
+def test_a_backend_asked_for_lists_the_others_auto_would_take_best_first():
+    # on Hopper with FA4, auto's order is fa4, flash, sdpa, flex; sdpa cannot run a window
+    choice = choose("flex", H200, ir("causal & window(1024)"))
+    assert (choice.backend, choice.reason) == ("flex", "backend='flex' was asked for")
+    assert [name for name, _ in choice.viable] == ["fa4", "flash"]
+    assert choice.viable[0][1].startswith("FA4's own kernels ran this structure")
+    assert choice.viable[1][1].startswith("FlashAttention-4 was the fastest kernel")
+    # on the CPU (sdpa, flex, reference): every one that can run causal, but itself
+    assert [name for name, _ in choose("reference", CPU, ir("causal")).viable] == ["sdpa", "flex"]
+    assert [name for name, _ in choose("sdpa", CPU, ir("causal")).viable] == ["flex", "reference"]
+    # a backend auto passes over as slower is not among them
+    small = dataclasses.replace(H200, batch=1, heads=4, q_len=1024, kv_len=1024)
+    assert [name for name, _ in choose("flex", small, ir("causal")).viable] == ["sdpa"]
+
+
+def test_a_backend_auto_passes_over_after_the_chosen_one_says_why(monkeypatch):
+    from flexspec.runtime import order
+    # an order where fa4 comes after flex: at this small size fa4 is vetoed as slower, and
+    # the choice says so rather than "ranked lower"
+    rows = (order.Row(("cuda",), "any", "flex", "flex first"),
+            order.Row(("cuda",), "any", "fa4", "fa4 second"))
+    monkeypatch.setattr(order, "ORDER", rows)
+    small = dataclasses.replace(H200, batch=1, heads=4, q_len=1024, kv_len=1024)
+    choice = choose("auto", small, ir("causal"))
+    assert choice.backend == "flex"
+    rejected = dict(choice.rejected)
+    assert rejected["fa4"].startswith("the problem is small")
+    assert "fixed cost per call outweighs its speed" in rejected["fa4"]
+    assert rejected["reference"] == "ranked lower for this call"

@@ -12,7 +12,7 @@ import torch
 import flexspec
 from flexspec import BindingError, ir
 from flexspec.lang.library import load_text
-from flexspec.runtime.bindings import Tensors, contiguous
+from flexspec.runtime.bindings import Tensors, contiguous, implied_sizes, sizes_tensors_read
 from flexspec.testing import Shape, document_ids
 
 BINDINGS = load_text("""
@@ -228,3 +228,74 @@ def test_a_binding_s_batch_of_one_keeps_its_batch_index():
         sizes = {"B": batch, "H": 1, "Q_LEN": 8, "KV_LEN": 8}
         _, specialized = Tensors(spec).gather(sizes, {"doc_ids": ids}, torch.device("cpu"))
         assert index in ir.to_text(specialized.mask)
+
+
+def test_builtin_tensors_are_computed_at_the_call_s_sizes():
+    # alibi_slopes(H) = 2 ** (-8 (h + 1) / H) (docs/language.md), here at H = 4
+    spec = flexspec.parse("causal + alibi").ir
+    key = next(ir.tensor_key(t) for t in spec.tensors() if t.origin == "builtin")
+    values, _ = Tensors(spec).gather({"B": 1, "H": 4, "Q_LEN": 8, "KV_LEN": 8}, {},
+                                     torch.device("cpu"))
+    assert torch.equal(values[key], torch.tensor([2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8]))
+
+
+def test_a_fresh_learnable_table_made_in_inference_mode_serves_grad_mode_calls():
+    # the initial table is kept for calls of every mode, so it is never an inference tensor
+    spec = flexspec.parse("causal + rel_bias(max_distance=2)").ir
+    key = next(ir.tensor_key(t) for t in spec.tensors() if t.origin == "learnable")
+    with torch.inference_mode():
+        table = Tensors(spec).gather({"B": 1, "H": 2, "Q_LEN": 8, "KV_LEN": 8}, {},
+                                     torch.device("cpu"))[0][key]
+    assert not table.is_inference()
+    weight = torch.ones(2, 5, requires_grad=True)
+    (table * weight).sum().backward()  # an inference tensor cannot be saved for backward
+    assert torch.equal(weight.grad, torch.zeros(2, 5))
+
+
+def test_implied_sizes_are_read_off_the_bindings_shapes():
+    # doc_and_bias reads doc_ids: int[B, KV_LEN] and u: float[KV_LEN]
+    spec = flexspec.parse("doc_and_bias", library=BINDINGS).ir
+    none = {"B": None, "H": None, "Q_LEN": None, "KV_LEN": None}
+    ids = torch.zeros(2, 4096, dtype=torch.int64)
+    # doc_ids of shape [2, 4096] gives B=2, KV_LEN=4096; the sizes nobody needs default to 1
+    assert implied_sizes(spec, none, {"doc_ids": ids}, {"KV_LEN"}) == (
+        {"B": 2, "H": 1, "Q_LEN": 1, "KV_LEN": 4096}, torch.device("cpu"))
+    # a size given wins over the bindings' shapes
+    assert implied_sizes(spec, {**none, "B": 3}, {"doc_ids": ids}, set())[0] == {
+        "B": 3, "H": 1, "Q_LEN": 1, "KV_LEN": 4096}
+    # a binding with fewer dimensions than declared has its leading ones left out
+    assert implied_sizes(spec, none, {"doc_ids": torch.zeros(7, dtype=torch.int64)},
+                         {"KV_LEN"})[0] == {"B": 1, "H": 1, "Q_LEN": 1, "KV_LEN": 7}
+    # a binding that is not given (or not a tensor) gives nothing; the next ones still do
+    assert implied_sizes(spec, none, {"doc_ids": [0, 0], "u": torch.zeros(5)},
+                         {"KV_LEN"})[0] == {"B": 1, "H": 1, "Q_LEN": 1, "KV_LEN": 5}
+    # no binding that is a tensor: no device
+    assert implied_sizes(spec, {"B": 1, "H": 1, "Q_LEN": 4, "KV_LEN": 4}, {}, set()) == (
+        {"B": 1, "H": 1, "Q_LEN": 4, "KV_LEN": 4}, None)
+
+
+def test_implied_sizes_name_the_sizes_still_missing():
+    spec = flexspec.parse("doc_and_bias", library=BINDINGS).ir
+    none = {"B": None, "H": None, "Q_LEN": None, "KV_LEN": None}
+    ids = torch.zeros(2, 16, dtype=torch.int64)
+    with pytest.raises(BindingError, match="^" + re.escape(
+            "this spec needs Q_LEN; pass q_len=...") + "$"):
+        implied_sizes(spec, none, {"doc_ids": ids}, {"Q_LEN", "KV_LEN"})
+    with pytest.raises(BindingError, match="^" + re.escape(
+            "this spec needs H, Q_LEN; pass heads=..., q_len=...") + "$"):
+        implied_sizes(spec, none, {"doc_ids": ids}, {"Q_LEN", "H", "B"})
+    # a dimension of size 1 broadcasts, so it does not tell the size
+    with pytest.raises(BindingError, match="^" + re.escape(
+            "this spec needs B; pass batch=...") + "$"):
+        implied_sizes(spec, none, {"doc_ids": torch.zeros(1, 16, dtype=torch.int64)}, {"B"})
+
+
+def test_the_sizes_a_spec_s_tensors_need():
+    # a binding broadcasts over B and H; computed and learnable tensors need every size
+    # their shape reads
+    heads = load_text("score by_head(t: float[B, H, KV_LEN]) = score + t[b, h, kv]")
+    assert sizes_tensors_read(flexspec.parse("causal").ir) == set()
+    assert sizes_tensors_read(flexspec.parse("by_head", library=heads).ir) == {"KV_LEN"}
+    assert sizes_tensors_read(flexspec.parse("causal & document + alibi").ir) == {
+        "KV_LEN", "H"}
+    assert sizes_tensors_read(flexspec.parse("causal + rel_bias(max_distance=2)").ir) == {"H"}

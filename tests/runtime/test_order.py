@@ -130,3 +130,32 @@ def test_a_new_backend_is_one_file_and_one_row_in_the_order_table(tmp_path, monk
     # where its why_not refuses, auto goes on down the table
     gpu_like = dataclasses.replace(CPU, device_type="cuda", capability=(9, 0))
     assert "toy" not in names(gpu_like)
+
+
+def test_rows_and_backend_names_of_a_table_given_in_place_of_the_order():
+    # a table of its own: its rows, not ORDER's, in its order
+    table = (order.Row(("cpu",), "backward", "reference", "gradients densely"),
+             order.Row(("cpu",), "any", "flex", "every spec"),
+             order.Row(("*",), "any", "sdpa", "elsewhere"),
+             order.Row(("cpu",), "forward", "flex", "again"))
+    assert [row.reason for row in order.rows_for(CPU, table)] == ["every spec", "again"]
+    grads = dataclasses.replace(CPU, grads=True)
+    assert [row.reason for row in order.rows_for(grads, table)] == ["gradients densely",
+                                                                    "every spec"]
+    xpu = dataclasses.replace(CPU, device_type="xpu")
+    assert [row.reason for row in order.rows_for(xpu, table)] == ["elsewhere"]
+    assert order.backend_names(table) == ["reference", "flex", "sdpa"]
+    assert order.backend_names() == ["fa4", "flash", "sdpa", "flex", "reference"]
+
+
+def test_a_module_of_the_backends_without_a_backend_is_not_one(tmp_path, monkeypatch):
+    # a helper module beside the backends' files defines no BACKEND: discovery passes over it
+    from flexspec.runtime import backends
+    (tmp_path / "helpers_for_tests.py").write_text("SHARED = 1\n")
+    monkeypatch.setattr(backends, "__path__", [*backends.__path__, str(tmp_path)])
+    monkeypatch.delitem(sys.modules, "flexspec.runtime.backends.helpers_for_tests",
+                        raising=False)
+    try:
+        assert list(backends.discover()) == ["fa4", "flash", "sdpa", "flex", "reference"]
+    finally:
+        sys.modules.pop("flexspec.runtime.backends.helpers_for_tests", None)

@@ -7,6 +7,8 @@ Plans are made with :func:`make_plan` directly; the facts it records are compare
 worked out by hand. No kernel runs here (the backend runs are tested in test_backends.py).
 """
 
+import re
+
 import pytest
 import torch
 
@@ -17,7 +19,9 @@ from flexspec.runtime import plan as planning
 from flexspec.ir.forms import sdpa_form
 from flexspec.runtime import lookups
 from flexspec.runtime.bindings import Tensors
-from flexspec.runtime.contract import Request, Slot
+from flexspec.kernels.reference import reference_attention
+from flexspec.runtime.contract import (Backend, BackendError, Prepared, Replan, Request,
+                                       Slot)
 from flexspec.runtime.fa4 import INSTALLED
 from flexspec.runtime.masks import BlockMasks
 from flexspec.runtime.plan import PlanCache, call_key, check_ranges, make_mask_plan, make_plan
@@ -287,6 +291,7 @@ def test_a_mask_plan_holds_the_mask_s_tensors_and_its_key_only():
     assert plan.spec.score == ir.SCORE and plan.masks.reads == (doc,)
     assert plan.masks.key == masks.key(plan.spec, sizes, torch.device("cpu"))
     assert plan.values({"doc_ids": ids})[doc] is ids
+    assert plan.sizes == sizes
 
 
 def test_a_mask_plan_checks_its_mask_s_ranges_and_remembers_unproven_lookups():
@@ -410,3 +415,154 @@ def test_a_mask_free_spec_keeps_a_block_mask_off_cuda():
     on_cuda = dataclasses.replace(plan, request=dataclasses.replace(plan.request,
                                                                     device_type="cuda"))
     assert REGISTRY["flex"].prepare(on_cuda, plan.values({})).state.block_mask is None
+
+
+# --- calls handed back, and compiles that failed -----------------------------------------------
+
+
+class HandingBack(Backend):
+    """A backend for these tests: it may hand back ``hands_back`` (None: never), hands back the
+    calls ``refuses`` says it cannot run, and runs the others on the dense reference; it
+    records the values it is prepared with and the step of every call it is given."""
+
+    def __init__(self, name, hands_back=None, refuses=lambda q: False):
+        self.name, self.hands_back, self.refuses = name, hands_back, refuses
+        self.prepared_with, self.steps = [], []
+
+    def why_not(self, request, spec):
+        return None
+
+    def prepare(self, plan, values):
+        self.prepared_with.append(values)
+        return Prepared(state=f"{self.name}'s state", needs_values=True,
+                        hands_back=self.hands_back)
+
+    def run(self, plan, q, k, v, scale, bindings, values, step=None):
+        self.steps.append(step)
+        if self.refuses(q):
+            raise Replan(f"{self.name} cannot run a batch of {q.shape[0]}")
+        return reference_attention(plan.spec, q, k, v, scale=scale, tensors=values)
+
+
+@pytest.fixture
+def handing_back(monkeypatch):
+    """Two backends first in auto's CPU order: "odd" hands back calls of an odd batch, "even"
+    says it may hand back calls (it never does), then the usual ones."""
+    from flexspec.runtime import backends, order
+    odd = HandingBack("odd", "calls of an odd batch", refuses=lambda q: q.shape[0] % 2 == 1)
+    even = HandingBack("even", "calls it may not run")
+    for backend in (odd, even):
+        monkeypatch.setitem(backends.REGISTRY, backend.name, backend)
+    monkeypatch.setattr(backends, "BACKENDS", ("auto", *backends.REGISTRY))
+    rows = tuple(order.Row(("cpu",), "any", name, f"{name} goes first")
+                 for name in ("odd", "even"))
+    monkeypatch.setattr(order, "ORDER", rows + order.ORDER)
+    return odd, even
+
+
+def test_a_plan_whose_backend_may_hand_calls_back_keeps_the_next_backend_s_plan(handing_back):
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Q_LEN=24, KV_LEN=24, Dv=8)
+    ids = torch.tensor([0] * 10 + [1] * 14)
+    plan = plan_for("causal & document", q, k, v, doc_ids=ids)
+    assert plan.choice.backend == "odd" and plan.state == "odd's state"
+    fallback = plan.fallback
+    # the first other backend auto would take, for what the first hands back
+    assert fallback.backend.name == "even" and fallback.state == "even's state"
+    assert fallback.choice.reason == "even goes first (for calls of an odd batch)"
+    assert fallback.choice.rejected == plan.choice.rejected
+    assert fallback.choice.viable == plan.choice.viable[1:]
+    # which may hand back too: its own fallback is the next one
+    assert fallback.fallback.backend.name == plan.choice.viable[1][0]
+    assert fallback.fallback.choice.viable == plan.choice.viable[2:]
+    # prepared with the values of the call that made the plan
+    odd, even = handing_back
+    doc = key_of("causal & document", "doc_ids")
+    assert [torch.equal(values[doc], ids[None]) for values in even.prepared_with] == [True]
+    # a call of a batch of one is handed to "even", with every argument of the call
+    step = object()
+    out = planning.run(plan, q, k, v, 0.5, {"doc_ids": ids}, step)
+    assert odd.steps == [step] and even.steps == [step]
+    expected = flexspec.compile("causal & document").reference(q, k, v, scale=0.5, doc_ids=ids)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_a_plan_whose_backend_never_hands_back_has_no_fallback(handing_back):
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Q_LEN=24, KV_LEN=24, Dv=8)
+    assert plan_for("causal", q, k, v, asked="reference").fallback is None
+    assert plan_for("causal", q, k, v, asked="odd").fallback.backend.name == "even"
+
+
+def test_a_call_handed_back_with_no_backend_to_take_it_says_why(handing_back, monkeypatch):
+    from flexspec.runtime import order
+    monkeypatch.setattr(order, "ORDER", order.ORDER[:1])  # "odd" alone
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Q_LEN=24, KV_LEN=24, Dv=8)
+    plan = plan_for("causal", q, k, v)
+    assert plan.choice.viable == ()
+    reasons = "; ".join(f"{name}: {reason}" for name, reason in plan.choice.rejected)
+    assert "; reference: ranked lower for this call" in reasons
+    message = ("backend 'odd' hands back calls of an odd batch, and no other backend can run "
+               f"this call ({reasons})")
+    assert isinstance(plan.fallback, BackendError) and str(plan.fallback) == message
+    with pytest.raises(BackendError, match="^" + re.escape(message) + "$"):
+        planning.run(plan, q, k, v, None, {})
+
+
+def test_a_call_handed_back_by_a_backend_that_said_it_would_not_is_a_bug_to_report(
+        handing_back):
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Q_LEN=24, KV_LEN=24, Dv=8)
+    odd, _ = handing_back
+    odd.hands_back = None  # it says it runs every call, then hands back this one
+    plan = plan_for("causal", q, k, v)
+    assert plan.fallback is None
+    with pytest.raises(BackendError, match="^" + re.escape(
+            "backend 'odd' handed back a call it said it would run (odd cannot run a batch of "
+            "1); please report it") + "$"):
+        planning.run(plan, q, k, v, None, {})
+
+
+def test_a_call_runs_with_its_scale_and_its_lookups_checked(handing_back):
+    q, k, v = qkv(B=2, Hq=2, Hkv=2, Q_LEN=8, KV_LEN=8, Dv=8)
+    group = torch.zeros(8, dtype=torch.int64)
+    plan = plan_for("same_group", q, k, v, group=group)
+    assert plan.choice.backend == "odd" and plan.lookups
+    out = planning.run(plan, q, k, v, 0.25, {"group": group})
+    expected = flexspec.compile("same_group", library=LIBRARY).reference(q, k, v, scale=0.25,
+                                                                          group=group)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    wild = group.clone()
+    wild[2] = 8  # group[group[2]] reads past the end
+    with pytest.raises(BindingError, match=r"'group' is indexed by group\[q\]"):
+        planning.run(plan, q, k, v, None, {"group": wild})
+
+
+def test_failures_keep_the_most_recent_ones_per_spec():
+    causal, window = flexspec.parse("causal").ir, flexspec.parse("causal & window(3)").ir
+    failures = planning.Failures(kept=2)
+    failures.remember("flex", causal, "first")
+    failures.remember("flash", window, "second")
+    assert failures.of(causal) == (("flex", "first"),) and len(failures) == 2
+    failures.remember("flex", causal, "again")  # the most recent now, with what went wrong
+    failures.remember("fa4", causal, "third")  # the least recent one goes: flash's
+    assert failures.of(causal) == (("flex", "again"), ("fa4", "third"))
+    assert failures.of(window) == () and len(failures) == 2
+
+
+def test_a_failed_compile_is_remembered_for_the_next_plans_of_the_spec(monkeypatch):
+    monkeypatch.setattr(planning, "FAILURES", planning.Failures())
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Q_LEN=128, KV_LEN=128, Dv=8)
+    plan = plan_for("causal & window(3)", q, k, v)
+    assert plan.choice.backend == "flex" and plan.request.failed == ()
+    planning.failed(plan, Replan("it did not compile", lasting=True))  # auto: no error
+    again = plan_for("causal & window(3)", q, k, v)
+    assert again.request.failed == (("flex", "it did not compile"),)
+    assert dict(again.choice.rejected)["flex"] == (
+        "it failed to compile this spec before: it did not compile")
+    assert again.choice.backend == "reference"
+    # asked for by name, the failure is the caller's error
+    asked = plan_for("causal & window(3)", q, k, v, asked="reference")
+    with pytest.raises(BackendError, match="^" + re.escape(
+            "backend 'reference' could not compile this spec: out of memory. backend='auto' "
+            "runs it on another backend") + "$"):
+        planning.failed(asked, Replan("out of memory", lasting=True))
+    assert planning.FAILURES.of(asked.spec) == (("flex", "it did not compile"),
+                                                ("reference", "out of memory"))
