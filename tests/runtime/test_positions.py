@@ -811,3 +811,9 @@ def test_a_one_entry_offset_serves_every_batch_row_and_any_int_dtype_is_int64():
     attn = flexspec.compile("causal + alibi")
     q, k, v = Shape(2, 1, 1, 1, 10, 8).qkv(13)
     close(attn(q, k, v, q_offset=torch.tensor([7])), attn.reference(q, k, v, q_offset=7), "[1]")
+
+
+def test_an_end_aligned_chunk_stands_at_the_end_when_it_asks_to_drop_the_mask():
+    attn = flexspec.compile("causal_bottom_right & (window(100) | sink(4))")
+    q, k, v = Shape(1, 2, 2, 2, 10, 8).qkv(14)  # rows at 8 and 9: row 8 does not see key 9
+    close(attn(q, k, v), attn.reference(q, k, v), "rows 8, 9")
