@@ -245,3 +245,42 @@ def test_inputs_that_look_like_sequences_first_get_a_hint(monkeypatch):
     with warnings.catch_warnings():  # a decoding step (one query, many heads) is not one
         warnings.simplefilter("error")
         attn(torch.randn(1, 32, 1, 4), torch.randn(1, 8, 20, 4), torch.randn(1, 8, 20, 4))
+
+
+HINT = ("; q and k have more heads than positions: if they are (B, S, H, D), pass "
+        "q.transpose(1, 2), k.transpose(1, 2) and v.transpose(1, 2)")
+
+
+@pytest.mark.parametrize("q_shape, k_shape, hint", [
+    ((1, 6, 4, 8), (1, 4, 8, 8), True),    # q has more heads than positions
+    ((1, 6, 8, 8), (1, 4, 2, 8), True),    # k has
+    ((1, 6, 6, 8), (1, 4, 4, 8), False),   # as many as positions: no hint
+])
+def test_the_layout_hint_is_given_where_q_or_k_has_more_heads_than_positions(q_shape, k_shape,
+                                                                             hint):
+    q, k = torch.randn(*q_shape), torch.randn(*k_shape)
+    message = "6 query heads must be a multiple of 4 key/value heads" + (HINT if hint else "")
+    with pytest.raises(BindingError, match="^" + re.escape(message) + "$"):
+        check_qkv(q, k, k)
+
+
+def test_the_layout_warning_is_given_once_per_shape_for_more_heads_than_any_model(monkeypatch):
+    from flexspec.runtime import notices
+    monkeypatch.setattr(notices, "_warned", set())
+    k = torch.randn(1, 300, 2, 4)  # (B, S=300, H=2, D) read as 300 heads of 2 positions
+    message = ("flexspec: k has shape [1, 300, 2, 4], read as (B, H, S, D): 300 heads of 2 "
+               "positions. If it is (B, S, H, D), as projections give before their transpose, "
+               "pass q.transpose(1, 2), k.transpose(1, 2) and v.transpose(1, 2) (views: no copy)")
+    with pytest.warns(UserWarning, match="^" + re.escape(message) + "$"):
+        check_qkv(k, k, k)
+    other = torch.randn(1, 257, 3, 4)  # another shape warns too, once
+    with pytest.warns(UserWarning, match=r"k has shape \[1, 257, 3, 4\]"):
+        check_qkv(other, other, other)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_qkv(k, k, k)  # warned before
+        check_qkv(other, other, other)
+        # at most 256 heads, or no more heads than positions (the head dimension is not one)
+        for shape in ((1, 256, 10, 4), (1, 300, 300, 4), (1, 300, 400, 4)):
+            t = torch.randn(*shape)
+            check_qkv(t, t, t)
