@@ -58,11 +58,15 @@ def hand_mask(text: str, position: int, ids):
     return lambda b, h, q, kv: (q + position >= kv) & (ids[b, q + position] == ids[b, kv])
 
 
+def alibi_slopes(device) -> torch.Tensor:
+    """ALiBi's slopes for HEADS heads, written out (``2 ** (-8 (h + 1) / H)``)."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / HEADS) for h in range(HEADS)], device=device)
+
+
 def hand_score(text: str, position: int, device):
     """The score_mod a user writes by hand (``None`` for a plain score)."""
     if text.endswith("alibi"):
-        slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / HEADS) for h in range(HEADS)],
-                              device=device)
+        slopes = alibi_slopes(device)
         return lambda score, b, h, q, kv: score - slopes[h] * (q + position - kv).abs()
     if text.endswith("softcap(30)"):
         return lambda score, b, h, q, kv: 30.0 * torch.tanh(score / 30.0)
@@ -73,7 +77,7 @@ def sdpa_bias(text: str, position: int, length: int, device):
     """SDPA's additive float mask for a score SDPA can take (alibi), else ``None``."""
     if not text.endswith("alibi"):
         return None
-    slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / HEADS) for h in range(HEADS)], device=device)
+    slopes = alibi_slopes(device)
     distance = (position - torch.arange(length, device=device)).abs()
     return (-slopes.view(1, -1, 1, 1) * distance.view(1, 1, 1, -1)).to(torch.bfloat16)
 

@@ -220,12 +220,8 @@ class Attention:
         device would make, planned from inputs on another (a laptop's CPU): ``capability`` is
         the target GPU's compute capability (``(9, 0)``: Hopper) and ``facts`` what is installed
         there, by the names backends read (``{"fa4.installed": True}``)."""
-        keys = None
-        visible = self._calls.placement.visible_keys(q, k, v, q_offset, kv_lengths)
-        if visible is not None:  # as a call does: only the keys its rows may see are read
-            start, end, q_offset = visible
-            keys = (start, end, k.shape[2])
-            k, v = k[:, :, start:end], v[:, :, start:end]
+        # as a call does: only the keys its rows may see are read
+        k, v, q_offset, keys = self._calls.placement.read_keys(q, k, v, q_offset, kv_lengths)
         calls = self._calls.unmasked_for(q, k, q_offset, kv_lengths) or self._calls
         if calls is not self._calls:  # the rows see every key: the call runs without the mask
             q_offset = kv_lengths = None

@@ -61,10 +61,8 @@ class Calls:
                                                              bindings)
         else:
             step = NO_STEP
-        visible = self.placement.visible_keys(q, k, v, q_offset, kv_lengths)
-        if visible is not None:  # the rows see keys start:end only: the rest is not read
-            start, end, q_offset = visible
-            k, v = k[:, :, start:end], v[:, :, start:end]
+        # the rows may see a slice of the keys only: the rest is not read
+        k, v, q_offset, _ = self.placement.read_keys(q, k, v, q_offset, kv_lengths)
         unmasked = self.unmasked_for(q, k, q_offset, kv_lengths)
         if unmasked is not None:
             # its spec reads no position and its mask no tensor: the step's bindings are merged

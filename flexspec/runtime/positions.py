@@ -117,6 +117,32 @@ class Placement:
         return (checked.get(Q_OFFSET) if q_offset is not None else None,
                 checked.get(KV_LENGTHS))
 
+    def read_keys(self, q, k, v, q_offset, kv_lengths) -> tuple:
+        """``(k, v, q_offset, keys)`` of a call as it runs: its keys and values cut to the
+        slice its rows may see (:meth:`visible_keys`) with the offset moved by as much, and
+        ``keys`` the ``(start, end, KV_LEN)`` of that slice; the call as given (``keys`` None)
+        where nothing is cut."""
+        visible = self.visible_keys(q, k, v, q_offset, kv_lengths)
+        if visible is None:
+            return k, v, q_offset, None
+        start, end, q_offset = visible
+        return k[:, :, start:end], v[:, :, start:end], q_offset, (start, end, k.shape[2])
+
+    def _known_rows(self, q, k, q_offset, kv_lengths) -> tuple | None:
+        """``(q_offset, Q_LEN, KV_LEN)`` of a call whose rows' positions the host knows (an int
+        ``q_offset`` or none, which is the spec's default place, and no ``kv_lengths``), with q
+        and k that are what a call takes; ``None`` otherwise."""
+        if (kv_lengths is not None
+                or not (q_offset is None or (isinstance(q_offset, numbers.Integral)
+                                             and not isinstance(q_offset, bool)))
+                or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+                        and q.dim() == k.dim() == 4)):
+            return None
+        q_len, kv_len = q.shape[2], k.shape[2]
+        if q_offset is None:
+            q_offset = kv_len - q_len if self.default_offset else 0
+        return int(q_offset), q_len, kv_len
+
     def visible_keys(self, q, k, v, q_offset, kv_lengths) -> tuple | None:
         """``(start, end, offset)`` when a call's rows provably see no key outside
         ``start:end`` of the cache and the spec is the same when every position moves by one
@@ -126,16 +152,11 @@ class Placement:
         known on the host (a tensor offset, ``kv_lengths``) or nothing would be cut off, and for
         q, k, v that are not what a call takes (its checks then say what is wrong)."""
         span = self._span
-        if (span is None or kv_lengths is not None
-                or not (q_offset is None or (isinstance(q_offset, numbers.Integral)
-                                             and not isinstance(q_offset, bool)))
-                or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v))
-                or v.shape[2] != k.shape[2]):
+        known = None if span is None else self._known_rows(q, k, q_offset, kv_lengths)
+        if known is None or not (isinstance(v, torch.Tensor) and v.dim() == 4
+                                 and v.shape[2] == k.shape[2]):
             return None
-        q_len, kv_len = q.shape[2], k.shape[2]
-        if q_offset is None:
-            q_offset = kv_len - q_len if self.default_offset else 0
-        q_offset = int(q_offset)
+        q_offset, q_len, kv_len = known
         low, high = span
         start = 0 if high == math.inf else max(0, q_offset - int(high))
         end = kv_len if low == -math.inf else min(kv_len, q_offset + q_len - int(low))
@@ -147,15 +168,11 @@ class Placement:
         """Whether a call's rows provably see every key (a decoded token under ``causal``):
         only for positions the host knows (an int ``q_offset`` or none, no ``kv_lengths``) and
         q and k that are what a call takes."""
-        if (kv_lengths is not None
-                or not (q_offset is None or (isinstance(q_offset, int)
-                                             and not isinstance(q_offset, bool)))
-                or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-                        and q.dim() == k.dim() == 4)):
+        known = self._known_rows(q, k, q_offset, kv_lengths)
+        if known is None:
             return False
-        batch, heads, q_len, kv_len = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-        if q_offset is None:
-            q_offset = kv_len - q_len if self.default_offset else 0
+        q_offset, q_len, kv_len = known
+        batch, heads = q.shape[0], q.shape[1]
         key = (q_offset, batch, heads, q_len, kv_len)
         sees = self._sees.get(key)
         if sees is None:
