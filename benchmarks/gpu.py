@@ -137,6 +137,15 @@ NATIVE = {"full": {}, "causal": {"causal": True},
           "causal & doc": {"causal": True}}
 
 
+def document_boundaries(doc_ids, length):
+    """Where each document starts in the rows laid end to end, then the total (int32, on the
+    ids' device), and the longest document: what a data loader hands a model as ``cu_seqlens``."""
+    ids = doc_ids.reshape(-1).cpu()
+    starts = [i for i in range(ids.numel()) if i % length == 0 or ids[i] != ids[i - 1]]
+    cumulative = torch.tensor(starts + [ids.numel()], dtype=torch.int32, device=doc_ids.device)
+    return cumulative, int((cumulative[1:] - cumulative[:-1]).max())
+
+
 def native_hand(text, bindings, batch, length):
     """FA4's own interface called by hand for ``text`` (``None`` where it has no such kernel):
     q, k, v transposed to (B, S, H, D), flattened for documents (a copy unless they are views of
@@ -148,10 +157,7 @@ def native_hand(text, bindings, batch, length):
     if "doc_ids" not in bindings:
         return lambda q, k, v: flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)),
                                                **arguments)[0].transpose(1, 2)
-    ids = bindings["doc_ids"].reshape(-1).cpu()
-    starts = [i for i in range(ids.numel()) if i % length == 0 or ids[i] != ids[i - 1]]
-    cumulative = torch.tensor(starts + [ids.numel()], dtype=torch.int32, device="cuda")
-    longest = int((cumulative[1:] - cumulative[:-1]).max())
+    cumulative, longest = document_boundaries(bindings["doc_ids"], length)
 
     def varlen(q, k, v):
         flat = [t.transpose(1, 2).reshape(batch * length, *t.shape[1::2]) for t in (q, k, v)]
@@ -216,6 +222,12 @@ def suite(args, device) -> list[dict]:
             reference = attn.reference(q[:1], k[:1], v[:1], rows=check,
                                        **_first(bindings))
             candidates = {"flexspec": lambda q, k, v: attn(q, k, v, **bindings)}
+            if "doc_ids" in bindings:
+                # the documents as boundaries, as a data loader gives them: a step of a
+                # one-layer model (a new Step per call)
+                bounds, longest = document_boundaries(bindings["doc_ids"], length)
+                candidates[STEP] = lambda q, k, v: attn(
+                    q, k, v, step=flexspec.Step(cu_seqlens=bounds, max_seqlen=longest))
             candidates.update(options(text, mask_mod, score_mod, sdpa, bindings, batch, heads,
                                       length, device, flash))
             for mode in args.modes:
@@ -249,11 +261,12 @@ def _first(bindings: dict) -> dict:
 
 
 HAND = ["flex triton", "flex FLASH", "FA4 native", "sdpa cuDNN", "sdpa FA2", "sdpa"]
+STEP = "flexspec cu_seqlens"  # the documents given to a flexspec.Step as boundaries
 
 
 def _line(row: dict) -> str:
     cells = []
-    for name in ["flexspec"] + HAND:
+    for name in ["flexspec", STEP] + HAND:
         if name in row:
             value = row[name]
             cells.append(f"{name} {value:.3f}" if isinstance(value, float) else f"{name} {value}")
@@ -263,8 +276,10 @@ def _line(row: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     present = [name for name in HAND if any(name in row for row in rows)]
-    header = ["spec", "shape", "mode", "auto", "flexspec ms"] + [f"{n} ms" for n in present] + \
-        ["flexspec TFLOP/s", "flexspec / best", "flexspec / triton"]
+    stepped = any(STEP in row for row in rows)
+    header = ["spec", "shape", "mode", "auto", "flexspec ms"] + [f"{STEP} ms"] * stepped + \
+        [f"{n} ms" for n in present] + ["flexspec TFLOP/s", "flexspec / best"] + \
+        [f"{STEP} / best"] * stepped + ["flexspec / triton"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         ours = row["flexspec"]
@@ -272,14 +287,19 @@ def table(rows: list[dict]) -> str:
         best = min(times) if times else math.nan
         triton = row.get("flex triton")
         cells = [row["spec"], row["shape"], row["mode"], row["auto"], _cell(ours)]
+        cells += [_cell(row.get(STEP, "-"))] * stepped
         cells += [_cell(row.get(n, "-")) for n in present]
-        if isinstance(ours, float):
-            cells += [f"{row['flops'] / ours / 1e9:.1f}", f"{ours / best:.3f}",
-                      f"{ours / triton:.3f}" if isinstance(triton, float) else "-"]
-        else:
-            cells += ["-", "-", "-"]
+        cells += [f"{row['flops'] / ours / 1e9:.1f}" if isinstance(ours, float) else "-",
+                  _ratio(ours, best)]
+        cells += [_ratio(row.get(STEP), best)] * stepped
+        cells += [_ratio(ours, triton)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _ratio(value, baseline) -> str:
+    ok = isinstance(value, float) and isinstance(baseline, float) and baseline == baseline
+    return f"{value / baseline:.3f}" if ok else "-"
 
 
 def _cell(value) -> str:

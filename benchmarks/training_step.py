@@ -14,6 +14,10 @@ loader hands out), so no block mask can be reused. For each shape it prints, in 
 * ``step native hand``, where FlashAttention-4 is installed: FA4's own variable-length kernel
   called by hand, with cumulative lengths computed from each step's ids (a few torch ops and
   one host read), which is what flexspec's ``fa4`` backend does for contiguous documents;
+* ``cu_seqlens``: the documents given as boundaries (``cu_seqlens`` and the longest length, as
+  a data loader hands them, computed before the timed region), to flexspec through
+  ``flexspec.Step(cu_seqlens=..., max_seqlen=...)`` and to FA4's variable-length kernel by hand,
+  and the ratio of the two;
 * the ratio of flexspec's step to the kernel alone (the target is at most 1.03) and to the
   hand-written step;
 * with ``--graphs`` (CUDA): the kernel alone (each replay after the step's prebuilt mask was
@@ -153,6 +157,18 @@ def measure(batch, heads, length, dim, device, dtype, steps, warmup, layout,
         device, steps, warmup)
     row["step flexspec"] = median_ms(lambda i: run(attn(q, k, v, doc_ids=fresh(i))), device,
                                      steps, warmup)
+    # the documents as boundaries, as a data loader gives them (computed beforehand, one per
+    # pool entry): no host read in the step
+    bounds = [cumulative_lengths(ids) for ids in pool]
+
+    def given(i):
+        cumulative, longest = bounds[i % POOL]
+        return cumulative.clone(), longest
+
+    def stepped(i):
+        cumulative, longest = given(i)
+        return run(attn(q, k, v, step=flexspec.Step(cu_seqlens=cumulative, max_seqlen=longest)))
+    row["step flexspec cu_seqlens"] = median_ms(stepped, device, steps, warmup)
     row["step hand"] = median_ms(
         lambda i: run(compiled_flex(q, k, v, block_mask=hand_mask(i), kernel_options=options)),
         device, steps, warmup)
@@ -167,6 +183,17 @@ def measure(batch, heads, length, dim, device, dtype, steps, warmup, layout,
                                          max_seqlen_k=longest, causal=True)[0]
             return run(out.reshape(batch, length, heads, dim).transpose(1, 2))
         row["step native hand"] = median_ms(native_hand, device, steps, warmup)
+
+        def native_given(i):
+            cumulative, longest = given(i)
+            flat = [t.transpose(1, 2).reshape(batch * length, heads, dim) for t in (q, k, v)]
+            out = flash_attn_varlen_func(*flat, cu_seqlens_q=cumulative,
+                                         cu_seqlens_k=cumulative, max_seqlen_q=longest,
+                                         max_seqlen_k=longest, causal=True)[0]
+            return run(out.reshape(batch, length, heads, dim).transpose(1, 2))
+        row["step native hand cu_seqlens"] = median_ms(native_given, device, steps, warmup)
+        row["cu_seqlens flexspec / hand"] = (row["step flexspec cu_seqlens"]
+                                             / row["step native hand cu_seqlens"])
     row["flexspec / kernel"] = row["step flexspec"] / row["kernel alone"]
     row["flexspec / hand"] = row["step flexspec"] / row["step hand"]
     if graphs and device.type == "cuda":

@@ -668,3 +668,41 @@ def test_a_packed_llama_matches_its_eager_attention_on_fa4(monkeypatch):
     assert _relative_error(got, expected) < 2e-2
     if flash_installed():
         assert len(calls) == 2  # one call per layer
+
+
+@pytest.mark.parametrize("compiled", ["transformers", "reduce-overhead", "default"])
+def test_generate_with_the_static_cache_and_a_compiled_forward_gives_eager_tokens(compiled):
+    """transformers' production decode path on the GPU (issue 26): the static cache with the
+    forward compiled, by transformers itself (it compiles with mode="reduce-overhead" on CUDA),
+    by hand with CUDA graphs, and by hand without them. A tiny float32 Llama with a left-padded
+    batch whose prompts pass one 128-position block (the compiled kernels run): the tokens are
+    the eager model's."""
+    import copy
+    transformers = pytest.importorskip("transformers")
+    from flexspec.integrations import transformers as integration
+    name = integration.register("flexspec_gpu_static")
+    config = transformers.LlamaConfig(vocab_size=100, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    eager = transformers.LlamaForCausalLM(copy.deepcopy(config)).cuda().eval()
+    eager.set_attn_implementation("eager")
+    ours = transformers.LlamaForCausalLM(copy.deepcopy(config)).cuda().eval()
+    ours.load_state_dict(eager.state_dict())
+    ours.set_attn_implementation(name)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 100, (2, 150), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :23] = 0
+    ids, mask = ids.cuda(), mask.cuda()
+    for model in (eager, ours):
+        model.generation_config.cache_implementation = "static"
+        model.generation_config.disable_compile = compiled != "transformers"
+    if compiled != "transformers":
+        ours.forward = torch.compile(ours.forward, mode=compiled)
+    with torch.no_grad():
+        want = eager.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        got = ours.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        again = ours.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(got, want)
+    assert torch.equal(again, want)  # replays (CUDA graphs recorded by the first call)

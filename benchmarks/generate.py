@@ -1,0 +1,150 @@
+"""transformers ``generate()`` on a GPU: milliseconds per new token with flexspec against
+transformers' own ``sdpa`` and ``flex_attention``.
+
+Two randomly initialised 2-layer models (bf16, hidden 2048, 16 heads, 8 KV heads, head_dim 128,
+no download): Llama-shaped, and Mistral-shaped with a 4096-token sliding window. The batch is 8
+prompts of random lengths between 2K and 4K tokens, left-padded; greedy decoding of 64 new
+tokens (no end-of-sequence stop). Three ways of running it:
+
+* ``dynamic``: transformers' default cache, growing by one key per step;
+* ``static``: ``cache_implementation="static"`` with transformers' automatic compile turned off
+  (``disable_compile=True``): fixed shapes, eager;
+* ``static+compiled``: the static cache with the forward compiled as transformers does by itself
+  on CUDA (``torch.compile(..., mode="reduce-overhead")``: CUDA graphs).
+
+The time per token is ``(t(64 tokens) - t(1 token)) / 63``, each ``t`` the median of three timed
+``generate()`` calls after a warm one, so the prompt's prefill cancels. ``same as sdpa`` counts the
+rows whose tokens equal sdpa's (bf16: a row may differ where two logits nearly tie). The last
+lines printed are the table (markdown).
+
+    python benchmarks/generate.py
+    python benchmarks/generate.py --models mistral --modes dynamic --tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flexspec.integrations import transformers as integration  # noqa: E402
+
+SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=2,
+             num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+             max_position_embeddings=8192)
+MODES = ["dynamic", "static", "static+compiled"]
+IMPLEMENTATIONS = ["sdpa", "flex_attention", "flexspec"]
+BATCH, SHORTEST, LONGEST = 8, 2048, 4096
+REPEATS = 3
+
+
+def model(kind: str, implementation: str, device):
+    import transformers
+    if kind == "llama":
+        config = transformers.LlamaConfig(**SHAPE)
+        cls = transformers.LlamaForCausalLM
+    else:
+        config = transformers.MistralConfig(sliding_window=4096, **SHAPE)
+        cls = transformers.MistralForCausalLM
+    torch.manual_seed(0)  # the same weights for every implementation
+    built = cls(config).to(device, torch.bfloat16).eval()
+    built.set_attn_implementation(implementation)
+    return built
+
+
+def prompts(device):
+    """``BATCH`` left-padded prompts of random lengths in [SHORTEST, LONGEST]."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(SHORTEST, LONGEST + 1, (BATCH,), generator=generator)
+    ids = torch.randint(1, SHAPE["vocab_size"], (BATCH, int(lengths.max())), generator=generator)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths.tolist()):
+        mask[row, ids.shape[1] - length:] = 1
+    ids = ids * mask  # padding holds token 0
+    return ids.to(device), mask.to(device)
+
+
+def configure(built, mode: str) -> None:
+    config = built.generation_config
+    config.eos_token_id, config.pad_token_id, config.do_sample = None, 0, False
+    if mode.startswith("static"):
+        config.cache_implementation = "static"
+        config.disable_compile = mode == "static"
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def generate(built, ids, mask, tokens: int) -> tuple:
+    _sync(ids.device)
+    started = time.perf_counter()
+    with torch.no_grad():
+        out = built.generate(ids, attention_mask=mask, max_new_tokens=tokens,
+                             min_new_tokens=tokens)
+    _sync(ids.device)
+    return (time.perf_counter() - started) * 1e3, out
+
+
+def measure(kind, implementation, mode, ids, mask, tokens, device) -> dict:
+    row = {"model": kind, "mode": mode, "attention": implementation}
+    try:
+        built = model(kind, implementation, device)
+        configure(built, mode)
+        generate(built, ids, mask, tokens)  # compiles what it compiles
+        generate(built, ids, mask, 1)
+        long = [generate(built, ids, mask, tokens) for _ in range(REPEATS)]
+        short = [generate(built, ids, mask, 1)[0] for _ in range(REPEATS)]
+        row["ms/token"] = (statistics.median(t for t, _ in long) - statistics.median(short)) \
+            / (tokens - 1)
+        row["tokens"] = long[0][1][:, ids.shape[1]:].cpu()
+    except Exception as err:  # noqa: BLE001 - a failed run is a table cell
+        row["ms/token"] = f"fails: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
+        print(f"  {kind} {mode} {implementation}: {row['ms/token']}", flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["llama", "mistral"])
+    parser.add_argument("--modes", nargs="+", default=MODES)
+    parser.add_argument("--attention", nargs="+", default=IMPLEMENTATIONS)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/generate.py needs a CUDA GPU", file=sys.stderr)
+        return 1
+    import transformers
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{torch.cuda.get_device_name()}", flush=True)
+    integration.register("flexspec")
+    device = torch.device("cuda")
+    ids, mask = prompts(device)
+    rows = []
+    for kind in args.models:
+        for mode in args.modes:
+            for implementation in args.attention:
+                rows.append(measure(kind, implementation, mode, ids, mask, args.tokens, device))
+                print({k: v for k, v in rows[-1].items() if k != "tokens"}, flush=True)
+    print("\n| model | mode | attention | ms/token | / sdpa | same as sdpa |\n|---|---|---|---|---|---|")
+    for row in rows:
+        base = next((r for r in rows if r["model"] == row["model"] and r["mode"] == row["mode"]
+                     and r["attention"] == "sdpa"), None)
+        ms = row["ms/token"]
+        ratio = same = "-"
+        if isinstance(ms, float) and base is not None and isinstance(base["ms/token"], float):
+            ratio = f"{ms / base['ms/token']:.2f}x"
+            same = f"{int((row['tokens'] == base['tokens']).all(-1).sum())}/{BATCH}"
+        cell = f"{ms:.3f}" if isinstance(ms, float) else ms
+        print(f"| {row['model']} | {row['mode']} | {row['attention']} | {cell} | {ratio} | {same} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
