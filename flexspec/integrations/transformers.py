@@ -105,6 +105,11 @@ def register(name: str = "flexspec", spec: str = "causal", library=None,
     return name
 
 
+# Inside torch.compile(model.forward), dynamo must not trace the integration: it would guard on
+# what a placement keeps per forward (its steps, by id) and recompile every decode step, whose
+# resumed frames then read CUDA-graph outputs a later replay overwrote (mode="reduce-overhead").
+# The model's graph breaks around the mask function and each attention call instead.
+@torch.compiler.disable
 def placement(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
               mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs
               ) -> Placement:
@@ -181,6 +186,7 @@ class _Layers:
                                                                **self.options)
         return attn
 
+    @torch.compiler.disable  # see placement()
     def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                   sliding_window=None, softcap=None, s_aux=None, **kwargs):
         if dropout:

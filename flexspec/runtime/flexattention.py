@@ -43,6 +43,9 @@ class FlexCall:
     last: tuple | None = None
     score_varies: bool = True                # the score_mod captures this call's bindings
     score_mod: object = None
+    # (values, score_mod) of the last call whose score_mod captured its bindings: one tuple,
+    # replaced whole (see last)
+    last_score: tuple | None = None
     lse: dict | None = None                  # compiled.lse_request(return_lse)
     scale_values: dict = field(default_factory=dict)  # the scale as a tensor (rewrites.scaled)
     warm: bool = False                       # the compiled entry has run once for this plan
@@ -59,6 +62,36 @@ class FlexCall:
             if given is not value or seen is None or version(given) != seen:
                 return None  # another tensor, an inference tensor, or changed in place
         return last[1]
+
+
+# FlexAttention runs calls of fewer query rows than this with its decoding kernel (split-KV)
+DECODE_ROWS = 128
+
+
+def needs_block_mask(plan: Plan) -> bool:
+    """Whether a plan whose mask reads no binding keeps a block mask: always but for a
+    mask-free spec on CUDA, which runs faster without one, unless its few rows run on the
+    decoding kernel (flexspec.workarounds: flex-decoding-one-block). The CPU kernel needs one
+    (flexspec.workarounds: cpu-mask-free-block-mask)."""
+    request = plan.request
+    return (plan.spec.mask != ir.Const(True) or request.device_type != "cuda"
+            or request.q_len < DECODE_ROWS)
+
+
+def varying_score(call: FlexCall, plan: Plan, values: dict):
+    """The score_mod of a call whose score reads its bindings: the last call's when its values
+    are the very same tensors (the closure reads them at launch, so changes in place count;
+    a decoded token at a repeated offset finds its position tensors again), else a new one."""
+    last = call.last_score  # read once: another thread may replace it meanwhile
+    if last is not None and last[0].keys() == values.keys() and all(
+            values[key] is seen for key, seen in last[0].items()):
+        return last[1]
+    # the kernel computes scores in float32: a float64 table would turn them into float64
+    kernel_values = {key: value.float() if value.dtype == torch.float64 else value
+                     for key, value in values.items()}
+    score_mod = call.lowered.make_mods(plan.sizes, {**kernel_values, **call.scale_values})[1]
+    call.last_score = (dict(values), score_mod)
+    return score_mod
 
 
 class FlexAttentionBackend(Backend):
@@ -89,11 +122,8 @@ class FlexAttentionBackend(Backend):
                         lse=compiled.lse_request(plan.request.lse), scale_values=scale_values)
         call.mask_bindings = tuple(slot.name for slot in plan.slots
                                    if slot.key in plan.masks.reads)
-        if not call.mask_bindings:
-            # a mask-free spec needs no block mask on a GPU (faster there); the CPU kernel needs
-            # one (flexspec.workarounds: cpu-mask-free-block-mask)
-            if plan.spec.mask != ir.Const(True) or plan.request.device_type != "cuda":
-                call.block_mask = plan.masks.get(values, plan.device)
+        if not call.mask_bindings and needs_block_mask(plan):
+            call.block_mask = plan.masks.get(values, plan.device)
         score_keys = plan.score_keys
         float64 = any(values[key].dtype == torch.float64 for key in score_keys)
         if not (score_keys & {slot.key for slot in plan.slots}) and not float64:
@@ -126,14 +156,7 @@ class FlexAttentionBackend(Backend):
                 block_mask = plan.masks.get(values or plan.values(bindings), q.device)
                 if not captured:
                     call.last = (seen, block_mask)
-        if call.score_varies:
-            # the kernel computes scores in float32: a float64 table would turn them into float64
-            kernel_values = {key: value.float() if value.dtype == torch.float64 else value
-                             for key, value in values.items()}
-            score_mod = call.lowered.make_mods(plan.sizes,
-                                               {**kernel_values, **call.scale_values})[1]
-        else:
-            score_mod = call.score_mod
+        score_mod = call.score_mod if not call.score_varies else varying_score(call, plan, values)
         if plan.detach:
             q, k, v = q.detach(), k.detach(), v.detach()
         # a given scale is in the score_mod (see prepare): the kernel keeps its default

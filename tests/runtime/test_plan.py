@@ -417,6 +417,26 @@ def test_a_mask_free_spec_keeps_a_block_mask_off_cuda():
     assert REGISTRY["flex"].prepare(on_cuda, plan.values({})).state.block_mask is None
 
 
+@pytest.mark.parametrize("rows, kept", [(1, True), (127, True), (128, False)])
+def test_a_mask_free_decode_call_keeps_its_block_mask_on_cuda(rows, kept):
+    """flexspec.workarounds: flex-decoding-one-block. Without a block mask FlexAttention's
+    decoding kernel (fewer than 128 query rows) gets the whole cache as one block, which one
+    split-KV program reads alone: a mask-free decode call on CUDA keeps an all-full block mask
+    of the plan's blocks; longer calls go without."""
+    import dataclasses
+    from flexspec.runtime.backends import REGISTRY
+    # planned on the CPU at 128 rows (flex refuses fewer there), then asked as a CUDA call
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Q_LEN=128, KV_LEN=300, Dv=8)
+    plan = plan_for("softcap(30)", q, k, v, asked="flex", block_size=(128, 128))
+    on_cuda = dataclasses.replace(plan, request=dataclasses.replace(
+        plan.request, device_type="cuda", q_len=rows))
+    block_mask = REGISTRY["flex"].prepare(on_cuda, plan.values({})).state.block_mask
+    assert (block_mask is not None) == kept
+    if kept:
+        assert block_mask.BLOCK_SIZE == (128, 128)
+        assert int(block_mask.full_kv_num_blocks.sum() + block_mask.kv_num_blocks.sum()) == 3
+
+
 # --- calls handed back, and compiles that failed -----------------------------------------------
 
 
