@@ -56,6 +56,8 @@ MODULES: dict[str, list[str]] = {
     "runtime/order": ["tests/runtime/test_order.py"],
     "runtime/attention": ["tests/runtime/test_runtime.py"],
     "runtime/positions": ["tests/runtime/test_positions.py"],
+    "runtime/multihead": ["tests/runtime/test_multihead.py"],
+    "runtime/module": ["tests/runtime/test_module.py"],
     "runtime/backends/__init__": ["tests/runtime/test_backends.py", "tests/runtime/test_order.py"],
     "lang/checker": ["tests/lang/test_checker.py"],
 }

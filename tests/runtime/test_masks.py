@@ -631,3 +631,76 @@ def test_a_program_that_fails_to_compile_inside_a_capture_is_tried_again_outside
     assert_is_the_reference(attn.block_mask(300, 300, doc_ids=ids), attn, 300, 300,
                             doc_ids=ids, exact=False)
     assert len(fused.calls) == 2
+
+
+# --- mutation testing of runtime/masks (after the runtime-contract refactor) -------------------
+
+
+def test_a_mask_that_reads_an_inference_tensor_is_built_every_time(monkeypatch):
+    # an inference tensor has no version counter: the cache could not see it change in place
+    builds = Builds(monkeypatch, "build_block_mask")
+    attn = flexspec.compile("causal & document")
+    with torch.inference_mode():
+        ids = doc_ids()
+    assert ids.is_inference()
+    first = attn.block_mask(100, 150, batch=2, doc_ids=ids)
+    second = attn.block_mask(100, 150, batch=2, doc_ids=ids)
+    assert second is not first and len(builds) == 2
+    assert attn._masks.cached_bytes() == 0 and not attn._masks._probation
+    for block_mask in (first, second):
+        assert_is_the_reference(block_mask, attn, 100, 150, batch=2, doc_ids=ids)
+    # ... and inside a capture it is refused like any eager build there
+    monkeypatch.setattr(masks, "capturing", lambda device: True)
+    with pytest.raises(BindingError, match="cannot build this block mask inside a CUDA graph"):
+        attn.block_mask(100, 150, batch=2, doc_ids=ids)
+
+
+def test_a_mask_built_inside_inference_mode_holds_no_inference_tensors():
+    # the cache serves calls of every mode: a mask first asked for under inference_mode must
+    # serve a later grad-mode call, whose backward may save its tables
+    attn = flexspec.compile("causal & document")
+    ids = doc_ids()
+    with torch.inference_mode():
+        block_mask = attn.block_mask(100, 150, batch=2, doc_ids=ids)
+    tensors = [t for t in (block_mask.kv_num_blocks, block_mask.kv_indices,
+                           block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
+                           block_mask.q_num_blocks, block_mask.q_indices) if t is not None]
+    assert tensors and not any(t.is_inference() for t in tensors)
+
+
+def test_a_bound_handle_finds_its_plan_s_entry_in_its_dialect():
+    block_masks = BlockMasks("exact", (16, 16))
+    spec, cpu = spec_of("per_row"), torch.device("cpu")
+    sizes = {"B": 2, "H": 1, "Q_LEN": 40, "KV_LEN": 50}
+    bound = block_masks.bind(spec, sizes, cpu)
+    assert bound.key == block_masks.key(spec, sizes, cpu)
+    assert (bound.batch, bound.heads, bound.reads) == (2, 1, bound.key.reads)
+    assert block_masks.bind(spec, sizes, torch.device("meta")).key != bound.key
+    assert block_masks.bind(spec, sizes, cpu, "cute").key == \
+        block_masks.key(spec, sizes, cpu, "cute") != bound.key
+    values = {ir.tensor_key(t): doc_ids(((10,), (30,)), 50) for t in spec.tensors()}
+    first = bound.get(values, cpu)
+    assert block_masks.get(spec, sizes, values, cpu) is first  # one entry for both
+    # a handle bound for FLASH builds FLASH's form of the mask_mod
+    attn = flexspec.compile("natten(6, 5, 3, 3)", block_size=16)
+    sizes = {"B": 1, "H": 1, "Q_LEN": 30, "KV_LEN": 30}
+    flash = block_masks.bind(attn.ir, sizes, cpu, "cute").get({}, cpu)
+    assert not {"clamp", "abs", "maximum", "minimum"} & _aten_ops(flash.mask_mod)
+    assert_is_the_reference(flash, attn, 30, 30)
+
+
+def test_the_fused_program_s_first_build_of_a_mask_is_logged_and_no_other(monkeypatch, caplog):
+    import logging
+    FusedProgram(monkeypatch)
+    attn = flexspec.compile("causal & doc")
+    with caplog.at_level(logging.INFO, logger="flexspec"):
+        for step in range(3):  # fresh doc_ids every step: three builds of one program
+            attn.block_mask(300, 300, doc_ids=torch.arange(300) * (step + 2) // 300)
+        other = compile_mask("per_row", block_size=16)
+        other.block_mask(40, 50, batch=2, r=doc_ids(((10,), (30,)), 50))
+    starts = [r.getMessage() for r in caplog.records if r.getMessage().endswith("...")]
+    assert starts == [
+        "building the block-mask program of '" + ir.to_text(attn.ir.mask) + "' (its first "
+        "build compiles) (may take seconds)...",
+        "building the block-mask program of '" + ir.to_text(other.ir.mask) + "' (its first "
+        "build compiles) (may take seconds)..."]

@@ -3,8 +3,10 @@ with bounded time and memory, and gives the eager outputs and gradients."""
 
 from __future__ import annotations
 
+import re
 import resource
 
+import pytest
 import torch
 
 import flexspec
@@ -125,3 +127,99 @@ def test_positions_reach_spec_attention_by_keyword():
         want = module.attention.reference(q, k, v, **kwargs, **tables)
         torch.testing.assert_close(module(q, k, v, **kwargs), want, msg=str(kwargs))
     assert not torch.allclose(module(q, k, v, q_offset=4), module(q, k, v))
+
+
+# ---- mutation testing of runtime/module ------------------------------------------------------
+
+
+def _library(text):
+    from flexspec.lang.library import load_text
+    return load_text(text)
+
+
+def test_spec_attention_s_options_reach_its_attention():
+    module = flexspec.SpecAttention("causal & window(3)", num_heads=2, backend="reference",
+                                    block_size=32, block_masks="dense")
+    attn = module.attention
+    assert (attn.backend, attn.block_size, attn.block_masks) == ("reference", (32, 32), "dense")
+    assert str(attn.spec) == "causal & window(3)" and module.num_heads == 2
+    assert module.extra_repr() == "'causal & window(3)', num_heads=2"
+    default = flexspec.SpecAttention("causal", num_heads=1).attention
+    assert (default.backend, default.block_size, default.block_masks) == \
+        ("auto", (128, 128), "exact")
+
+
+def test_spec_attention_reads_its_spec_from_its_library():
+    library = _library('score tilt(w: float[H] = learnable(H, init="normal")) = '
+                       'score + w[h] * (kv - q)')
+    torch.manual_seed(9)
+    module = flexspec.SpecAttention("causal + tilt", num_heads=3, library=library)
+    table = module.tables["tilt_w"]
+    assert table.shape == (3,) and table.abs().sum() > 0  # "normal": not zeros
+    q, k, v = (torch.randn(1, 3, 7, 4) for _ in range(3))
+    want = module.attention.reference(q, k, v, tilt_w=table.detach())
+    torch.testing.assert_close(module(q, k, v), want)
+
+
+def test_spec_attention_s_tables_take_its_heads_device_and_dtype():
+    module = flexspec.SpecAttention("causal + rel_bias(max_distance=3) + t5_bias", num_heads=5,
+                                    dtype=torch.float64, device="meta")
+    assert set(module.tables) == {"rel_bias_table", "t5_bias_table"}
+    for table in module.tables.values():
+        assert isinstance(table, torch.nn.Parameter) and table.requires_grad
+        assert (table.device.type, table.dtype, table.shape[0]) == ("meta", torch.float64, 5)
+    assert module.tables["rel_bias_table"].shape == (5, 7)
+    module = flexspec.SpecAttention("causal + rel_bias(max_distance=3)", num_heads=2)
+    table = module.tables["rel_bias_table"]
+    assert (table.device.type, table.dtype) == ("cpu", torch.float32)
+    assert torch.equal(table, torch.zeros(2, 7))  # rel_bias starts at zeros
+    # only learnable tensors are tables, keyed by their names
+    assert not flexspec.SpecAttention("causal & doc + alibi", num_heads=2).tables
+    from flexspec.ir import tensor_key
+    key = next(tensor_key(t) for t in module.attention.ir.tensors() if t.origin == "learnable")
+    assert module.learnables() == {key: table} and module.learnables()[key] is table
+
+
+def test_a_learnable_table_whose_shape_needs_more_than_the_heads_is_refused():
+    library = _library("score pos(w: float[H, KV_LEN] = learnable(H, KV_LEN)) = score + w[h, kv]\n"
+                       "score rows(w: float[B, Q_LEN] = learnable(B, Q_LEN)) = score + w[b, q]")
+    with pytest.raises(flexspec.SpecError, match=whole(
+            "learnable tensor 'pos_w' has a shape that depends on ['KV_LEN']; only H is known when "
+            "the module is built")):
+        flexspec.SpecAttention("causal + pos", num_heads=2, library=library)
+    with pytest.raises(flexspec.SpecError, match=whole(
+            "learnable tensor 'rows_w' has a shape that depends on ['B', 'Q_LEN']; only H is known "
+            "when the module is built")):
+        flexspec.SpecAttention("causal + rows", num_heads=2, library=library)
+
+
+def test_spec_attention_refuses_q_without_its_heads_in_full():
+    module = flexspec.SpecAttention("causal", num_heads=2)
+    k = torch.randn(1, 2, 5, 4)
+    for q, found in ((torch.randn(1, 3, 5, 4), "3"), (torch.randn(2, 5, 4), "no heads"),
+                     ([1], "no heads"), (torch.randn(1, 1, 2, 5, 4), "no heads")):
+        with pytest.raises(flexspec.BindingError, match=whole(
+                f"this module was built for 2 heads, but q has {found}; q must be (B, H, S, D)")):
+            module(q, k, k)
+    module(torch.randn(1, 2, 5, 4), k, k)
+
+
+def test_spec_attention_passes_every_argument_of_a_call_on():
+    torch.manual_seed(10)
+    module = flexspec.SpecAttention("causal & doc + rel_bias(max_distance=4)", num_heads=2)
+    with torch.no_grad():
+        module.tables["rel_bias_table"].normal_()
+    q, k, v = (torch.randn(1, 2, 9, 4) for _ in range(3))
+    ids = torch.arange(9) // 4
+    table = module.tables["rel_bias_table"].detach()
+    want, lse = module.attention.reference(q, k, v, doc_ids=ids, rel_bias_table=table,
+                                           scale=0.3, return_lse=True)
+    got, got_lse = module(q, k, v, doc_ids=ids, scale=0.3, return_lse=True)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_lse, lse)
+    assert not torch.allclose(module(q, k, v, doc_ids=ids), got)  # the scale was used
+
+
+def whole(message: str) -> str:
+    """A pattern that matches ``message`` and nothing longer or shorter."""
+    return "^" + re.escape(message) + "$"
