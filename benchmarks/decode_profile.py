@@ -1,8 +1,10 @@
 """Where a warm decode call's time goes: a diagnostic behind the decode tables of
 docs/performance.md.
 
-For each spec (one new token against a cache, Hq=32, Hkv=8, D=128, bf16), a warm flexspec call and
-the hand-written FlexAttention call of ``benchmarks/decode.py`` are each timed three ways:
+For each spec (one new token against a cache, Hq=32, Hkv=8, D=128, bf16), a warm flexspec call, a
+later layer's call of a model step (``flexspec step``: ``attn(q, k, v, step=step)`` once the
+step's first layers have run) and the hand-written FlexAttention call of ``benchmarks/decode.py``
+are each timed three ways:
 
 * ``host us``: the Python time of one call, launches included, with the GPU left to run (the
   mean over 200 calls timed without synchronising, then one synchronisation);
@@ -90,8 +92,11 @@ def profile_spec(text, q, k, v, ids, length, batch) -> list[tuple]:
                              length, device=q.device, _compile=True)
     compiled = torch.compile(flex_attention)
     score_mod = hand_score(text, position, q.device)
+    step = flexspec.Step(q_offset=position, **bindings)
     calls = {
         "flexspec": lambda: attn(q, kc, vc, q_offset=position, **bindings),
+        # a later layer of a model step: the launch the step's first layers resolved
+        "flexspec step": lambda: attn(q, kc, vc, step=step),
         "hand flex": lambda: compiled(q, kc, vc, score_mod=score_mod, block_mask=mask,
                                       enable_gqa=True),
     }

@@ -588,6 +588,73 @@ def test_a_static_cache_decode_step_is_captured_in_a_cuda_graph():
                 assert _relative_error(out[row:row + 1], ref) < TOLERANCE[torch.float32], (step, row)
 
 
+def test_decode_calls_run_on_the_decoding_kernel_at_every_batch_size():
+    """A decode call runs on FlexAttention's decoding kernel (split-KV), with its block mask's
+    full tiles listed as partial and three pipeline stages; torch takes that kernel only for a
+    static batch, which dynamo made dynamic after a second batch size (every later decode call
+    then ran on the main kernel): flexspec keeps it static, and each batch size compiles the
+    decoding kernel, equal to the reference."""
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    attn = flexspec.compile("causal & (window(300) | sink(4)) + alibi", backend="flex")
+    for batch in (4, 2, 4, 3):
+        q = torch.randn(batch, 8, 1, 64, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(batch, 2, 3000, 64, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
+        with torch.no_grad():
+            out, code = run_and_get_code(lambda: attn(q, k, v, q_offset=2999))
+        if code:  # a batch size met before has its kernel already
+            assert any("flex_decoding" in source for source in code), batch
+        assert _relative_error(out, attn.reference(q, k, v, q_offset=2999)) < \
+            TOLERANCE[torch.bfloat16], batch
+    plan = next(p for p in attn._calls.plans.values() if p.sizes["B"] == 3)
+    assert plan.state.decoding and plan.state.kernel_options["num_stages"] == 3
+    assert plan.state.last[1].full_kv_num_blocks is None
+
+
+@pytest.mark.parametrize("text", ["causal_bottom_right & (window(300) | sink(4)) + alibi",
+                                  "causal_bottom_right & doc"])
+def test_a_whole_model_decode_step_sharing_one_step_is_captured_in_a_cuda_graph(text):
+    """The layers of a model's decode step share a flexspec.Step over a preallocated cache:
+    captured once, each replay builds the block mask once from the lengths in place, every
+    layer launches with it, and each layer's output equals its reference."""
+    attn = flexspec.compile(text)
+    layers, batch, heads, kv_heads, capacity, dim = 3, 2, 8, 2, 4096, 64
+    qs = [torch.randn(batch, heads, 1, dim, device="cuda") for _ in range(layers)]
+    caches = [[torch.randn(batch, kv_heads, capacity, dim, device="cuda") for _ in range(2)]
+              for _ in range(layers)]
+    lengths = torch.tensor([1000, 1500], device="cuda")
+    ids = (torch.arange(capacity, device="cuda") // 700).expand(batch, capacity).contiguous()
+    bindings = {"doc_ids": ids} if "doc" in text else {}
+
+    def model_step():
+        step = flexspec.Step(kv_lengths=lengths, **bindings)
+        return [attn(q, k, v, step=step) for q, (k, v) in zip(qs, caches)]
+
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up (compiles) off the capture stream
+            for _ in range(3):
+                model_step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = model_step()
+        for replay in range(3):
+            lengths += 13
+            for q in qs:
+                q.copy_(torch.randn_like(q))
+            graph.replay()
+            for layer, (q, (k, v)) in enumerate(zip(qs, caches)):
+                for row, n in enumerate(lengths.tolist()):
+                    row_bindings = {name: t[row:row + 1, :n] for name, t in bindings.items()}
+                    ref = attn.reference(q[row:row + 1].double(), k[row:row + 1, :, :n].double(),
+                                         v[row:row + 1, :, :n].double(), **row_bindings)
+                    assert _relative_error(outs[layer][row:row + 1], ref) < \
+                        TOLERANCE[torch.float32], (replay, layer, row)
+
+
 @pytest.mark.parametrize("backend, batch", [("auto", 2), ("flex", 2), ("flash", 2), ("auto", 1)])
 def test_a_training_step_with_fresh_document_ids_is_captured_in_a_cuda_graph(backend, batch):
     """Forward and backward of ``causal & doc`` captured once. Each replay reads the next

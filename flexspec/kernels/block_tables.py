@@ -296,3 +296,30 @@ def tile_classes(block_mask: BlockMask) -> torch.Tensor:
         listed = (torch.arange(nk, device=num.device) < num.unsqueeze(-1)).nonzero(as_tuple=True)
         classes[listed[:-1] + (indices[listed].long(),)] = value
     return classes
+
+
+def as_partial(block_mask: BlockMask) -> BlockMask:
+    """``block_mask`` with its full tiles listed as partial ones, for the forward pass only (no
+    q-side tables): the same attention, the mask evaluated in every listed tile.
+
+    FlexAttention's decoding kernel splits a row's keys among its splits by the row's listed
+    tiles only when the block mask has no full tiles; with full ones it splits all of KV_LEN,
+    so a window at the end of a long cache lands in one split and the others idle (torch's own
+    TODO in its flex_decode template). Each row lists its tiles in increasing order, the filler
+    after them the last column, as :func:`ordered` lists a row."""
+    full_num = block_mask.full_kv_num_blocks
+    if full_num is None:
+        return block_mask
+    partial_num, partial = block_mask.kv_num_blocks, block_mask.kv_indices
+    columns = partial.shape[-1]
+    slot = torch.arange(columns, device=partial.device)
+    count = partial_num + full_num
+    from_full = (slot - partial_num.unsqueeze(-1)).clamp(0, columns - 1)
+    merged = torch.where(slot < partial_num.unsqueeze(-1), partial,
+                         block_mask.full_kv_indices.gather(-1, from_full.long()))
+    # entries past a row's count sort last, then read as the last column
+    merged = torch.where(slot < count.unsqueeze(-1), merged, columns)
+    merged = merged.sort(-1).values.clamp(max=columns - 1)
+    return BlockMask(block_mask.seq_lengths, count.to(torch.int32), merged.to(torch.int32),
+                     None, None, None, None, None, None, BLOCK_SIZE=block_mask.BLOCK_SIZE,
+                     mask_mod=block_mask.mask_mod)

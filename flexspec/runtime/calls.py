@@ -18,7 +18,7 @@ from flexspec.runtime.notices import warn_once
 from flexspec.runtime.plan import PlanCache, call_key, failed, make_plan, run
 from flexspec.runtime.positions import Placement
 from flexspec.runtime.progress import log
-from flexspec.runtime.step import NO_STEP, Step
+from flexspec.runtime.step import NO_STEP, Step, launch_signature
 
 
 class Calls:
@@ -56,25 +56,51 @@ class Calls:
     def __call__(self, q, k, v, *, scale=None, bindings: dict, learnables: dict | None = None,
                  q_offset=None, kv_lengths=None, return_lse: bool = False, step=None):
         scale = checked_scale(scale)  # before the key: 0.5 and numpy's 0.5 are one signature
+        signature = None
+        if (step is not None and not bindings and not learnables and q_offset is None
+                and kv_lengths is None):
+            # a later layer of the step: the launch its first layer resolved, if any
+            signature = launch_signature(q, k, v, scale, return_lse)
+            if signature is not None and isinstance(step, Step):
+                launch = step.launch(self, signature)
+                if launch is not None:
+                    return launch(q, k, v)
         if step is not None:
             q_offset, kv_lengths, bindings = self._from_step(step, q, q_offset, kv_lengths,
                                                              bindings)
         else:
             step = NO_STEP
         # the rows may see a slice of the keys only: the rest is not read
-        k, v, q_offset, _ = self.placement.read_keys(q, k, v, q_offset, kv_lengths)
-        unmasked = self.unmasked_for(q, k, q_offset, kv_lengths)
-        if unmasked is not None:
-            # its spec reads no position and its mask no tensor: the step's bindings are merged
-            return unmasked(q, k, v, scale=scale, bindings=bindings, learnables=learnables,
-                            return_lse=return_lse)
+        sliced_k, sliced_v, q_offset, keys = self.placement.read_keys(q, k, v, q_offset,
+                                                                      kv_lengths)
+        calls = self.unmasked_for(q, sliced_k, q_offset, kv_lengths) or self
+        if calls is not self:
+            # the rows see every key: the spec runs without its mask, which reads no tensor,
+            # and its score reads no position (the step's bindings go along, unread)
+            q_offset = kv_lengths = None
+        bindings = calls._placed(q, sliced_k, bindings, q_offset, kv_lengths, step)
+        plan, key = calls._plan_for(q, sliced_k, sliced_v, scale, bindings, learnables,
+                                    return_lse)
+        if signature is not None:
+            launch = calls._launch(plan, scale, bindings, step, keys)
+            if launch is not None:
+                step.keep_launch(self, signature, launch)
+                return launch(q, k, v)
+        return calls._run(plan, key, q, sliced_k, sliced_v, scale, bindings, learnables,
+                          return_lse, step)
+
+    def _placed(self, q, k, bindings: dict, q_offset, kv_lengths, step) -> dict:
+        """The call's bindings with the tensors that place its rows (made once per step)."""
         if step is NO_STEP:
-            bindings = self.placement.for_call(q, k, bindings, q_offset, kv_lengths)
-        else:  # the position tensors of this spec at these shapes, made once per step
-            placed = step.shared(("placed", id(self.placement), tuple(q.shape), tuple(k.shape),
-                                  q.device), lambda: self.placement.for_call(
-                                      q, k, {}, q_offset, kv_lengths))
-            bindings = {**bindings, **placed} if placed else bindings
+            return self.placement.for_call(q, k, bindings, q_offset, kv_lengths)
+        placed = step.shared(("placed", id(self.placement), tuple(q.shape), tuple(k.shape),
+                              q.device), lambda: self.placement.for_call(
+                                  q, k, {}, q_offset, kv_lengths))
+        return {**bindings, **placed} if placed else bindings
+
+    def _plan_for(self, q, k, v, scale, bindings, learnables, return_lse) -> tuple:
+        """``(plan, key)``: the plan of this input signature, from the cache or made (``key``
+        None for arguments that cannot be hashed, whose plan is not kept)."""
         try:
             key = call_key(q, k, v, scale, bindings, learnables, return_lse)
             plan = self.plans.get(key)
@@ -82,6 +108,9 @@ class Calls:
             key, plan = None, None
         if plan is None:
             plan = self._new_plan(key, q, k, v, scale, bindings, learnables, return_lse)
+        return plan, key
+
+    def _run(self, plan, key, q, k, v, scale, bindings, learnables, return_lse, step):
         while True:
             try:
                 return run(plan, q, k, v, scale, bindings, step)
@@ -92,6 +121,25 @@ class Calls:
                 warn_once(f"gave-up-{gave_up}-{hash(plan.spec)}",
                           f"flexspec: backend '{gave_up}' could not compile '{self.text}' "
                           f"({signal.reason}); running it on '{plan.choice.backend}' instead")
+
+    @staticmethod
+    def _launch(plan: Plan, scale, bindings: dict, step, keys):
+        """The launch of ``plan``'s calls in ``step`` (a function of q, k, v with everything
+        else resolved, the keys cut to ``keys``' slice), or None where its backend has none
+        (then every layer takes the whole path)."""
+        values = plan.values(bindings) if plan.needs_values or plan.lookups else None
+        launch = plan.backend.launcher(plan, scale, bindings, values, step)
+        if launch is None:
+            return None
+        if plan.lookups:  # once for the step: its layers read the same tensors
+            plan.lookups.check(values)
+        if keys is None:
+            return launch
+        start, end, _ = keys
+
+        def sliced(q, k, v):
+            return launch(q, k[:, :, start:end], v[:, :, start:end])
+        return sliced
 
     @staticmethod
     def _from_step(step, q, q_offset, kv_lengths, bindings: dict) -> tuple:

@@ -102,6 +102,16 @@ def mark_lengths_dynamic(entry, q, k, v, score_mod, block_mask) -> None:
                         torch._dynamo.maybe_mark_dynamic(value, dim)
 
 
+def mark_batch_static(*tensors) -> None:
+    """Keep the batch and head dimensions of ``tensors`` static when an entry compiles: torch
+    runs FlexAttention's decoding kernel only for static ones, and dynamo makes a dimension
+    dynamic once it has seen it change (a second batch size), which sent every later decoding
+    call to the main kernel, 4-6 times slower (docs/performance.md, "Decoding kernels")."""
+    for tensor in tensors:
+        torch._dynamo.mark_static(tensor, 0)
+        torch._dynamo.mark_static(tensor, 1)
+
+
 # torch.compile's graph-break switch as a context manager (torch >= 2.9); fullgraph=True's
 # meaning without its per-call cost
 _NO_GRAPH_BREAKS = getattr(torch._dynamo, "error_on_graph_break",

@@ -101,6 +101,10 @@ class PlanMasks(Protocol):
     def get(self, values: dict, device) -> object:
         """The BlockMask for these tensor values."""
 
+    def partial_only(self) -> "PlanMasks":
+        """The same masks with full tiles listed as partial ones, for a forward pass on
+        FlexAttention's decoding kernel."""
+
 
 class Slot(NamedTuple):
     """A tensor given by name at each call: its name, tensor key and declared dimensions."""
@@ -229,6 +233,14 @@ class Backend:
     def warm(self, plan: Plan, values: dict) -> None:
         """Build, outside any CUDA graph capture, what a first call of ``plan`` would build
         (its block mask): called for fallback plans, whose first call may come inside one."""
+
+    def launcher(self, plan: Plan, scale, bindings: dict, values: dict | None, step):
+        """A function of ``(q, k, v)`` that runs ``plan``'s call with these bindings (and
+        ``values``, when the plan needs them) with everything else resolved now: what the layers
+        of one model step call, whose calls differ only in q, k and v. ``None`` where the
+        backend has none, or cannot resolve this plan's calls yet (a kernel not compiled, a call
+        it may hand back): every call then takes :meth:`run`."""
+        return None
 
     def run(self, plan: Plan, q, k, v, scale, bindings: dict, values: dict | None, step=None):
         """One call's attention. ``values`` are the call's tensor values when the plan needs

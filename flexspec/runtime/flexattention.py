@@ -36,6 +36,8 @@ class FlexCall:
     lowered: Lowered
     entry: object                            # compiled.compiled_entry(lowered)
     kernel_options: FlexKernelOptions | None
+    masks: object = None                     # the plan's PlanMasks, in the kernel's form
+    decoding: bool = False                   # runs on the decoding kernel (see decodes)
     mask_bindings: tuple = ()                # names of the bindings the mask reads
     block_mask: BlockMask | None = None      # the block mask when the mask reads no binding
     # ((tensor, version) of the mask's bindings, block mask) of the last call: one tuple,
@@ -78,6 +80,24 @@ def needs_block_mask(plan: Plan) -> bool:
             or request.q_len < DECODE_ROWS)
 
 
+# Kernel options of calls on FlexAttention's decoding kernel: three pipeline stages, where
+# torch's default on Hopper is one (docs/performance.md, "Decoding kernels").
+DECODING_OPTIONS: FlexKernelOptions = {"num_stages": 3}
+
+
+def decodes(plan: Plan) -> bool:
+    """Whether FlexAttention runs ``plan``'s calls on its decoding kernel (split-KV) with no
+    backward pass: fewer than :data:`DECODE_ROWS` rows on CUDA, no gradients, a power-of-two
+    number of query heads per key head, and block masks with one head (or, without grouped
+    heads, as many as q): torch's rule (``flex_decoding._use_flex_decoding``), with the batch
+    and head dimensions kept static (:func:`compiled.mark_batch_static`)."""
+    request = plan.request
+    group = request.heads // request.kv_heads
+    mask_heads = plan.masks.heads == 1 or (not plan.gqa and plan.masks.heads == request.heads)
+    return (request.device_type == "cuda" and request.q_len < DECODE_ROWS
+            and not request.grads and group & (group - 1) == 0 and mask_heads)
+
+
 def varying_score(call: FlexCall, plan: Plan, values: dict):
     """The score_mod of a call whose score reads its bindings: the last call's when its values
     are the very same tensors (the closure reads them at launch, so changes in place count;
@@ -98,6 +118,9 @@ class FlexAttentionBackend(Backend):
     """A backend that calls ``flex_attention`` compiled: subclasses give the kernel options,
     the rules and what a failed first compile means."""
 
+    # its calls of few rows run on FlexAttention's decoding kernel (see decodes)
+    decoding: bool = False
+
     def kernel_options(self, request) -> FlexKernelOptions | None:
         """The kernel options of a compiled FlexAttention call for ``request``."""
         return None
@@ -117,13 +140,19 @@ class FlexAttentionBackend(Backend):
                                                        dtype=torch.float32, device=plan.device)}
             values = {**values, **scale_values}
         lowered = lower(spec, dialect=self.dialect)
+        options, masks = self.kernel_options(plan.request), plan.masks
+        decoding = self.decoding and decodes(plan)
+        if decoding:
+            # the decoding kernel splits a row's tiles evenly among its splits only when none
+            # is listed full (flexspec.kernels.block_tables.as_partial)
+            options, masks = {**DECODING_OPTIONS, **(options or {})}, masks.partial_only()
         call = FlexCall(lowered=lowered, entry=compiled.compiled_entry(lowered),
-                        kernel_options=self.kernel_options(plan.request),
+                        kernel_options=options, masks=masks, decoding=decoding,
                         lse=compiled.lse_request(plan.request.lse), scale_values=scale_values)
         call.mask_bindings = tuple(slot.name for slot in plan.slots
-                                   if slot.key in plan.masks.reads)
+                                   if slot.key in masks.reads)
         if not call.mask_bindings and needs_block_mask(plan):
-            call.block_mask = plan.masks.get(values, plan.device)
+            call.block_mask = masks.get(values, plan.device)
         score_keys = plan.score_keys
         float64 = any(values[key].dtype == torch.float64 for key in score_keys)
         if not (score_keys & {slot.key for slot in plan.slots}) and not float64:
@@ -135,11 +164,30 @@ class FlexAttentionBackend(Backend):
         call: FlexCall = plan.state
         if call.mask_bindings:
             try:
-                plan.masks.get(values, plan.device)
+                call.masks.get(values, plan.device)
             except BindingError:
                 # a mask too large to build: the plan this one stands in for needs none, and a
                 # capture, which would need it, gets the same error then
                 pass
+
+    def launcher(self, plan: Plan, scale, bindings, values, step):
+        call: FlexCall = plan.state
+        if not call.warm:
+            return None  # its first call compiles, and a failed compile hands it back
+        if not call.mask_bindings:
+            block_mask = call.block_mask
+        else:  # built inside a capture (see run), else the cached one of these tensors
+            block_mask = call.masks.get(values or plan.values(bindings), plan.device)
+        score_mod = call.score_mod if not call.score_varies else varying_score(call, plan, values)
+        entry, options, lse, gqa, detach = (call.entry, call.kernel_options, call.lse, plan.gqa,
+                                            plan.detach)
+
+        def launch(q, k, v):
+            if detach and (q.requires_grad or k.requires_grad or v.requires_grad):
+                q, k, v = q.detach(), k.detach(), v.detach()
+            out = entry(q, k, v, score_mod, block_mask, None, gqa, options, lse)
+            return compiled.split_lse(out) if lse is not None else out
+        return launch
 
     def run(self, plan: Plan, q, k, v, scale, bindings, values, step=None):
         call: FlexCall = plan.state
@@ -153,7 +201,7 @@ class FlexAttentionBackend(Backend):
             if block_mask is None:
                 seen = tuple((bindings[name], version(bindings[name]))
                              for name in call.mask_bindings)
-                block_mask = plan.masks.get(values or plan.values(bindings), q.device)
+                block_mask = call.masks.get(values or plan.values(bindings), q.device)
                 if not captured:
                     call.last = (seen, block_mask)
         score_mod = call.score_mod if not call.score_varies else varying_score(call, plan, values)
@@ -167,6 +215,8 @@ class FlexAttentionBackend(Backend):
         else:
             try:
                 compiled.mark_lengths_dynamic(call.entry, *args[:5])
+                if call.decoding:
+                    compiled.mark_batch_static(q, k, v)
                 sizes = plan.sizes
                 with timed(f"first call of '{plan.text}' on backend '{self.name}' at "
                            f"B={sizes['B']} H={sizes['H']} Q_LEN={sizes['Q_LEN']} "

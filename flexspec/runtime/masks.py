@@ -16,7 +16,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, noop
 
 from flexspec import ir
 from flexspec.errors import BindingError
-from flexspec.kernels.block_tables import tables, tile_grid
+from flexspec.kernels.block_tables import as_partial, tables, tile_grid
 from flexspec.kernels import fused_blocks
 from flexspec.kernels.blocks import build_block_mask
 from flexspec.kernels.lower import lower
@@ -45,14 +45,17 @@ PROBATION_SIZE = 2
 class MaskKey:
     """A mask at given sizes and device, in one dialect of the lowering: a small int ``token``
     standing for them (so hot paths never hash the IR), its batch and head extents, the keys of
-    the tensors it reads, and the dialect of the ``mask_mod`` its block masks carry (the one
-    the kernel reading them compiles inside partial tiles)."""
+    the tensors it reads, the dialect of the ``mask_mod`` its block masks carry (the one
+    the kernel reading them compiles inside partial tiles), and whether its block masks list
+    full tiles as partial ones, for a forward pass on FlexAttention's decoding kernel
+    (:func:`flexspec.kernels.block_tables.as_partial`)."""
 
     token: int
     batch: int
     heads: int
     reads: tuple
     dialect: str = "torch"
+    partial: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,6 +67,7 @@ class BoundMasks:
     spec: ir.AttentionIR
     sizes: dict
     key: MaskKey
+    device: torch.device | None = None
 
     @property
     def reads(self) -> tuple:
@@ -79,6 +83,12 @@ class BoundMasks:
 
     def get(self, values: dict, device) -> BlockMask:
         return self.cache.get(self.spec, self.sizes, values, device, self.key)
+
+    def partial_only(self) -> "BoundMasks":
+        """The same masks with their full tiles listed as partial ones, kv side only (see
+        :class:`MaskKey`), cached apart from these."""
+        return self.cache.bind(self.spec, self.sizes, self.device, self.key.dialect,
+                               partial=True)
 
 
 def mask_extent(mask: ir.Expr, sizes: dict) -> tuple:
@@ -114,21 +124,25 @@ class BlockMasks:
         self._untraceable: set = set()  # tokens of masks the fused program could not trace
         self._built_once: set = set()  # tokens of masks the fused program has built
 
-    def key(self, spec: ir.AttentionIR, sizes: dict, device, dialect: str = "torch") -> MaskKey:
+    def key(self, spec: ir.AttentionIR, sizes: dict, device, dialect: str = "torch",
+            partial: bool = False) -> MaskKey:
         """The :class:`MaskKey` of ``spec``'s mask at ``sizes`` on ``device``, its block masks
-        carrying the ``mask_mod`` of the lowering's ``dialect``."""
+        carrying the ``mask_mod`` of the lowering's ``dialect`` (and, with ``partial``, listing
+        full tiles as partial ones)."""
         batch, heads, reads = mask_extent(spec.mask, sizes)
-        full = (spec.mask, batch, heads, sizes["Q_LEN"], sizes["KV_LEN"], str(device), dialect)
+        full = (spec.mask, batch, heads, sizes["Q_LEN"], sizes["KV_LEN"], str(device), dialect,
+                partial)
         token = self._tokens.get(full)
         if token is None:
             with self._lock:
                 token = self._tokens.setdefault(full, len(self._tokens))
-        return MaskKey(token, batch, heads, tuple(sorted(reads)), dialect)
+        return MaskKey(token, batch, heads, tuple(sorted(reads)), dialect, partial)
 
-    def bind(self, spec: ir.AttentionIR, sizes: dict, device,
-             dialect: str = "torch") -> BoundMasks:
+    def bind(self, spec: ir.AttentionIR, sizes: dict, device, dialect: str = "torch",
+             partial: bool = False) -> BoundMasks:
         """The handle of ``spec``'s block masks at ``sizes`` a plan holds."""
-        return BoundMasks(self, spec, sizes, self.key(spec, sizes, device, dialect))
+        return BoundMasks(self, spec, sizes, self.key(spec, sizes, device, dialect, partial),
+                          device)
 
     def _fused(self, key: MaskKey, sizes: dict, device) -> bool:
         """Whether to build with the compiled program (:mod:`flexspec.kernels.fused_blocks`):
@@ -178,7 +192,8 @@ class BlockMasks:
         inference mode: the cache serves calls of every mode, and an inference tensor cannot be
         saved for a backward pass."""
         with torch.inference_mode(False):
-            return self._built(spec, sizes, values, device, key, captured)
+            block_mask = self._built(spec, sizes, values, device, key, captured)
+            return as_partial(block_mask) if key.partial else block_mask
 
     def _built(self, spec: ir.AttentionIR, sizes: dict, values: dict, device, key: MaskKey,
                captured: bool) -> BlockMask:

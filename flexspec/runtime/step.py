@@ -4,7 +4,11 @@ A model runs the same positions, lengths and documents through every layer of a 
 ``attn(q, k, v, step=step)``, a :class:`Step` holds them once, and what the runtime derives from
 them (the position tensors of a spec, documents as FA4's variable-length segments, document ids
 from boundaries) is computed by the step's first call that needs it and reused by every later
-layer, so that a step costs one host read at most, never one per layer.
+layer, so that a step costs one host read at most, never one per layer. The first layer's call
+of a spec also resolves its launch (plan, keys read, block mask, score): a later layer whose q,
+k and v have the same signature (:func:`launch_signature`) only launches the kernel. So the
+step's tensors must not change while its layers run (a step is one step's inputs), and a CUDA
+graph that captures a step captures one build of each block mask, which its layers share.
 
 Documents are given as ids (``doc_ids=...``, any binding by name) or as boundaries:
 ``cu_seqlens`` (int ``[n + 1]``, the start of each of ``n`` documents in the rows laid end to
@@ -18,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from flexspec.errors import BindingError, BindingTypeError
+from flexspec.runtime.capture import capturing
 
 
 class Step:
@@ -39,9 +44,26 @@ class Step:
         self.bindings = bindings
         self._shared: dict = {}
         self._segments: dict = {}  # id of a document-ids tensor made here -> its segments
+        # (id of a spec's calls, launch_signature) -> (those calls, the launch of their layers)
+        self._launches: dict = {}
+
+    def launch(self, calls, signature: tuple):
+        """The launch kept for ``calls`` (one compiled spec's) at ``signature``, or ``None``."""
+        found = self._launches.get((id(calls), signature))
+        return found[1] if found is not None and found[0] is calls else None
+
+    def keep_launch(self, calls, signature: tuple, launch) -> None:
+        """Keep the launch the first layer of ``calls`` at ``signature`` resolved: every later
+        layer's call is then that launch alone (its plan, positions, block mask and score are
+        the first layer's)."""
+        self._launches[(id(calls), signature)] = (calls, launch)
 
     def shared(self, key, make):
-        """The value kept under ``key`` for this step, made by ``make()`` on the first ask."""
+        """The value kept under ``key`` for this step, made by ``make()`` on the first ask.
+        What is made inside a CUDA graph capture is kept apart from what is made outside one:
+        a capture must record its own making, which replays then redo with the step's tensors
+        as they are then."""
+        key = (key, _capturing_now())
         found = self._shared.get(key)
         if found is None:
             found = self._shared[key] = make()
@@ -73,6 +95,27 @@ class Step:
         (FA4's variable-length arguments, with no look at the ids), or ``None``."""
         found = self._segments.get(id(ids))
         return found[1] if found is not None and found[0] is ids else None
+
+
+def _capturing_now() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False where CUDA never started)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def launch_signature(q, k, v, scale, return_lse) -> tuple | None:
+    """What must be the same for two layers' calls of one spec in one step to share a launch:
+    the shapes, strides, dtypes and devices of q, k and v, whether they need gradients, the grad
+    and inference modes, the scale, ``return_lse``, and whether a CUDA graph is being captured
+    (a launch made outside a capture has its block mask built outside it). ``None`` for
+    arguments that are not tensors (the whole path says what is wrong)."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor)):
+        return None
+    device = q.device
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+            v.dtype, device, k.device, v.device,
+            q.requires_grad or k.requires_grad or v.requires_grad, torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(), scale, return_lse, capturing(device))
 
 
 class NoStep:

@@ -973,6 +973,36 @@ def test_tile_classes_invert_the_tables(text, q_len, kv_len):
     assert read_back.dtype == torch.int8 and torch.equal(read_back, classes)
 
 
+@pytest.mark.parametrize("text, q_len, kv_len", [
+    ("causal", 300, 300), ("causal & window(200)", 64, 700), ("full", 129, 257),
+    ("causal & (window(300) | sink(4))", 64, 1000), ("causal & document", 333, 333),
+])
+def test_as_partial_lists_every_tile_as_partial_in_order(text, q_len, kv_len):
+    """FlexAttention's decoding kernel splits a row's listed tiles evenly among its splits only
+    when no tile is full: as_partial lists the full tiles as partial, in increasing order, the
+    filler after them the last column, and no full or q-side tables (forward only)."""
+    attn = flexspec.compile(text, block_size=(32, 64))
+    bindings = {"doc_ids": torch.arange(kv_len) // 150} if "document" in text else {}
+    block_mask = attn.block_mask(q_len, kv_len, batch=2, q_offset=kv_len - q_len, **bindings)
+    classes = tile_classes(block_mask)
+    assert (classes == FULL).any()  # something to list
+    partial = block_tables.as_partial(block_mask)
+    assert partial.full_kv_num_blocks is None and partial.full_kv_indices is None
+    assert partial.q_num_blocks is None and partial.full_q_num_blocks is None
+    assert partial.seq_lengths == block_mask.seq_lengths and partial.BLOCK_SIZE == (32, 64)
+    assert partial.mask_mod is block_mask.mask_mod
+    expected = torch.where(classes == FULL, PARTIAL, classes).to(torch.int8)
+    assert torch.equal(tile_classes(partial), expected)
+    count, columns = partial.kv_num_blocks, partial.kv_indices
+    assert count.dtype == columns.dtype == torch.int32
+    n = columns.shape[-1]
+    listed = torch.arange(n) < count.unsqueeze(-1)
+    want = torch.where(expected != EMPTY, torch.arange(n), n).sort(-1).values.clamp(max=n - 1)
+    assert torch.equal(torch.where(listed, columns, n - 1), want.to(torch.int32))
+    assert torch.equal(columns[~listed], torch.full_like(columns[~listed], n - 1))
+    assert block_tables.as_partial(partial) is partial  # nothing full to list
+
+
 # ---------------------------------------------------------------------------------------------
 # Counting visible pairs, sub-tiles, super-tiles and lookups, each against its own definition
 

@@ -204,16 +204,18 @@ def test_warming_builds_the_block_mask_of_bindings_and_skips_one_too_large():
     assert plan.backend.name == "flex" and plan.state.mask_bindings == ("doc_ids",)
     built = []
     stub = SimpleNamespace(get=lambda values, device: built.append((values, device)))
-    REGISTRY["flex"].warm(dataclasses.replace(plan, masks=stub), values)
+
+    def with_masks(plan, masks):  # the block masks the plan's kernel reads (FlexCall.masks)
+        return dataclasses.replace(plan, state=dataclasses.replace(plan.state, masks=masks))
+    REGISTRY["flex"].warm(with_masks(plan, stub), values)
     assert built == [(values, q.device)]
 
     def too_large(values, device):
         raise flexspec.BindingError("the block mask would take too much memory")
-    REGISTRY["flex"].warm(dataclasses.replace(plan, masks=SimpleNamespace(get=too_large)),
-                          values)
+    REGISTRY["flex"].warm(with_masks(plan, SimpleNamespace(get=too_large)), values)
     # a plan whose mask reads no binding built its block mask when it was prepared
     plain = flexspec.compile("causal & window(4)")._calls.plan(q, q, q, None, {}, None)
-    REGISTRY["flex"].warm(dataclasses.replace(plain, masks=stub), {})
+    REGISTRY["flex"].warm(with_masks(plain, stub), {})
     assert len(built) == 1
 
 

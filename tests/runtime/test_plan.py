@@ -33,6 +33,7 @@ score biased(t: float[KV_LEN]) = score + t[kv]
 mask same_group(group: int[KV_LEN]) = group[group[q]] == group[kv]
 mask big32 = q * {(2**31 - 1) // 7} >= kv
 mask big64 = q * {2**61} >= kv
+mask even_heads = h % 2 == 0 | q >= kv
 """)
 
 
@@ -434,7 +435,51 @@ def test_a_mask_free_decode_call_keeps_its_block_mask_on_cuda(rows, kept):
     assert (block_mask is not None) == kept
     if kept:
         assert block_mask.BLOCK_SIZE == (128, 128)
-        assert int(block_mask.full_kv_num_blocks.sum() + block_mask.kv_num_blocks.sum()) == 3
+        # the decoding kernel's form: every tile listed, none as full (block_tables.as_partial)
+        assert block_mask.full_kv_num_blocks is None
+        assert int(block_mask.kv_num_blocks.sum()) == 3
+
+
+def as_cuda_call(plan, **request):
+    """``plan`` as if its call came on CUDA (with ``request``'s facts changed)."""
+    import dataclasses
+    return dataclasses.replace(plan, request=dataclasses.replace(
+        plan.request, **{"device_type": "cuda", **request}))
+
+
+@pytest.mark.parametrize("change, decodes", [
+    ({}, True), ({"q_len": 128}, False), ({"device_type": "cpu"}, False),
+    ({"grads": True}, False), ({"heads": 6, "kv_heads": 2}, False),  # 3 heads a group
+    ({"heads": 8, "kv_heads": 2}, True),
+])
+def test_calls_of_few_rows_on_cuda_run_on_the_decoding_kernel(change, decodes):
+    """torch runs FlexAttention calls of fewer than 128 query rows with no backward on its
+    decoding kernel when the query heads per key head are a power of two and the block mask
+    has one head: flexspec.runtime.flexattention.decodes says when, and such plans get the
+    decoding kernel's options and block masks whose full tiles are listed as partial."""
+    from flexspec.runtime import flexattention
+    from flexspec.runtime.backends import REGISTRY
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, Q_LEN=128, KV_LEN=300, Dv=8)
+    plan = plan_for("causal & window(200)", q, k, v, asked="flex", block_size=(128, 128))
+    on_cuda = as_cuda_call(plan, **{"q_len": 3, **change})
+    assert flexattention.decodes(on_cuda) is decodes
+    state = REGISTRY["flex"].prepare(on_cuda, plan.values({})).state
+    assert state.decoding is decodes
+    assert state.masks.key.partial is decodes
+    assert ((state.kernel_options or {}).get("num_stages") == 3) is decodes
+    # the flash backend's FLASH kernel has no decoding form
+    assert REGISTRY["flash"].decoding is False
+
+
+def test_a_block_mask_with_one_head_per_query_head_decodes_only_without_grouped_heads():
+    from flexspec.runtime import flexattention
+    q, k, v = qkv(B=1, Hq=4, Hkv=4, Q_LEN=128, KV_LEN=300, Dv=8)
+    plan = plan_for("even_heads", q, k, v, asked="flex", block_size=(128, 128))
+    assert plan.masks.heads == 4
+    assert flexattention.decodes(as_cuda_call(plan, q_len=1))
+    grouped = plan_for("even_heads", q, k[:, :2], v[:, :2], asked="flex",
+                       block_size=(128, 128))
+    assert grouped.gqa and not flexattention.decodes(as_cuda_call(grouped, q_len=1))
 
 
 # --- calls handed back, and compiles that failed -----------------------------------------------

@@ -103,3 +103,120 @@ def test_a_decoded_token_of_a_step_that_sees_every_key_runs_unmasked():
     assert attn.explain(q, k, v, q_offset=49, bias=bias).mask == "true"
     torch.testing.assert_close(attn(q, k, v, step=flexspec.Step(q_offset=49, bias=bias)),
                                attn.reference(q, k, v, q_offset=49, bias=bias))
+
+
+# --- the launch a step's first layer resolves for the later ones ------------------------------
+
+
+def count_plans(monkeypatch) -> list:
+    """Each call that takes the whole path (planning, positions, block mask) appends to it."""
+    from flexspec.runtime.calls import Calls
+    counted = []
+    real = Calls._plan_for
+    monkeypatch.setattr(Calls, "_plan_for",
+                        lambda self, *args: counted.append(1) or real(self, *args))
+    return counted
+
+
+@pytest.mark.parametrize("text, offset", [
+    ("causal & window(100) + alibi", 250),  # the keys cut to the rows' windows: 150:380
+    ("causal & (window(100) | sink(4)) + softcap(20)", 250),
+    ("causal & doc + head_bias", None),
+])
+def test_later_layers_of_a_step_only_launch_and_equal_the_reference(text, offset,
+                                                                    eager_kernels, monkeypatch):
+    """Issue 26, item 1: the first layers resolve the spec's launch (plan, keys read, position
+    tensors, block mask, score); the step's later layers with the same signature only launch
+    it, and each layer equals the float64 reference (the flex path: 128+ rows on the CPU)."""
+    attn = flexspec.compile(text, backend="flex")
+    shape = Shape(2, 4, 2, 130, 400, 16)
+    bindings = {}
+    if "doc" in text:
+        bindings["doc_ids"] = (torch.arange(400) // 90).expand(2, 400)
+    if "head_bias" in text:
+        bindings["bias"] = torch.randn(4)
+    kwargs = {"q_offset": offset} if offset is not None else {}
+    inputs = layers(5, shape, seed=3)
+    counted = count_plans(monkeypatch)
+    with torch.no_grad():
+        step = flexspec.Step(**kwargs, **bindings)
+        for q, k, v in inputs:
+            torch.testing.assert_close(attn(q, k, v, step=step),
+                                       attn.reference(q, k, v, **kwargs, **bindings),
+                                       rtol=1e-4, atol=1e-4)
+        # the first layer compiles its kernel (taking the whole path), the second resolves the
+        # launch, the other three only launch it
+        assert len(counted) == 2
+        counted.clear()
+        step = flexspec.Step(**kwargs, **bindings)  # a new step resolves its own launch
+        for q, k, v in inputs[:3]:
+            torch.testing.assert_close(attn(q, k, v, step=step),
+                                       attn.reference(q, k, v, **kwargs, **bindings),
+                                       rtol=1e-4, atol=1e-4)
+        assert len(counted) == 1
+
+
+def test_a_layer_of_another_signature_in_the_step_gets_its_own_launch(monkeypatch):
+    """Layers whose q, k, v differ (a shape, a dtype, gradients) do not share a launch."""
+    attn = flexspec.compile("causal", backend="sdpa")
+    step = flexspec.Step()
+    counted = count_plans(monkeypatch)
+    one, other = Shape(1, 2, 2, 16, 16, 8), Shape(1, 2, 2, 24, 24, 8)
+    calls = [one.qkv(0), other.qkv(1), one.qkv(2), one.qkv(3, dtype=torch.bfloat16),
+             other.qkv(4), one.qkv(5, requires_grad=True)]
+    for q, k, v in calls:
+        want = attn.reference(q.double(), k.double(), v.double()).to(q.dtype)
+        loose = {"rtol": 2e-2, "atol": 2e-2} if q.dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(attn(q, k, v, step=step), want, **loose)
+    # new: the first (16), the second (24), bfloat16, the one that needs gradients
+    assert len(counted) == 4
+
+
+def test_a_layer_with_bindings_or_learnables_of_its_own_takes_the_whole_path(monkeypatch):
+    """A call that gives bindings of its own (a table per layer), or a module's learnable
+    tables, is not a later layer of one launch: each such call takes the whole path, with its
+    own values."""
+    attn = flexspec.compile("causal + head_bias", backend="reference")
+    step = flexspec.Step()
+    counted = count_plans(monkeypatch)
+    q, k, v = Shape(1, 2, 2, 8, 8, 4).qkv(0)
+    for seed in range(3):
+        bias = torch.randn(2, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(attn(q, k, v, step=step, bias=bias),
+                                   attn.reference(q, k, v, bias=bias))
+    assert len(counted) == 3
+    counted.clear()
+    modules = [flexspec.SpecAttention("causal + rel_bias", num_heads=2) for _ in range(2)]
+    with torch.no_grad():
+        for module in modules:
+            for table in module.parameters():
+                table.normal_()
+        step = flexspec.Step(q_offset=3)
+        for module in modules:
+            torch.testing.assert_close(module(q, k, v, step=step), module(q, k, v, q_offset=3))
+    assert len(counted) == 4
+
+
+def test_a_launch_made_outside_a_cuda_graph_capture_is_not_used_inside_one(monkeypatch):
+    """A captured step must build its block masks inside the graph (replays rebuild them from
+    the step's tensors then): whether a capture is under way is part of the signature."""
+    from flexspec.runtime import step as step_module
+    q, k, v = Shape(1, 2, 2, 4, 4, 8).qkv(0)
+    outside = step_module.launch_signature(q, k, v, None, False)
+    monkeypatch.setattr(step_module, "capturing", lambda device: True)
+    assert step_module.launch_signature(q, k, v, None, False) != outside
+    assert step_module.launch_signature(q, k, v, 0.5, False) != \
+        step_module.launch_signature(q, k, v, None, False)
+    assert step_module.launch_signature(q, k, v, None, True) != \
+        step_module.launch_signature(q, k, v, None, False)
+    assert step_module.launch_signature(q, k, [v], None, False) is None  # the whole path
+
+
+def test_a_step_keeps_launches_per_spec():
+    """Two specs called in one step each keep their own launch (same signature, other calls)."""
+    causal, full = flexspec.compile("causal", backend="sdpa"), flexspec.compile("full", backend="sdpa")
+    step = flexspec.Step()
+    for seed in range(3):
+        q, k, v = Shape(1, 2, 2, 16, 16, 8).qkv(seed)
+        torch.testing.assert_close(causal(q, k, v, step=step), causal.reference(q, k, v))
+        torch.testing.assert_close(full(q, k, v, step=step), full.reference(q, k, v))

@@ -23,6 +23,7 @@ LARGEST_SMALL_TILE = 64
 
 class FlexBackend(FlexAttentionBackend):
     name = "flex"
+    decoding = True
 
     def why_not(self, request, spec):
         device = request.device_type

@@ -4,7 +4,6 @@ Q_LEN == KV_LEN, times an optional positive constant (:func:`flexspec.ir.forms.s
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch.nn.functional as F
@@ -58,12 +57,22 @@ class SdpaBackend(Backend):
         return Prepared(state=sdpa_form(plan.spec))
 
     def run(self, plan, q, k, v, scale, bindings, values, step=None):
+        return self.launcher(plan, scale, bindings, values, step)(q, k, v)
+
+    def launcher(self, plan, scale, bindings, values, step):
         form: SdpaForm = plan.state
-        base = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        decoding = q.is_cuda and q.shape[2] <= DECODING_ROWS
-        with sdpa_kernel(_NOT_CUDNN) if decoding else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=form.causal,
-                                                  scale=base * form.factor, enable_gqa=plan.gqa)
+        base = 1.0 / math.sqrt(plan.request.head_dim) if scale is None else float(scale)
+        causal, scale, gqa = form.causal, base * form.factor, plan.gqa
+        decoding = plan.request.q_len <= DECODING_ROWS
+
+        def launch(q, k, v):
+            if decoding and q.is_cuda:
+                with sdpa_kernel(_NOT_CUDNN):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                                          enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                                  enable_gqa=gqa)
+        return launch
 
 
 BACKEND = SdpaBackend()
