@@ -170,6 +170,34 @@ _TABLE = (
         "cache",
         "SDPA calls of at most 16 query rows (decoding) run without cuDNN",
         "tests/runtime/test_backends.py::test_sdpa_decoding_steps_leave_cudnn_out"),
+    Workaround(
+        "compiled-call-new-generation", "torch (dynamo, CUDA graph trees)",
+        "torch 2.11.0+cu130, H200, transformers 5.17 (static cache, forward compiled with "
+        "mode='reduce-overhead')",
+        "every call of a torch.compile'd function from eager code starts a new generation of "
+        "CUDA graph trees: flexspec's kernel, called between a compiled model's graphs, made "
+        "the next graph overwrite the previous graph's outputs it still read ('accessing tensor "
+        "output of CUDAGraphs that has been overwritten by a subsequent run')",
+        "flexspec's compiled entry points and block-mask programs are called with dynamo's "
+        "generation left as it was (flexspec.kernels.generations)",
+        "tests/runtime/test_runtime.py::test_flexspec_s_compiled_calls_leave_cuda_graph_"
+        "generations_alone"),
+    Workaround(
+        "flex-decoding-dynamic-batch", "torch (inductor)", "torch 2.11.0+cu130 and 2.13",
+        "FlexAttention runs its decoding kernel only for a static batch and head count; dynamo "
+        "makes the batch dynamic once it has seen a second batch size, and every later call of "
+        "fewer than 128 rows then ran on the main kernel",
+        "calls on the decoding kernel mark their batch and head dimensions static",
+        "tests/test_gpu.py::test_decode_calls_run_on_the_decoding_kernel_at_every_batch_size"),
+    Workaround(
+        "flex-decoding-full-blocks", "torch (inductor)", "torch 2.11.0+cu130 and 2.13",
+        "with full blocks in the block mask, the decoding kernel splits all of KV_LEN among its "
+        "splits, not the row's listed blocks: a window at the end of a long cache was read by "
+        "one split while the others idled (a decoding block mask never has full blocks: its "
+        "query block runs past Q_LEN, but the kernel reads an empty full table as full blocks)",
+        "calls on the decoding kernel get block masks without full tables, every tile listed "
+        "as partial (flexspec.kernels.block_tables.as_partial)",
+        "tests/kernels/test_blocks.py::test_as_partial_lists_every_tile_as_partial_in_order"),
 )
 
 WORKAROUNDS: dict[str, Workaround] = {entry.name: entry for entry in _TABLE}

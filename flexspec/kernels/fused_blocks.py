@@ -33,6 +33,7 @@ from flexspec import ir
 from flexspec.kernels.block_tables import (FULL, PARTIAL, from_tables, index_tables,
                                            sorted_rows, tile_grid)
 from flexspec.kernels.blocks import tile_rows
+from flexspec.kernels.generations import call_compiled
 from flexspec.limits import MAX_FUSED_TILES
 
 # The torch.compile backend of the programs ("eager" traces the same graph, dynamic lengths
@@ -103,7 +104,7 @@ def _program(mask: ir.Expr, block: tuple, batch: int, heads: int, device: str, c
             # a mask has no gradient; and dynamo guards on the grad mode, so a program called
             # with and without it would compile twice
             with torch.no_grad():
-                return compiled(tensors, sizes)
+                return call_compiled(compiled, tensors, sizes)
         except Exception as error:  # noqa: BLE001 - narrowed below
             if not compile_error(error):
                 raise

@@ -20,6 +20,7 @@ except ImportError:  # torch before return_aux
 
 from flexspec.errors import SpecError
 from flexspec.kernels import block_tables
+from flexspec.kernels.generations import call_compiled
 from flexspec.kernels.lower import Lowered
 
 
@@ -106,7 +107,7 @@ def mark_batch_static(*tensors) -> None:
     """Keep the batch and head dimensions of ``tensors`` static when an entry compiles: torch
     runs FlexAttention's decoding kernel only for static ones, and dynamo makes a dimension
     dynamic once it has seen it change (a second batch size), which sent every later decoding
-    call to the main kernel, 4-6 times slower (docs/performance.md, "Decoding kernels")."""
+    call to the main kernel (flexspec.workarounds: flex-decoding-dynamic-batch)."""
     for tensor in tensors:
         torch._dynamo.mark_static(tensor, 0)
         torch._dynamo.mark_static(tensor, 1)
@@ -144,7 +145,7 @@ def _run_with_settings(entry, args: tuple):
         setattr(config, name, value)
     try:
         with _NO_GRAPH_BREAKS(True):
-            out = entry(*args)
+            out = call_compiled(entry, *args)
         _COMPILED.setdefault(entry, (args[0].shape[2], args[1].shape[2]))
         return out
     except Exception as err:  # dynamo's own exception type moves between torch versions

@@ -15,6 +15,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexspec import ir
 from flexspec.ir import rewrites
+from flexspec.kernels.generations import call_compiled
 from flexspec.kernels.lower import Lowered, lower
 from flexspec.runtime import compiled
 from flexspec.runtime.capture import capturing
@@ -144,7 +145,7 @@ class FlexAttentionBackend(Backend):
         decoding = self.decoding and decodes(plan)
         if decoding:
             # the decoding kernel splits a row's tiles evenly among its splits only when none
-            # is listed full (flexspec.kernels.block_tables.as_partial)
+            # is listed full (flexspec.workarounds: flex-decoding-full-blocks)
             options, masks = {**DECODING_OPTIONS, **(options or {})}, masks.partial_only()
         call = FlexCall(lowered=lowered, entry=compiled.compiled_entry(lowered),
                         kernel_options=options, masks=masks, decoding=decoding,
@@ -185,7 +186,7 @@ class FlexAttentionBackend(Backend):
         def launch(q, k, v):
             if detach and (q.requires_grad or k.requires_grad or v.requires_grad):
                 q, k, v = q.detach(), k.detach(), v.detach()
-            out = entry(q, k, v, score_mod, block_mask, None, gqa, options, lse)
+            out = call_compiled(entry, q, k, v, score_mod, block_mask, None, gqa, options, lse)
             return compiled.split_lse(out) if lse is not None else out
         return launch
 
@@ -211,7 +212,7 @@ class FlexAttentionBackend(Backend):
         args = (q, k, v, score_mod, block_mask, None, plan.gqa, call.kernel_options, call.lse)
         if call.warm:
             # a warm plan cannot recompile (see compiled.run_compiled): no watch needed
-            out = call.entry(*args)
+            out = call_compiled(call.entry, *args)
         else:
             try:
                 compiled.mark_lengths_dynamic(call.entry, *args[:5])

@@ -343,6 +343,26 @@ def test_reaching_the_recompile_limit_is_a_flexspec_error():
             attn(*second)
 
 
+@pytest.mark.slow
+def test_flexspec_s_compiled_calls_leave_cuda_graph_generations_alone():
+    """flexspec.workarounds: compiled-call-new-generation. A call of flexspec's compiled kernel
+    from eager code (its attention between a compiled model's graphs) must not count as a new
+    invocation of the model for CUDA graph trees: warm calls, plain and in a step, keep dynamo's
+    generation."""
+    from torch._dynamo.mutation_guard import GenerationTracker
+    attn = flexspec.compile("causal & window(50) + alibi", backend="flex")
+    q, k, v = Shape(1, 2, 2, 130, 130, 8).qkv(seed=0)
+    with torch.no_grad():
+        attn(q, k, v)  # compiles
+        before = GenerationTracker.generation
+        out = attn(q, k, v)
+        step = flexspec.Step()
+        for _ in range(3):
+            attn(q, k, v, step=step)  # the first layers plan, the later ones launch
+    assert GenerationTracker.generation == before
+    torch.testing.assert_close(out, attn.reference(q, k, v), rtol=1e-4, atol=1e-4)
+
+
 def test_compiled_calls_refuse_graph_breaks():
     # fullgraph=True's meaning without its per-call cost: a graph break while compiling is an
     # error (a broken graph would run flex_attention unfused), not a silent split
