@@ -190,6 +190,15 @@ _TABLE = (
         "calls on the decoding kernel mark their batch and head dimensions static",
         "tests/test_gpu.py::test_decode_calls_run_on_the_decoding_kernel_at_every_batch_size"),
     Workaround(
+        "flex-decoding-wide-indices", "torch (inductor)", "torch 2.11.0+cu130, H200",
+        "FlexAttention's decoding kernel does not compile where the keys or values hold 2**31 "
+        "elements or more (B=64, 8 key heads, 32K keys, D=128): its int32 block counts meet "
+        "int64 indices ('Ternary expression with dynamic condition has inconsistent types "
+        "int64 and int32'), with int64 counts too; hand-written FlexAttention fails alike",
+        "such calls run on FlexAttention's main kernel (FORCE_USE_FLEX_ATTENTION), several "
+        "times slower than the decoding kernel",
+        "tests/runtime/test_plan.py::test_calls_of_few_rows_on_cuda_run_on_the_decoding_kernel"),
+    Workaround(
         "flex-decoding-full-blocks", "torch (inductor)", "torch 2.11.0+cu130 and 2.13",
         "with full blocks in the block mask, the decoding kernel splits all of KV_LEN among its "
         "splits, not the row's listed blocks: a window at the end of a long cache was read by "

@@ -56,13 +56,34 @@ class _Bounds(Analyzer):
 
 
 def position_ranges(sizes: dict, q_low: int = 0, q_high: int | None = None) -> dict:
-    """The ranges of the IR's variables for ``sizes`` (``B H Q_LEN KV_LEN``), with query
-    positions ``q_low .. q_high`` (``0 .. Q_LEN - 1`` when ``q_high`` is None)."""
-    q_high = sizes["Q_LEN"] - 1 + q_low if q_high is None else q_high
-    ranges = {"b": (0, sizes["B"] - 1), "h": (0, sizes["H"] - 1), "q": (q_low, q_high),
-              "kv": (0, sizes["KV_LEN"] - 1)}
-    ranges.update((name, (sizes[name], sizes[name])) for name in ir.SIZE_VARS)
+    """The ranges of the IR's variables for ``sizes`` (``B H Q_LEN KV_LEN``, each an int or a
+    ``(low, high)`` range of them, as :func:`length_buckets` gives), with query positions
+    ``q_low .. q_high`` (``0 .. Q_LEN - 1`` when ``q_high`` is None)."""
+    q_high = _largest(sizes["Q_LEN"]) - 1 + q_low if q_high is None else q_high
+    ranges = {"b": (0, _largest(sizes["B"]) - 1), "h": (0, _largest(sizes["H"]) - 1),
+              "q": (q_low, q_high), "kv": (0, _largest(sizes["KV_LEN"]) - 1)}
+    ranges.update((name, sizes[name] if isinstance(sizes[name], tuple)
+                   else (sizes[name], sizes[name])) for name in ir.SIZE_VARS)
     return ranges
+
+
+def _largest(size) -> int:
+    return size[1] if isinstance(size, tuple) else size
+
+
+def length_buckets(sizes: dict) -> dict:
+    """``sizes`` with Q_LEN and KV_LEN widened to the range of lengths a check at them may stand
+    for: ``2**(k - 1) + 1 .. 2**k``, the smallest power of two at least the length. Interval
+    analysis over a range is sound for every length in it, so a check that passes there need not
+    be made again as a cache grows by one key per decoding step (the range may be too loose to
+    pass: then the caller checks the exact sizes)."""
+    widened = dict(sizes)
+    for name in ("Q_LEN", "KV_LEN"):
+        length = sizes[name]
+        if length > 2:
+            high = 1 << (length - 1).bit_length()
+            widened[name] = (high // 2 + 1, high)
+    return widened
 
 
 def check_int_ranges(spec: AttentionIR, ranges: dict, dtype: str, where: str) -> None:
@@ -162,7 +183,7 @@ def position_range(spec: AttentionIR, sizes: tuple, dtype: str) -> tuple | None:
     """
     sizes = dict(sizes)
     bits = 62 if dtype == "int64" else 30
-    first = max(1, (max(sizes["Q_LEN"], sizes["KV_LEN"]) - 1).bit_length())
+    first = max(1, (max(_largest(sizes["Q_LEN"]), _largest(sizes["KV_LEN"])) - 1).bit_length())
     for negative in (True, False):
         if not _fits_at(spec, sizes, dtype, first, negative):
             continue

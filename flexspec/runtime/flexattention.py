@@ -96,7 +96,20 @@ def decodes(plan: Plan) -> bool:
     group = request.heads // request.kv_heads
     mask_heads = plan.masks.heads == 1 or (not plan.gqa and plan.masks.heads == request.heads)
     return (request.device_type == "cuda" and request.q_len < DECODE_ROWS
-            and not request.grads and group & (group - 1) == 0 and mask_heads)
+            and not request.grads and group & (group - 1) == 0 and mask_heads
+            and not wide_indices(request))
+
+
+# Tensors of this many elements or more are indexed in int64 by inductor's kernels.
+WIDE_INDEX_ELEMENTS = 2**31
+
+
+def wide_indices(request) -> bool:
+    """Whether the keys or values hold so many elements that inductor indexes them in int64,
+    where FlexAttention's decoding kernel does not compile (flexspec.workarounds:
+    flex-decoding-wide-indices)."""
+    keys = request.batch * request.kv_heads * request.kv_len
+    return keys * max(request.head_dim, request.v_head_dim) >= WIDE_INDEX_ELEMENTS
 
 
 def varying_score(call: FlexCall, plan: Plan, values: dict):

@@ -20,9 +20,9 @@ import threading
 import torch
 
 from flexspec import ir
-from flexspec.errors import BindingError
+from flexspec.errors import BindingError, SpecError
 from flexspec.ir import tensor_key
-from flexspec.ir.overflow import check_int_ranges, position_ranges
+from flexspec.ir.overflow import check_int_ranges, length_buckets, position_ranges
 from flexspec.ir.specialize import declared_shape
 from flexspec.limits import dense_fits
 from flexspec.runtime.backends import REGISTRY, choose
@@ -130,8 +130,20 @@ def check_ranges(spec: ir.AttentionIR, sizes: dict, dtype: str) -> None:
     """The spec's integer arithmetic must fit the kernel's int ``dtype`` at these sizes, or it
     would wrap around silently. Query positions are taken to lie in ``0 .. max(Q_LEN, KV_LEN)
     - 1``, where the default placements and a decoding step's ``q_offset`` put them (a plan
-    serves every offset; the reference checks the positions of each call exactly)."""
-    _check_ranges(spec, tuple(sorted(sizes.items())), dtype)
+    serves every offset; the reference checks the positions of each call exactly). Checked once
+    for the lengths' buckets (:func:`~flexspec.ir.overflow.length_buckets`: a growing cache
+    checks once per doubling), at the exact lengths where the bucket does not pass."""
+    if not _fits(spec, tuple(sorted(length_buckets(sizes).items())), dtype):
+        _check_ranges(spec, tuple(sorted(sizes.items())), dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _fits(spec: ir.AttentionIR, sizes: tuple, dtype: str) -> bool:
+    try:
+        _check_ranges(spec, sizes, dtype)
+    except SpecError:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=256)
@@ -139,10 +151,14 @@ def _check_ranges(spec: ir.AttentionIR, sizes: tuple, dtype: str) -> None:
     # remembered when it passes: Attention.block_mask checks on every call, and the answer
     # depends only on these arguments
     sizes = dict(sizes)
-    last = max(sizes["Q_LEN"], sizes["KV_LEN"]) - 1
+    last = max(_largest(sizes["Q_LEN"]), _largest(sizes["KV_LEN"])) - 1
     where = f"for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}"
     check_int_ranges(spec, position_ranges(sizes, 0, last), dtype,
                      where + (" on a GPU" if dtype == "int32" else ""))
+
+
+def _largest(size) -> int:
+    return size[1] if isinstance(size, tuple) else size
 
 
 def call_key(q, k, v, scale, bindings: dict, learnables: dict | None,

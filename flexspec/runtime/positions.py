@@ -33,7 +33,7 @@ from flexspec import ir
 from flexspec.errors import BindingError, BindingTypeError
 from flexspec.ir.forms import distance_span
 from flexspec.ir.intervals import always
-from flexspec.ir.overflow import position_range, position_ranges
+from flexspec.ir.overflow import length_buckets, position_range, position_ranges
 from flexspec.ir.rewrites import KV_LENGTHS, Q_OFFSET, default_offset, placed, reads_positions
 from flexspec.limits import POSITION_LIMIT, check_position, kernel_int_dtype
 from flexspec.runtime.bindings import Tensors
@@ -211,7 +211,7 @@ def call_tensors(spec: ir.AttentionIR, q_offset, kv_lengths, sizes: dict, device
         return added
     host_value = q_offset if isinstance(q_offset, numbers.Integral) else None
     offset = _per_row(Q_OFFSET, q_offset, batch, device)
-    span = position_range(spec, tuple(sorted(sizes.items())), kernel_int_dtype(device.type)) \
+    span = _positions_that_fit(spec, sizes, kernel_int_dtype(device.type), host_value) \
         if kernels and reads_positions(spec) else None
     if span is not None:
         low, high = span[0], span[1] - q_len + 1
@@ -231,6 +231,20 @@ def call_tensors(spec: ir.AttentionIR, q_offset, kv_lengths, sizes: dict, device
     if reads_positions(spec):
         added[Q_OFFSET] = offset
     return added
+
+
+def _positions_that_fit(spec: ir.AttentionIR, sizes: dict, dtype: str, offset) -> tuple | None:
+    """:func:`~flexspec.ir.overflow.position_range` at these sizes. For an int offset, the range
+    of the lengths' buckets first (sound for every length in them: a growing cache then finds
+    it again at the next length), the exact one where the offset lies outside it; a tensor
+    offset is bounded by the exact range (a narrower one would clamp offsets that fit)."""
+    exact = tuple(sorted(sizes.items()))
+    if offset is not None:
+        span = position_range(spec, tuple(sorted(length_buckets(sizes).items())), dtype)
+        q_len = sizes["Q_LEN"]
+        if span is not None and span[0] <= int(offset) and int(offset) + q_len - 1 <= span[1]:
+            return span
+    return position_range(spec, exact, dtype)
 
 
 def _bounded(value: torch.Tensor, low: int, high: int, name: str, allowed: str,

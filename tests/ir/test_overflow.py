@@ -10,10 +10,12 @@ import re
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import flexspec
 from flexspec import ir
-from flexspec.ir.overflow import check_int_ranges, position_ranges
+from flexspec.ir.overflow import check_int_ranges, length_buckets, position_ranges
+from flexspec.lang.library import load_text
 from flexspec.resources import data_path
 from flexspec.runtime.backends import REGISTRY
 from flexspec.runtime.plan import check_ranges
@@ -151,3 +153,60 @@ def test_divisors_kept_away_from_zero_and_unknown_ones_run():
     attn = flexspec.compile("tensor", library=DIVISIONS)
     # a tensor's values are not bounded: not refused (the values decide)
     assert attn.reference(q, k, v, t=torch.full((30,), 3)).isfinite().all()
+
+
+# --- checks over ranges of lengths (a growing cache checks once per doubling) ----------------
+
+
+def test_length_buckets_widen_the_lengths_to_the_doubling_they_lie_in():
+    sizes = {"B": 3, "H": 5, "Q_LEN": 1, "KV_LEN": 1000}
+    assert length_buckets(sizes) == {"B": 3, "H": 5, "Q_LEN": 1, "KV_LEN": (513, 1024)}
+    assert length_buckets({**sizes, "Q_LEN": 2, "KV_LEN": 1024})["KV_LEN"] == (513, 1024)
+    assert length_buckets({**sizes, "Q_LEN": 3, "KV_LEN": 1025}) == \
+        {"B": 3, "H": 5, "Q_LEN": (3, 4), "KV_LEN": (1025, 2048)}
+    ranges = position_ranges(length_buckets({**sizes, "Q_LEN": 130}))
+    assert ranges["q"] == (0, 255) and ranges["kv"] == (0, 1023)
+    assert ranges["Q_LEN"] == (129, 256) and ranges["KV_LEN"] == (513, 1024)
+    assert ranges["B"] == (3, 3) and ranges["b"] == (0, 2)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec_texts(), st.integers(3, 5000), st.integers(1, 300))
+def test_a_spec_that_fits_over_a_bucket_fits_at_every_length_in_it(text, kv_len, q_len):
+    """Soundness of the widened check: where the bucket passes, the exact lengths pass too (at
+    the bucket's ends, and at the lengths drawn)."""
+    spec = flexspec.parse(text).ir
+    sizes = {"B": 2, "H": 4, "Q_LEN": q_len, "KV_LEN": kv_len}
+    bucket = length_buckets(sizes)
+    try:
+        check_int_ranges(spec, position_ranges(bucket), "int32", "")
+    except flexspec.SpecError:
+        return
+    for kv in {kv_len, *(bucket["KV_LEN"] if isinstance(bucket["KV_LEN"], tuple) else ())}:
+        check_int_ranges(spec, position_ranges({**sizes, "KV_LEN": kv}), "int32", "")
+
+
+def test_a_spec_the_bucket_is_too_loose_for_is_checked_at_its_exact_lengths():
+    """KV_LEN's bucket 32769..65536 lets `65536 - KV_LEN` reach 32767, where q times it leaves
+    int32; at KV_LEN = 65536 it is 0: the exact check passes, and a call there runs."""
+    spec = flexspec.parse("m", library=load_text(
+        "mask m = q * (65536 - KV_LEN) * 32768 >= kv - KV_LEN")).ir
+    sizes = {"B": 1, "H": 1, "Q_LEN": 1, "KV_LEN": 65536}
+    with pytest.raises(flexspec.SpecError):
+        check_int_ranges(spec, position_ranges(length_buckets(sizes), 0, 65535), "int32", "")
+    check_ranges(spec, sizes, "int32")  # passes: checked at the exact lengths
+    with pytest.raises(flexspec.SpecError, match="for Q_LEN=1, KV_LEN=60000 on a GPU"):
+        check_ranges(spec, {**sizes, "KV_LEN": 60000}, "int32")
+
+
+def test_a_growing_cache_checks_its_ranges_once_per_doubling(monkeypatch):
+    from flexspec.ir import overflow
+    from flexspec.runtime import plan
+    checked = []
+    real = plan.check_int_ranges
+    monkeypatch.setattr(plan, "check_int_ranges", lambda *a: checked.append(1) or real(*a))
+    spec = flexspec.parse("causal & window(100) + alibi").ir
+    for length in range(3001, 3200):
+        check_ranges(spec, {"B": 2, "H": 4, "Q_LEN": 1, "KV_LEN": length}, "int32")
+    assert len(checked) == 1  # the bucket 2049..4096
+    assert overflow.length_buckets({"Q_LEN": 1, "KV_LEN": 3001})["KV_LEN"] == (2049, 4096)

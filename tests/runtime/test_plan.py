@@ -451,6 +451,8 @@ def as_cuda_call(plan, **request):
     ({}, True), ({"q_len": 128}, False), ({"device_type": "cpu"}, False),
     ({"grads": True}, False), ({"heads": 6, "kv_heads": 2}, False),  # 3 heads a group
     ({"heads": 8, "kv_heads": 2}, True),
+    # keys of 2**31 elements: the decoding kernel does not compile, the main kernel runs them
+    ({"batch": 64, "kv_heads": 8, "kv_len": 32768, "head_dim": 128, "heads": 32}, False),
 ])
 def test_calls_of_few_rows_on_cuda_run_on_the_decoding_kernel(change, decodes):
     """torch runs FlexAttention calls of fewer than 128 query rows with no backward on its
@@ -467,6 +469,8 @@ def test_calls_of_few_rows_on_cuda_run_on_the_decoding_kernel(change, decodes):
     assert state.decoding is decodes
     assert state.masks.key.partial is decodes
     assert ((state.kernel_options or {}).get("num_stages") == 3) is decodes
+    wide = change.get("batch") == 64
+    assert bool((state.kernel_options or {}).get("FORCE_USE_FLEX_ATTENTION")) is wide
     # the flash backend's FLASH kernel has no decoding form
     assert REGISTRY["flash"].decoding is False
 

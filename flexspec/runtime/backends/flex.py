@@ -8,7 +8,8 @@ from flexspec.kernels.fused_blocks import compile_error
 from flexspec.limits import kernel_int_dtype
 from flexspec.runtime import compiled
 from flexspec.runtime.contract import BackendError
-from flexspec.runtime.flexattention import FlexAttentionBackend, FlexKernelOptions
+from flexspec.runtime.flexattention import (DECODE_ROWS, FlexAttentionBackend,
+                                             FlexKernelOptions, wide_indices)
 
 # On the CPU, sequences shorter than one 128-position block run elsewhere (flexspec.workarounds:
 # cpu-short-sequences).
@@ -50,6 +51,10 @@ class FlexBackend(FlexAttentionBackend):
 
     def kernel_options(self, request) -> FlexKernelOptions | None:
         options = {}
+        if request.device_type == "cuda" and request.q_len < DECODE_ROWS \
+                and wide_indices(request):
+            # flexspec.workarounds: flex-decoding-wide-indices
+            options["FORCE_USE_FLEX_ATTENTION"] = True
         if request.device_type in ("cuda", "xpu") and not request.blocks_of_128:
             options.update(small_block_tiles(*request.block_size))
         if request.table_grads and request.device_type == "cuda" and request.head_dim > 64:
