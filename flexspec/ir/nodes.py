@@ -164,8 +164,10 @@ class AttentionIR:
         return cached
 
     def __getstate__(self):
-        # string hashes differ between processes: a copy computes its own
-        return {name: value for name, value in self.__dict__.items() if name != "_hash"}
+        # string hashes differ between processes: a copy computes its own (and its own
+        # tensor list, which is cheap to make again)
+        return {name: value for name, value in self.__dict__.items()
+                if name not in ("_hash", "_tensors")}
 
     @property
     def has_mask(self) -> bool:
@@ -177,12 +179,18 @@ class AttentionIR:
 
     def tensors(self) -> list[Tensor]:
         """Every distinct tensor the spec reads, in first-use order (mask first)."""
-        seen: dict[Tensor, None] = {}
-        for root in (self.mask, self.score):
-            for node in walk(root):
-                if isinstance(node, Tensor):
-                    seen.setdefault(node, None)
-        return list(seen)
+        # kept after the first call, as the hash is: planning a call asks several times, and
+        # a growing cache plans every step
+        found = self.__dict__.get("_tensors")
+        if found is None:
+            seen: dict[Tensor, None] = {}
+            for root in (self.mask, self.score):
+                for node in walk(root):
+                    if isinstance(node, Tensor):
+                        seen.setdefault(node, None)
+            found = tuple(seen)
+            object.__setattr__(self, "_tensors", found)
+        return list(found)
 
     def bindings(self) -> list[Tensor]:
         """The tensors that must be passed at call time, by name."""

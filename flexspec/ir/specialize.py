@@ -10,6 +10,8 @@ that does not depend on ``b`` (and its BlockMask can be shared by all batches).
 
 from __future__ import annotations
 
+import functools
+
 from flexspec import ir
 from flexspec.errors import SpecError
 
@@ -103,6 +105,41 @@ def specialize(expr: ir.Expr, shapes: dict, sizes: dict | None = None) -> ir.Exp
 
 def specialize_ir(spec: ir.AttentionIR, shapes: dict,
                   sizes: dict | None = None) -> ir.AttentionIR:
-    """:func:`specialize` applied to both halves of an :class:`~flexspec.ir.AttentionIR`."""
-    return ir.AttentionIR(specialize(spec.mask, shapes, sizes),
-                          specialize(spec.score, shapes, sizes), spec.align)
+    """:func:`specialize` applied to both halves of an :class:`~flexspec.ir.AttentionIR`:
+    ``spec`` itself where no dimension is broadcast, and one IR per pattern of broadcast
+    dimensions (the same for every length: a growing cache specializes once)."""
+    pattern = tuple(_broadcast(tensor, shapes, sizes) for tensor in spec.tensors())
+    if not any(any(flags) for flags in pattern if flags is not None):
+        return spec
+    return _specialized(spec, pattern)
+
+
+def _broadcast(tensor: ir.Tensor, shapes: dict, sizes: dict | None) -> tuple | None:
+    """Per dimension of ``tensor``'s lookups, whether :func:`specialize` reads it at index 0
+    (``None`` for a tensor missing from ``shapes``)."""
+    shape = shapes.get(ir.tensor_key(tensor))
+    if shape is None:
+        return None
+    shape = (1,) * (len(tensor.shape) - len(shape)) + tuple(shape)
+    declared = (None,) * len(shape)
+    if sizes is not None and len(tensor.shape) == len(shape):
+        declared = tuple(declared_shape(tensor, sizes))
+    return tuple(size == 1 and want != 1 for size, want in zip(shape, declared))
+
+
+@functools.lru_cache(maxsize=256)
+def _specialized(spec: ir.AttentionIR, pattern: tuple) -> ir.AttentionIR:
+    """``spec`` with each index into a dimension ``pattern`` flags read at ``Const(0)``."""
+    flags = {ir.tensor_key(tensor): found for tensor, found in zip(spec.tensors(), pattern)}
+
+    def rewrite(node: ir.Expr) -> ir.Expr:
+        if not (isinstance(node, ir.Lookup) and isinstance(node.tensor, ir.Tensor)):
+            return node
+        found = flags.get(ir.tensor_key(node.tensor))
+        if found is None or len(found) != len(node.index):
+            return node
+        index = tuple(ir.Const(0) if flag else i for i, flag in zip(node.index, found))
+        return ir.Lookup(node.tensor, index) if index != node.index else node
+
+    return ir.AttentionIR(ir.transform(spec.mask, rewrite), ir.transform(spec.score, rewrite),
+                          spec.align)

@@ -31,3 +31,17 @@ def test_an_ir_pickled_in_one_process_is_found_by_value_in_another():
                             capture_output=True, env={**os.environ, "PYTHONHASHSEED": "12345"},
                             check=True)
     assert result.stdout.decode().strip() == "found"
+
+
+def test_the_tensors_of_an_ir_are_listed_once_and_stay_out_of_a_pickle():
+    """Planning asks a spec for its tensors several times per call (a growing cache plans at
+    every step): the list is made once, handed out as a new list each time, and not pickled."""
+    spec = flexspec.parse("causal & doc + alibi + head_bias").ir
+    first = spec.tensors()
+    assert [t.name for t in first] == ["doc_ids", "alibi_slopes", "bias"]
+    first.append("something")  # the caller's list, not the spec's
+    assert spec.tensors() == first[:-1] and spec.tensors() is not spec.tensors()
+    assert [t.name for t in spec.bindings()] == ["doc_ids", "bias"]
+    assert b"_tensors" not in pickle.dumps(spec)
+    copy = pickle.loads(pickle.dumps(spec))
+    assert copy == spec and copy.tensors() == spec.tensors()

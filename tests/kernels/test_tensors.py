@@ -140,3 +140,28 @@ def test_negative_dimensions_and_head_counts_are_spec_errors():
                        builtin="alibi_slopes", args=(ir.Const(-1),))
     with pytest.raises(flexspec.SpecError, match="positive number of heads"):
         builtin_tensor(slopes, {"B": 1, "H": 2, "Q_LEN": 8, "KV_LEN": 8})
+
+
+def test_specialize_ir_is_the_spec_itself_without_broadcasts_and_made_once_per_pattern():
+    """A growing cache specializes at every step: the IR is made once per pattern of broadcast
+    dimensions (the same at every length), and a spec with none is its own specialization."""
+    whole = spec(DOCUMENT)
+    assert specialize_ir(whole, {"doc_ids": (2, 300)}, SIZES) is whole
+    first = specialize_ir(whole, {"doc_ids": (1, 300)}, {**SIZES, "KV_LEN": 300})
+    later = specialize_ir(whole, {"doc_ids": (1, 301)}, {**SIZES, "KV_LEN": 301})
+    assert first is later and first.mask == specialize(DOCUMENT, {"doc_ids": (1, 300)})
+    # B = 1 declared and given: not a broadcast (FLASH compiles b where it failed on 0)
+    assert specialize_ir(whole, {"doc_ids": (1, 300)}, {**SIZES, "B": 1, "KV_LEN": 300}) is whole
+
+
+@pytest.mark.parametrize("shapes", [{"doc_ids": (1, 300), "lengths": (1,)},
+                                    {"doc_ids": (300,), "lengths": (2,)},
+                                    {"doc_ids": (2, 1), "lengths": (1,)}, {}])
+def test_specialize_ir_equals_specializing_each_half(shapes):
+    mask = ir.And((DOCUMENT, op("<", kv, lookup(LENGTHS, b))))
+    score = op("+", ir.SCORE, lookup(DOC_IDS, lookup(LENGTHS, b), kv))
+    whole = ir.AttentionIR(mask, score)
+    for sizes in (None, {**SIZES, "B": 2, "KV_LEN": 300}):
+        got = specialize_ir(whole, shapes, sizes)
+        assert got == ir.AttentionIR(specialize(mask, shapes, sizes),
+                                     specialize(score, shapes, sizes))

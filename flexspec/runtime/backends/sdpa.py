@@ -4,6 +4,7 @@ Q_LEN == KV_LEN, times an optional positive constant (:func:`flexspec.ir.forms.s
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch.nn.functional as F
@@ -14,6 +15,7 @@ from flexspec.ir.forms import SdpaForm, sdpa_form
 from flexspec.runtime.contract import Backend, Prepared
 
 
+@functools.lru_cache(maxsize=256)
 def not_sdpa(spec: ir.AttentionIR) -> str:
     """Why SDPA cannot run a spec that :func:`sdpa_form` rejects."""
     return ("SDPA runs only full attention or top-left causal attention, optionally times a "
