@@ -235,5 +235,6 @@ class Attention:
                                           facts=tuple(sorted((facts or {}).items())))
             choice = choose(self.backend, request, plan.spec)
             device = f"{target} (planned on {q.device})"
+            plan = dataclasses.replace(plan, request=request)  # its kernel is the target's
         return explain_plan(plan, values, block_mask, str(self.spec), q, k, v, choice=choice,
                             device=device, keys=keys)

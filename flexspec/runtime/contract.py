@@ -234,6 +234,11 @@ class Backend:
         """Build, outside any CUDA graph capture, what a first call of ``plan`` would build
         (its block mask): called for fallback plans, whose first call may come inside one."""
 
+    def kernel(self, plan: Plan) -> str | None:
+        """Which of its kernels the backend runs ``plan``'s calls on, and why, where it has
+        several (what ``explain`` reports), or ``None``."""
+        return None
+
     def launcher(self, plan: Plan, scale, bindings: dict, values: dict | None, step):
         """A function of ``(q, k, v)`` that runs ``plan``'s call with these bindings (and
         ``values``, when the plan needs them) with everything else resolved now: what the layers

@@ -45,6 +45,7 @@ class Explanation:
     choice: Choice
     dense: bool = False   # the chosen backend computes every pair (the dense reference)
     keys: tuple | None = None  # (start, end, cache length): the call reads only keys start:end
+    kernel: str | None = None  # which of the backend's kernels runs the call, and why
 
     def __str__(self) -> str:
         s = self.sizes
@@ -67,6 +68,7 @@ class Explanation:
             + (f", {_flops_text(self.flops * FORWARD_AND_BACKWARD)} forward+backward"
                if self.grads else ""),
             f"backend:  {self.choice.backend}: {self.choice.reason}",
+            *([f"kernel:   {self.kernel}"] if self.kernel else []),
         ]
         for name, reason in self.choice.rejected:
             lines.append(f"  not {name}: {reason}")
@@ -90,6 +92,7 @@ def explain_plan(plan, values: dict, block_mask, text: str, q, k, v, *, choice=N
     ``device`` replace the plan's where the call is explained for another device; ``keys`` says
     which keys of the cache a call reads, where it reads only some."""
     choice = plan.choice if choice is None else choice
+    kernel = REGISTRY[choice.backend].kernel(plan)
     sizes, spec, mask = plan.sizes, plan.spec, plan.masks
     block_size = plan.request.block_size
     visible = count_visible(spec.mask, sizes, block_size, values, q.device,
@@ -110,4 +113,4 @@ def explain_plan(plan, values: dict, block_mask, text: str, q, k, v, *, choice=N
         density=visible / (mask.batch * mask.heads * given["Q_LEN"] * given["KV_LEN"]),
         tile_density=tiles / (mask.batch * mask.heads * nq * nk), block_size=block_size,
         flops=attention_flops(pairs, q.shape[-1], v.shape[-1], backward=False),
-        grads=plan.request.grads, choice=choice, dense=dense, keys=keys)
+        grads=plan.request.grads, choice=choice, dense=dense, keys=keys, kernel=kernel)

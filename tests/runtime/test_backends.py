@@ -663,3 +663,23 @@ def test_a_backend_auto_passes_over_after_the_chosen_one_says_why(monkeypatch):
     assert rejected["fa4"].startswith("the problem is small")
     assert "fixed cost per call outweighs its speed" in rejected["fa4"]
     assert rejected["reference"] == "ranked lower for this call"
+
+
+def test_explain_says_which_kernel_a_decode_call_runs_on_a_gpu():
+    """Planned on the CPU for a CUDA GPU: a decoded token runs on FlexAttention's decoding
+    kernel (explain names it and its options), a call with gradients on its main kernel (and
+    says why), a call of 128 rows names no kernel."""
+    attn = flexspec.compile("causal & (window(100) | sink(4)) + alibi")
+    q = torch.randn(2, 8, 1, 64)
+    k = torch.randn(2, 2, 3000, 64)
+    text = str(attn.explain(q, k, k, q_offset=2999, target="cuda", capability=(9, 0)))
+    assert "backend:  flex" in text
+    assert ("kernel:   FlexAttention's decoding kernel (split-KV: the keys of each row are shared "
+            "among the kernel's programs), 3 pipeline stages, full tiles listed as partial") in text
+    grads = str(attn.explain(q.requires_grad_(), k, k, q_offset=2999, target="cuda",
+                             capability=(9, 0)))
+    assert "kernel:   FlexAttention's main kernel, though the call has fewer than 128 rows: the " \
+           "call needs gradients" in grads
+    assert "kernel:" not in str(attn.explain(torch.randn(2, 8, 128, 64), k, k, q_offset=2872,
+                                             target="cuda", capability=(9, 0)))
+    assert "kernel:" not in str(attn.explain(q.detach(), k, k, q_offset=2999))  # on the CPU

@@ -471,6 +471,15 @@ def test_calls_of_few_rows_on_cuda_run_on_the_decoding_kernel(change, decodes):
     assert ((state.kernel_options or {}).get("num_stages") == 3) is decodes
     wide = change.get("batch") == 64
     assert bool((state.kernel_options or {}).get("FORCE_USE_FLEX_ATTENTION")) is wide
+    # what explain says of it
+    kernel = REGISTRY["flex"].kernel(on_cuda)
+    if change.get("q_len") == 128 or change.get("device_type") == "cpu":
+        assert kernel is None
+    else:
+        assert kernel.startswith("FlexAttention's decoding kernel" if decodes
+                                 else "FlexAttention's main kernel")
+        assert ("2**31" in kernel) is wide
+        assert ("gradients" in kernel) is bool(change.get("grads"))
     # the flash backend's FLASH kernel has no decoding form
     assert REGISTRY["flash"].decoding is False
 

@@ -8,8 +8,9 @@ from flexspec.kernels.fused_blocks import compile_error
 from flexspec.limits import kernel_int_dtype
 from flexspec.runtime import compiled
 from flexspec.runtime.contract import BackendError
-from flexspec.runtime.flexattention import (DECODE_ROWS, FlexAttentionBackend,
-                                             FlexKernelOptions, wide_indices)
+from flexspec.runtime.flexattention import (DECODE_ROWS, DECODING_OPTIONS,
+                                             FlexAttentionBackend, FlexKernelOptions, decodes,
+                                             wide_indices)
 
 # On the CPU, sequences shorter than one 128-position block run elsewhere (flexspec.workarounds:
 # cpu-short-sequences).
@@ -44,6 +45,25 @@ class FlexBackend(FlexAttentionBackend):
                     f"block ({SHORT_CPU_LENGTH} positions; flexspec.workarounds: "
                     "cpu-short-sequences), so flexspec does not run it there")
         return None
+
+    def kernel(self, plan):
+        request = plan.request
+        if request.device_type != "cuda" or request.q_len >= DECODE_ROWS:
+            return None
+        if decodes(plan):
+            return (f"FlexAttention's decoding kernel (split-KV: the keys of each row are shared "
+                    f"among the kernel's programs), {DECODING_OPTIONS['num_stages']} pipeline "
+                    "stages, full tiles listed as partial so that the programs share a row's "
+                    "tiles evenly")
+        if wide_indices(request):
+            why = ("the keys hold 2**31 elements or more, where torch's decoding kernel does not "
+                   "compile (flexspec.workarounds: flex-decoding-wide-indices)")
+        elif request.grads:
+            why = "the call needs gradients, which the decoding kernel has none of"
+        else:
+            why = ("torch runs its decoding kernel only for a power-of-two number of query heads "
+                   "per key head and block masks with one head")
+        return f"FlexAttention's main kernel, though the call has fewer than {DECODE_ROWS} rows: {why}"
 
     def index_dtype(self, device_type):
         # b, h, q_idx, kv_idx and integer arithmetic on them: int32 on CUDA, int64 on the CPU
