@@ -35,7 +35,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from decode import DIM, DOCUMENTS, HEADS, KV_HEADS, SPECS, hand_mask, hand_score, visible_keys  # noqa: E402,E501
+from decode import (DIM, DOCUMENTS, HEADS, KV_HEADS, SPECS, hand_mask, hand_score,  # noqa: E402
+                    visible_keys)
 import flexspec  # noqa: E402
 from flexspec.kernels.block_tables import as_partial  # noqa: E402
 

@@ -59,15 +59,16 @@ def position_ranges(sizes: dict, q_low: int = 0, q_high: int | None = None) -> d
     """The ranges of the IR's variables for ``sizes`` (``B H Q_LEN KV_LEN``, each an int or a
     ``(low, high)`` range of them, as :func:`length_buckets` gives), with query positions
     ``q_low .. q_high`` (``0 .. Q_LEN - 1`` when ``q_high`` is None)."""
-    q_high = _largest(sizes["Q_LEN"]) - 1 + q_low if q_high is None else q_high
-    ranges = {"b": (0, _largest(sizes["B"]) - 1), "h": (0, _largest(sizes["H"]) - 1),
-              "q": (q_low, q_high), "kv": (0, _largest(sizes["KV_LEN"]) - 1)}
+    q_high = largest(sizes["Q_LEN"]) - 1 + q_low if q_high is None else q_high
+    ranges = {"b": (0, largest(sizes["B"]) - 1), "h": (0, largest(sizes["H"]) - 1),
+              "q": (q_low, q_high), "kv": (0, largest(sizes["KV_LEN"]) - 1)}
     ranges.update((name, sizes[name] if isinstance(sizes[name], tuple)
                    else (sizes[name], sizes[name])) for name in ir.SIZE_VARS)
     return ranges
 
 
-def _largest(size) -> int:
+def largest(size) -> int:
+    """The largest value of a size given as an int or as a ``(low, high)`` range."""
     return size[1] if isinstance(size, tuple) else size
 
 
@@ -183,7 +184,7 @@ def position_range(spec: AttentionIR, sizes: tuple, dtype: str) -> tuple | None:
     """
     sizes = dict(sizes)
     bits = 62 if dtype == "int64" else 30
-    first = max(1, (max(_largest(sizes["Q_LEN"]), _largest(sizes["KV_LEN"])) - 1).bit_length())
+    first = max(1, (max(largest(sizes["Q_LEN"]), largest(sizes["KV_LEN"])) - 1).bit_length())
     for negative in (True, False):
         if not _fits_at(spec, sizes, dtype, first, negative):
             continue

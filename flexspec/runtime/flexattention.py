@@ -82,7 +82,8 @@ def needs_block_mask(plan: Plan) -> bool:
 
 
 # Kernel options of calls on FlexAttention's decoding kernel: three pipeline stages, where
-# torch's default on Hopper is one (docs/performance.md, "Decoding kernels").
+# torch's default on Hopper is one (docs/performance.md, "FlexAttention's decoding kernel,
+# tuned").
 DECODING_OPTIONS: FlexKernelOptions = {"num_stages": 3}
 
 

@@ -22,7 +22,7 @@ import torch
 from flexspec import ir
 from flexspec.errors import BindingError, SpecError
 from flexspec.ir import tensor_key
-from flexspec.ir.overflow import check_int_ranges, length_buckets, position_ranges
+from flexspec.ir.overflow import check_int_ranges, largest, length_buckets, position_ranges
 from flexspec.ir.specialize import declared_shape
 from flexspec.limits import dense_fits
 from flexspec.runtime.backends import REGISTRY, choose
@@ -151,14 +151,10 @@ def _check_ranges(spec: ir.AttentionIR, sizes: tuple, dtype: str) -> None:
     # remembered when it passes: Attention.block_mask checks on every call, and the answer
     # depends only on these arguments
     sizes = dict(sizes)
-    last = max(_largest(sizes["Q_LEN"]), _largest(sizes["KV_LEN"])) - 1
+    last = max(largest(sizes["Q_LEN"]), largest(sizes["KV_LEN"])) - 1
     where = f"for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}"
     check_int_ranges(spec, position_ranges(sizes, 0, last), dtype,
                      where + (" on a GPU" if dtype == "int32" else ""))
-
-
-def _largest(size) -> int:
-    return size[1] if isinstance(size, tuple) else size
 
 
 def call_key(q, k, v, scale, bindings: dict, learnables: dict | None,

@@ -214,7 +214,8 @@ def test_a_launch_made_outside_a_cuda_graph_capture_is_not_used_inside_one(monke
 
 def test_a_step_keeps_launches_per_spec():
     """Two specs called in one step each keep their own launch (same signature, other calls)."""
-    causal, full = flexspec.compile("causal", backend="sdpa"), flexspec.compile("full", backend="sdpa")
+    causal = flexspec.compile("causal", backend="sdpa")
+    full = flexspec.compile("full", backend="sdpa")
     step = flexspec.Step()
     for seed in range(3):
         q, k, v = Shape(1, 2, 2, 16, 16, 8).qkv(seed)

@@ -63,7 +63,8 @@ class FlexBackend(FlexAttentionBackend):
         else:
             why = ("torch runs its decoding kernel only for a power-of-two number of query heads "
                    "per key head and block masks with one head")
-        return f"FlexAttention's main kernel, though the call has fewer than {DECODE_ROWS} rows: {why}"
+        return (f"FlexAttention's main kernel, though the call has fewer than {DECODE_ROWS} "
+                f"rows: {why}")
 
     def index_dtype(self, device_type):
         # b, h, q_idx, kv_idx and integer arithmetic on them: int32 on CUDA, int64 on the CPU
