@@ -73,7 +73,7 @@ def pattern(name: str) -> Pattern:
 # The runtime's public names: importing them imports torch, so on first use, not by
 # `import flexspec` (which `flexspec check` and `fmt` keep torch-free).
 _RUNTIME_NAMES = ("Attention", "BackendError", "CompileLimitError", "KVCache",
-                  "MultiheadAttention", "SpecAttention", "Step")
+                  "MultiheadAttention", "PagedKVCache", "SpecAttention", "Step")
 
 
 def __getattr__(name):
@@ -90,7 +90,8 @@ def __dir__():
 
 
 __all__ = ["Attention", "BackendError", "BindingError", "BindingTypeError", "CompileLimitError",
-           "KVCache", "Library", "MultiheadAttention", "Pattern", "RegistryError", "Spec",
+           "KVCache", "Library", "MultiheadAttention", "PagedKVCache", "Pattern",
+           "RegistryError", "Spec",
            "SpecAttention", "SpecCheckError", "SpecError", "SpecSyntaxError", "SpecTypeError",
            "Step", "backends", "compile", "load", "loads", "parse", "pattern", "patterns",
            "render"]

@@ -8,15 +8,17 @@ the FlexAttention call two backends make (:mod:`.flexattention`), compiled entry
 (:mod:`.compiled`), the backends and their choice (:mod:`.backends`), block masks
 (:mod:`.masks`), query positions (:mod:`.positions`), plans (:mod:`.plan`), the call path
 (:mod:`.calls`), ``explain``'s report (:mod:`.explanation`), the :class:`Attention` facade
-``flexspec.compile`` returns (:mod:`.attention`), the ``SpecAttention`` module (:mod:`.module`)
-and ``MultiheadAttention`` with projections (:mod:`.multihead`)."""
+``flexspec.compile`` returns (:mod:`.attention`), the ``SpecAttention`` module (:mod:`.module`),
+``MultiheadAttention`` with projections (:mod:`.multihead`), and paged KV caches
+(:mod:`.paged`)."""
 
 from flexspec.runtime.attention import Attention
 from flexspec.runtime.contract import BackendError
 from flexspec.runtime.compiled import CompileLimitError
 from flexspec.runtime.module import SpecAttention
 from flexspec.runtime.multihead import KVCache, MultiheadAttention
+from flexspec.runtime.paged import PagedKVCache
 from flexspec.runtime.step import Step
 
 __all__ = ["Attention", "BackendError", "CompileLimitError", "KVCache", "MultiheadAttention",
-           "SpecAttention", "Step"]
+           "PagedKVCache", "SpecAttention", "Step"]

@@ -16,7 +16,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexspec import ir
-from flexspec.errors import SpecError, did_you_mean
+from flexspec.errors import BindingTypeError, SpecError, did_you_mean
 from flexspec.kernels.lower import lower
 from flexspec.kernels.reference import dense_mask, reference_attention
 from flexspec.lang.spec import Spec
@@ -207,6 +207,25 @@ class Attention:
         return self._calls(q, k, v, scale=scale, bindings=bindings, learnables=learnables,
                            q_offset=q_offset, kv_lengths=kv_lengths, return_lse=return_lse,
                            step=step)
+
+    def paged(self, q, cache, slots, *, scale=None, q_offset=None, return_lse: bool = False,
+              **bindings):
+        """Attention of ``q`` ``(B, Hq, Q_LEN, D)`` over the sequences ``slots`` (``[B]``, in
+        any order) of a :class:`~flexspec.runtime.paged.PagedKVCache`: row ``b`` of q reads the
+        keys of slot ``slots[b]``, at logical positions ``0 .. length - 1`` (KV_LEN is the
+        cache's ``capacity``, the valid lengths are the slots' lengths). ``q_offset`` defaults
+        to ``length - Q_LEN``: the rows are the newest tokens of their sequences, appended to
+        the cache already. Bindings indexed by ``kv`` cover the capacity."""
+        from flexspec.runtime.paged import PagedKVCache
+        if not isinstance(cache, PagedKVCache):
+            raise BindingTypeError(f"cache must be a flexspec.PagedKVCache, got "
+                                   f"{type(cache).__name__}")
+        keys, values = cache.gathered(slots)
+        lengths = cache.lengths[slots.long()]
+        if q_offset is None and isinstance(q, torch.Tensor) and q.dim() == 4:
+            q_offset = lengths - q.shape[2]
+        return self._calls(q, keys, values, scale=scale, bindings=bindings, q_offset=q_offset,
+                           kv_lengths=lengths, return_lse=return_lse)
 
     def explain(self, q, k, v, *, scale=None, q_offset=None, kv_lengths=None,
                 return_lse: bool = False, target: str | None = None, capability=None,

@@ -1,0 +1,213 @@
+"""runtime.paged: a paged KV cache (issue 27). Pages are taken and given back by tensor
+operations; the cache's sequences read back as written, in any slot order; attention over
+them equals the same call on the sequences laid out contiguously, for any spec."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import flexspec
+from flexspec.runtime.paged import PagedKVCache
+from flexspec.testing import Shape, bindings, spec_texts
+
+KV_HEADS, DIM = 2, 4
+
+
+def cache(pages=12, page_size=4, slots=5, max_pages=6, **options) -> PagedKVCache:
+    return PagedKVCache(pages=pages, page_size=page_size, kv_heads=KV_HEADS, head_dim=DIM,
+                        slots=slots, max_pages=max_pages, **options)
+
+
+def check_books(paged: PagedKVCache) -> None:
+    """Every page is free or held by exactly one slot, at the place its table says."""
+    page = paged.page_size
+    held = {}
+    for slot in range(paged.slots):
+        count = (int(paged.lengths[slot]) + page - 1) // page
+        for index in range(count):
+            physical = int(paged.page_table[slot, index])
+            assert physical not in held, "a page held twice"
+            held[physical] = (slot, index)
+            assert int(paged.page_slot[physical]) == slot
+            assert int(paged.page_index[physical]) == index
+    free = paged.free[:int(paged.free_count)].tolist()
+    assert sorted(free + list(held)) == list(range(paged.pages))
+    for physical in free:
+        assert int(paged.page_slot[physical]) == -1 and int(paged.page_index[physical]) == -1
+
+
+# an operation: ("append", slots, new tokens) or ("release", slots)
+operations = st.lists(st.one_of(
+    st.tuples(st.just("append"), st.lists(st.integers(0, 4), min_size=1, max_size=3, unique=True),
+              st.integers(1, 6)),
+    st.tuples(st.just("release"), st.lists(st.integers(0, 4), min_size=1, max_size=2,
+                                           unique=True))), min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(operations, st.integers(0, 2**31 - 1))
+def test_sequences_read_back_as_written_through_any_appends_and_releases(ops, seed):
+    paged = cache()
+    written = {slot: [] for slot in range(paged.slots)}  # slot -> [(keys, values)]
+    generator = torch.Generator().manual_seed(seed)
+    for op in ops:
+        slots = torch.tensor(op[1])
+        if op[0] == "release":
+            paged.release(slots)
+            for slot in op[1]:
+                written[slot] = []
+        else:
+            count = op[2]
+            if any(sum(k.shape[1] for k, _ in written[s]) + count > paged.capacity
+                   for s in op[1]):
+                continue  # past a slot's capacity: refused below, not here
+            keys, values = (torch.randn(len(op[1]), KV_HEADS, count, DIM, generator=generator)
+                            for _ in range(2))
+            pages_needed = sum(
+                -(-(sum(k.shape[1] for k, _ in written[s]) + count) // paged.page_size)
+                - -(-sum(k.shape[1] for k, _ in written[s]) // paged.page_size) for s in op[1])
+            if pages_needed > int(paged.free_count):
+                with pytest.raises(flexspec.BindingError, match="more pages than were free"):
+                    paged.append(slots, keys, values)
+                return  # the cache says its sequences are broken now
+            paged.append(slots, keys, values)
+            for row, slot in enumerate(op[1]):
+                written[slot].append((keys[row], values[row]))
+        check_books(paged)
+        order = torch.randperm(paged.slots, generator=generator)
+        got_keys, got_values = paged.gathered(order)
+        for row, slot in enumerate(order.tolist()):
+            length = int(paged.lengths[slot])
+            assert length == sum(k.shape[1] for k, _ in written[slot])
+            if length:
+                assert torch.equal(got_keys[row, :, :length],
+                                   torch.cat([k for k, _ in written[slot]], dim=1))
+                assert torch.equal(got_values[row, :, :length],
+                                   torch.cat([v for _, v in written[slot]], dim=1))
+
+
+def test_pages_are_taken_from_the_top_and_given_back_in_order():
+    paged = cache(pages=6, page_size=4, slots=3, max_pages=3)
+    paged.append(torch.tensor([2, 0]), torch.randn(2, KV_HEADS, 5, DIM),
+                 torch.randn(2, KV_HEADS, 5, DIM))
+    assert paged.page_table[2, :2].tolist() == [0, 1] and paged.page_table[0, :2].tolist() == [2, 3]
+    assert paged.lengths.tolist() == [5, 0, 5] and int(paged.free_count) == 2
+    paged.release(torch.tensor([2]))
+    assert int(paged.free_count) == 4 and paged.free[:4].tolist() == [5, 4, 0, 1]
+    assert paged.lengths.tolist() == [5, 0, 0]
+    check_books(paged)
+
+
+def test_layouts_of_other_engines_are_views_of_the_pool():
+    """The module docstring's claims: FlashInfer's HND and vLLM's layout are views."""
+    paged = cache(pages=3, page_size=4, slots=1, max_pages=3)
+    keys = torch.randn(1, KV_HEADS, 10, DIM)
+    paged.append(torch.tensor([0]), keys, keys.clone())
+    hnd = paged.keys.view(KV_HEADS, 3, 4, DIM).transpose(0, 1)   # [pages, heads, page, dim]
+    vllm = paged.keys.view(KV_HEADS, 3, 4, DIM).permute(1, 2, 0, 3)  # [pages, page, heads, dim]
+    assert hnd.data_ptr() == vllm.data_ptr() == paged.keys.data_ptr()
+    page, offset = int(paged.page_table[0, 1]), 2  # position 6
+    assert torch.equal(hnd[page, :, offset], keys[0, :, 6])
+    assert torch.equal(vllm[page, offset], keys[0, :, 6])
+
+
+def test_bad_inputs_are_refused_with_what_to_do():
+    paged = cache(pages=2, page_size=4, slots=2, max_pages=3)
+    keys = torch.randn(1, KV_HEADS, 3, DIM)
+    with pytest.raises(flexspec.BindingError, match="slots must lie in 0..1, got 2..2"):
+        paged.append(torch.tensor([2]), keys, keys)
+    with pytest.raises(TypeError, match="slots must be a 1-D int tensor"):
+        paged.append(torch.tensor([0.0]), keys, keys)
+    with pytest.raises(flexspec.BindingError, match=r"shape \[n slots, kv_heads, new tokens, "
+                                                    r"head_dim\] = \[1, 2, T, 4\], got \[1, 3"):
+        paged.append(torch.tensor([0]), torch.randn(1, 3, 3, DIM), keys)
+    with pytest.raises(flexspec.BindingError, match="must be torch.float32 on cpu"):
+        paged.append(torch.tensor([0]), keys.double(), keys)
+    with pytest.raises(flexspec.BindingError, match=r"lengths must lie in 0..12"):
+        paged.reserve(torch.tensor([0]), torch.tensor([13]))
+    with pytest.raises(flexspec.BindingError, match="more pages than were free"):
+        paged.append(torch.tensor([0, 1]), torch.randn(2, KV_HEADS, 5, DIM),
+                     torch.randn(2, KV_HEADS, 5, DIM))
+    with pytest.raises(flexspec.BindingError, match="page_size must be a positive int"):
+        PagedKVCache(pages=2, page_size=0, kv_heads=1, head_dim=1, slots=1, max_pages=1)
+    with pytest.raises(TypeError, match="cache must be a flexspec.PagedKVCache, got dict"):
+        flexspec.compile("causal").paged(torch.randn(1, 2, 1, DIM), {}, torch.tensor([0]))
+
+
+# --- attention over the cache ------------------------------------------------------------------
+
+
+def filled(lengths: list, order: list, seed: int, page_size: int = 4, max_pages: int = 6):
+    """A cache whose slots ``order`` hold sequences of ``lengths`` (appended in two parts, so
+    their pages interleave), and the same keys and values laid out contiguously, padded to the
+    capacity: ``(cache, keys, values)`` with the contiguous ones in ``order``'s rows."""
+    generator = torch.Generator().manual_seed(seed)
+    paged = cache(pages=len(lengths) * max_pages, page_size=page_size, slots=len(lengths) + 2,
+                  max_pages=max_pages)
+    capacity = paged.capacity
+    keys = torch.randn(len(lengths), KV_HEADS, capacity, DIM, generator=generator)
+    values = torch.randn(len(lengths), KV_HEADS, capacity, DIM, generator=generator)
+    for part in (0, 1):
+        for row, (slot, length) in enumerate(zip(order, lengths)):
+            cut = length // 2
+            lo, hi = (0, cut) if part == 0 else (cut, length)
+            if hi > lo:
+                paged.append(torch.tensor([slot]), keys[row:row + 1, :, lo:hi],
+                             values[row:row + 1, :, lo:hi])
+    return paged, keys, values
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec_texts(), st.lists(st.integers(1, 24), min_size=1, max_size=3), st.integers(1, 3),
+       st.randoms(use_true_random=False), st.integers(0, 2**31 - 1), st.data())
+def test_attention_over_the_cache_equals_the_contiguous_call(text, lengths, q_len, rng, seed,
+                                                             data):
+    """Any registry spec, any slot order, ragged lengths: attn.paged(q, cache, slots) equals
+    attn(q, keys, values, q_offset=lengths - Q_LEN, kv_lengths=lengths) on the same sequences
+    laid out contiguously (and so the float64 reference, which that call is checked against
+    elsewhere), with bindings that cover the capacity."""
+    attn = flexspec.compile(text, backend="reference")
+    lengths = [max(length, q_len) for length in lengths]
+    order = rng.sample(range(len(lengths) + 2), len(lengths))
+    paged, keys, values = filled(lengths, order, seed)
+    batch, capacity = len(lengths), paged.capacity
+    q = torch.randn(batch, 4, q_len, DIM, generator=torch.Generator().manual_seed(seed + 1))
+    extra = data.draw(bindings(attn.spec, Shape(batch, 4, KV_HEADS, q_len, capacity, DIM)))
+    valid = torch.tensor(lengths)
+    slots = torch.tensor(order)
+    try:
+        want = attn(q, keys, values, q_offset=valid - q_len, kv_lengths=valid, **extra)
+    except flexspec.SpecError as error:
+        with pytest.raises(type(error)):
+            attn.paged(q, paged, slots, **extra)
+        return
+    torch.testing.assert_close(attn.paged(q, paged, slots, **extra), want)
+
+
+def test_a_decode_loop_over_the_cache_equals_the_contiguous_loop(eager_kernels):
+    """Three sequences decoding at once in slots 4, 0, 2, each token appended then attended,
+    on the flex path (prefills of 130 rows) and the reference (decode rows): equal to the same
+    loop over contiguous caches."""
+    attn = flexspec.compile("causal & (window(50) | sink(2)) + alibi")
+    paged = cache(pages=40, page_size=16, slots=5, max_pages=12)
+    slots = torch.tensor([4, 0, 2])
+    generator = torch.Generator().manual_seed(0)
+    prompt = [torch.randn(3, KV_HEADS, 130, DIM, generator=generator) for _ in range(2)]
+    q = torch.randn(3, 4, 130, DIM, generator=generator)
+    paged.append(slots, *prompt)
+    contiguous = [t for t in prompt]
+    with torch.no_grad():
+        torch.testing.assert_close(attn.paged(q, paged, slots),
+                                   attn(q, *contiguous, q_offset=0), rtol=1e-4, atol=1e-4)
+        for step in range(3):
+            new = [torch.randn(3, KV_HEADS, 1, DIM, generator=generator) for _ in range(2)]
+            paged.append(slots, *new)
+            contiguous = [torch.cat([c, n], dim=2) for c, n in zip(contiguous, new)]
+            token = torch.randn(3, 4, 1, DIM, generator=generator)
+            length = contiguous[0].shape[2]
+            torch.testing.assert_close(
+                attn.paged(token, paged, slots),
+                attn.reference(token, *contiguous, q_offset=length - 1), rtol=1e-4, atol=1e-4)
