@@ -114,6 +114,41 @@ def test_the_packed_training_example_learns(capsys):
     assert len(losses) == 2 and losses[1] < losses[0] - 1.0
 
 
+@pytest.mark.parametrize("arguments", [[], ["--spec", "causal & (window(24) | sink(4)) + alibi",
+                                             "--requests", "16", "--seed", "3"]])
+def test_the_serving_example_gives_every_request_its_tokens_alone(arguments, capsys):
+    """examples/serving.py (issue 27): continuous batching over a paged cache, requests
+    arriving and finishing at random in slots of any order, equal token for token to each
+    request run alone over contiguous keys and values."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "examples" / "serving.py"
+    spec = importlib.util.spec_from_file_location("serving", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(arguments) == 0
+    out = capsys.readouterr().out
+    assert "DIFFERENT" not in out
+    count = int(arguments[arguments.index("--requests") + 1]) if arguments else 12
+    assert f"{count} of {count} requests gave the tokens they give alone" in out
+
+
+def test_the_serving_example_tells_a_wrong_cache_from_a_right_one(monkeypatch, capsys):
+    """The example's check can fail: with the paged call reading a neighbour's slot, it says
+    so and exits 1."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "examples" / "serving.py"
+    spec = importlib.util.spec_from_file_location("serving_wrong", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    import flexspec
+    real = flexspec.runtime.Attention.paged
+    monkeypatch.setattr(flexspec.runtime.Attention, "paged",
+                        lambda self, q, cache, slots, **kw: real(self, q, cache,
+                                                                 (slots + 1) % cache.slots, **kw))
+    assert example.main([]) == 1
+    assert "DIFFERENT" in capsys.readouterr().out
+
+
 # ---- the Python of README.md and docs/howto.md, run as written ----------------------------------
 #
 # Every ```python block of these pages runs on the CPU in a fresh namespace, in a temporary
