@@ -211,3 +211,35 @@ def test_a_decode_loop_over_the_cache_equals_the_contiguous_loop(eager_kernels):
             torch.testing.assert_close(
                 attn.paged(token, paged, slots),
                 attn.reference(token, *contiguous, q_offset=length - 1), rtol=1e-4, atol=1e-4)
+
+
+def test_a_mixed_batch_of_prefill_chunks_and_decoded_tokens_equals_each_request_alone():
+    """Issue 27, item 2: one call runs a prefill chunk of one request, a decoded token of
+    another and a longer chunk of a third (rows padded to the longest, each request's rows
+    placed with its own q_offset): each request's rows equal its call alone."""
+    attn = flexspec.compile("causal & window(20) + alibi", backend="reference")
+    generator = torch.Generator().manual_seed(7)
+    paged = cache(pages=30, page_size=4, slots=4, max_pages=10)
+    slots, held, new = torch.tensor([3, 0, 1]), [6, 17, 0], [5, 1, 9]
+    for slot, count in zip(slots.tolist(), held):
+        if count:
+            paged.append(torch.tensor([slot]), *(torch.randn(1, KV_HEADS, count, DIM,
+                                                             generator=generator)
+                                                 for _ in range(2)))
+    rows = max(new)
+    q = torch.randn(3, 4, rows, DIM, generator=generator)
+    for row, (slot, count) in enumerate(zip(slots.tolist(), new)):  # the new tokens' keys
+        paged.append(torch.tensor([slot]), *(torch.randn(1, KV_HEADS, count, DIM,
+                                                         generator=generator)
+                                             for _ in range(2)))
+    lengths = paged.lengths[slots]
+    mixed = attn.paged(q, paged, slots, q_offset=lengths - torch.tensor(new))
+    for row, (slot, count) in enumerate(zip(slots.tolist(), new)):
+        alone = attn.paged(q[row:row + 1, :, :count], paged, torch.tensor([slot]))
+        torch.testing.assert_close(mixed[row:row + 1, :, :count], alone)
+        keys, values = paged.gathered(torch.tensor([slot]))
+        length = int(paged.lengths[slot])
+        torch.testing.assert_close(alone, attn.reference(q[row:row + 1, :, :count],
+                                                         keys[:, :, :length],
+                                                         values[:, :, :length],
+                                                         q_offset=length - count))
