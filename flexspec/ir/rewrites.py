@@ -1,6 +1,7 @@
 """Rewrites of a whole spec's IR, each a pure ``AttentionIR -> AttentionIR`` function: where a
-call's queries stand (:func:`placed`), a call's scale (:func:`scaled`), and a mask or a score
-modifier joined to a spec (:func:`join_mask`, :func:`join_score`). Also the one rule for where
+call's queries stand (:func:`placed`), a call's scale (:func:`scaled`), a jagged batch laid end
+to end (:func:`packed`), and a mask or a score modifier joined to a spec (:func:`join_mask`,
+:func:`join_score`). Also the one rule for where
 the rows of an end-aligned spec stand by default (:func:`default_offset`).
 
 The tensors these rewrites introduce are read like any binding, so a new offset, length or scale
@@ -16,7 +17,7 @@ from __future__ import annotations
 import functools
 
 from flexspec.ir.nodes import (SCORE, SCORE_VAR, TRUE, And, AttentionIR, Binary, Expr, Lookup,
-                               Tensor, Var, free_vars, substitute)
+                               Tensor, Var, children, free_vars, rebuild, substitute)
 from flexspec.ir.simplify import simplify
 
 # The tensors of a call's placement, one entry per batch row. Their names are reserved: a
@@ -53,6 +54,57 @@ def placed(spec: AttentionIR, offset: bool, lengths: bool) -> AttentionIR:
     # with the offset written into the IR, its q is the row number: aligned at the start (an
     # end-aligned IR would be shifted a second time by whoever places its rows)
     return AttentionIR(mask, score, "start" if offset else spec.align)
+
+
+# The tensors of a jagged batch laid end to end (see packed): per packed query row, its
+# sequence, its position in it, and its sequence's query and key lengths; per packed key row,
+# its sequence and its position in it.
+Q_SEQUENCE = Tensor("jagged_q_sequence", (Var("Q_LEN"),), "int")
+Q_POSITION = Tensor("jagged_q_position", (Var("Q_LEN"),), "int")
+Q_LENGTH = Tensor("jagged_q_length", (Var("Q_LEN"),), "int")
+KV_LENGTH = Tensor("jagged_kv_length", (Var("Q_LEN"),), "int")
+KV_SEQUENCE = Tensor("jagged_kv_sequence", (Var("KV_LEN"),), "int")
+KV_POSITION = Tensor("jagged_kv_position", (Var("KV_LEN"),), "int")
+JAGGED_TENSORS = (Q_SEQUENCE, Q_POSITION, Q_LENGTH, KV_LENGTH, KV_SEQUENCE, KV_POSITION)
+
+
+@functools.lru_cache(maxsize=256)
+def packed(spec: AttentionIR) -> AttentionIR:
+    """``spec`` over the sequences of a jagged batch laid end to end in one row: ``q`` and
+    ``kv`` read as positions within their sequences, ``b`` as the query's sequence, ``Q_LEN``
+    and ``KV_LEN`` as its lengths (an end-aligned spec's rows stand at the end of their own
+    sequence), and the mask limited to the keys of the query's own sequence. The caller refuses
+    specs this cannot express (bindings, tensors sized by the lengths, the size ``B``).
+
+    >>> from flexspec import parse
+    >>> print(packed(parse("causal").ir).mask)
+    jagged_q_sequence[q] == jagged_kv_sequence[kv] & jagged_q_position[q] >= jagged_kv_position[kv]
+    """
+    sequence = Lookup(Q_SEQUENCE, (Var("q"),))
+    position: Expr = Lookup(Q_POSITION, (Var("q"),))
+    q_length, kv_length = Lookup(Q_LENGTH, (Var("q"),)), Lookup(KV_LENGTH, (Var("q"),))
+    if spec.align == "end":
+        position = Binary("+", position, Binary("-", kv_length, q_length))
+    mapping = {"q": position, "kv": Lookup(KV_POSITION, (Var("kv"),)), "b": sequence,
+               "Q_LEN": q_length, "KV_LEN": kv_length}
+    same = Binary("==", sequence, Lookup(KV_SEQUENCE, (Var("kv"),)))
+    mask = _outside_tensors(spec.mask, mapping)
+    return AttentionIR(same if mask == TRUE else simplify(And((same, mask))),
+                       _outside_tensors(spec.score, mapping), "start")
+
+
+def _outside_tensors(node: Expr, mapping: dict) -> Expr:
+    """``node`` with the variables of ``mapping`` replaced, except inside tensors' declared
+    shapes (a table sized ``[H]`` stays so)."""
+    if isinstance(node, Tensor):
+        return node
+    if isinstance(node, Var):
+        return mapping.get(node.name, node)
+    kids = children(node)
+    if not kids:
+        return node
+    new = tuple(_outside_tensors(kid, mapping) for kid in kids)
+    return rebuild(node, new) if new != kids else node
 
 
 def default_offset(align: str, q_len: int, kv_len: int, kv_lengths=None):

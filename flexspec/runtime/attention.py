@@ -16,7 +16,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexspec import ir
-from flexspec.errors import BindingTypeError, SpecError, did_you_mean
+from flexspec.errors import BindingError, BindingTypeError, SpecError, did_you_mean
 from flexspec.kernels.lower import lower
 from flexspec.kernels.reference import dense_mask, reference_attention
 from flexspec.lang.spec import Spec
@@ -27,6 +27,7 @@ from flexspec.runtime.checks import as_device, check_qkv, given_sizes
 from flexspec.runtime.contract import InputPlan
 from flexspec.runtime.explanation import Explanation, explain_plan
 from flexspec.runtime.identity import meta
+from flexspec.runtime.jagged import is_jagged, jagged_call, packed_spec
 from flexspec.runtime.lookups import check_lookups
 from flexspec.runtime.masks import BLOCK_MASK_MODES, BlockMaskMode, BlockMasks, mask_extent
 from flexspec.runtime.plan import PlanCache, make_mask_plan
@@ -61,6 +62,7 @@ class Attention:
         self._calls = Calls(text=str(spec), spec=spec.ir, asked=backend, block_size=sizes,
                             masks=self._masks, placement=self._placement)
         self._mask_plans = PlanCache()  # block_mask's
+        self._packed: Attention | None = None  # the spec for jagged batches (see _jagged)
 
     # ---- copies: the spec and the options travel; plans and caches are made anew (they hold
     # tensors, compiled entries and locks, and a copy may land on another process or device)
@@ -193,17 +195,38 @@ class Attention:
         ``[B]``) says how many keys of a preallocated cache are valid per batch row. With
         ``return_lse``, returns ``(out, lse)``: the natural-log sum of ``exp`` of the scores over
         the visible keys, ``(B, Hq, Q_LEN)`` float32, ``-inf`` for a row that sees no key.
-        Bindings are passed by name (``doc_ids=ids``). With ``step`` (a :class:`flexspec.Step`),
+        Bindings are passed by name (``doc_ids=ids``). q, k and v may be nested tensors of the
+        jagged layout, ``(B, H, j, D)``: each sequence then runs alone, with no padding
+        (:mod:`flexspec.runtime.jagged`). With ``step`` (a :class:`flexspec.Step`),
         the positions and the bindings the step holds come from it, and what every layer of the
         step would derive from them is derived once (see :mod:`flexspec.runtime.step`)."""
+        if is_jagged(q):
+            if q_offset is not None or kv_lengths is not None or step is not None:
+                raise BindingError("a jagged batch places every sequence at its own start: "
+                                   "it takes no q_offset, kv_lengths or step")
+            return jagged_call(self._jagged(), q, k, v, scale=scale, return_lse=return_lse,
+                               bindings=bindings)
         return self._calls(q, k, v, scale=scale, bindings=bindings, q_offset=q_offset,
                            kv_lengths=kv_lengths, return_lse=return_lse, step=step)
+
+    def _jagged(self) -> "Attention":
+        """This spec rewritten for jagged batches (made on the first jagged call)."""
+        if self._packed is None:
+            self._packed = Attention(packed_spec(self.spec), backend=self.backend,
+                                     block_size=self.block_size, block_masks=self.block_masks)
+        return self._packed
 
     def call(self, q, k, v, *, bindings: dict, learnables: dict | None = None, scale=None,
              q_offset=None, kv_lengths=None, return_lse: bool = False, step=None):
         """A call as :meth:`__call__` makes it, with the bindings as a dict and the values of
         the spec's learnable tensors (by tensor key) from the module that owns them
         (``SpecAttention``)."""
+        if is_jagged(q):
+            if q_offset is not None or kv_lengths is not None or step is not None:
+                raise BindingError("a jagged batch places every sequence at its own start: "
+                                   "it takes no q_offset, kv_lengths or step")
+            return jagged_call(self._jagged(), q, k, v, scale=scale, return_lse=return_lse,
+                               bindings=bindings, learnables=learnables)
         return self._calls(q, k, v, scale=scale, bindings=bindings, learnables=learnables,
                            q_offset=q_offset, kv_lengths=kv_lengths, return_lse=return_lse,
                            step=step)
