@@ -24,7 +24,8 @@ __version__ = "0.1.0"
 
 
 def compile(spec, *, library: Library | None = None, backend: str = "auto", block_size=128,
-            block_masks: str = "exact"):
+            block_masks: str = "exact", kernel_options: dict | None = None,
+            tuned: dict | None = None):
     """Compile a spec (text or :class:`Spec`) into an :class:`~flexspec.runtime.Attention`.
 
     ``backend`` is ``"auto"`` (per call, the fastest backend that can run it; ``explain`` says
@@ -32,12 +33,14 @@ def compile(spec, *, library: Library | None = None, backend: str = "auto", bloc
     (:func:`backends` lists every name). ``block_size`` is an int or a
     (q, kv) pair; ``block_masks`` picks how block masks are built: ``"exact"`` (interval
     analysis refined inside partial tiles; the default), ``"intervals"`` (the analysis alone) or
-    ``"dense"`` (torch's ``create_block_mask``).
+    ``"dense"`` (torch's ``create_block_mask``). ``kernel_options`` go to FlexAttention's
+    kernels on every call (``{"num_stages": 3}``), over flexspec's own; ``tuned`` is a table
+    ``Attention.tune`` made (``attn.tuned``), reused without tuning again.
     """
     from flexspec.runtime.attention import Attention
 
     return Attention(parse(spec, library=library), backend=backend, block_size=block_size,
-                     block_masks=block_masks)
+                     block_masks=block_masks, kernel_options=kernel_options, tuned=tuned)
 
 
 def render(spec, q_len: int, kv_len: int | None = None, **options):

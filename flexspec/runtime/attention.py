@@ -11,6 +11,7 @@ signature, :mod:`flexspec.runtime.plan`), queries are placed by the spec's
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -28,6 +29,8 @@ from flexspec.runtime.contract import InputPlan
 from flexspec.runtime.explanation import Explanation, explain_plan
 from flexspec.runtime.identity import meta
 from flexspec.runtime.jagged import is_jagged, jagged_call, packed_spec
+from flexspec.runtime.tuning import (KernelOptions, Tuned, checked_options, default_candidates,
+                                     median_ms, signature)
 from flexspec.runtime.lookups import check_lookups
 from flexspec.runtime.masks import BLOCK_MASK_MODES, BlockMaskMode, BlockMasks, mask_extent
 from flexspec.runtime.plan import PlanCache, make_mask_plan
@@ -38,7 +41,8 @@ class Attention:
     """A compiled spec. Call it like ``attn(q, k, v, doc_ids=ids)``; see the module docstring."""
 
     def __init__(self, spec: Spec, *, backend: str = "auto", block_size=128,
-                 block_masks: BlockMaskMode = "exact"):
+                 block_masks: BlockMaskMode = "exact", kernel_options: dict | None = None,
+                 tuned: dict | None = None):
         check_backend_name(backend)
         refusal = REGISTRY[backend].cannot_run(spec.ir) if backend != "auto" else None
         if refusal is not None:
@@ -57,10 +61,12 @@ class Attention:
         self.backend = backend
         self.block_size = sizes
         self.block_masks = block_masks
+        self._options = KernelOptions(kernel_options, tuned)
+        self.kernel_options = self._options.given
         self._placement = Placement(spec.ir)
         self._masks = BlockMasks(block_masks, sizes)
         self._calls = Calls(text=str(spec), spec=spec.ir, asked=backend, block_size=sizes,
-                            masks=self._masks, placement=self._placement)
+                            masks=self._masks, placement=self._placement, options=self._options)
         self._mask_plans = PlanCache()  # block_mask's
         self._packed: Attention | None = None  # the spec for jagged batches (see _jagged)
 
@@ -68,11 +74,19 @@ class Attention:
     # tensors, compiled entries and locks, and a copy may land on another process or device)
     def __getstate__(self) -> dict:
         return {"spec": self.spec, "backend": self.backend, "block_size": self.block_size,
-                "block_masks": self.block_masks}
+                "block_masks": self.block_masks, "kernel_options": self.kernel_options,
+                "tuned": self.tuned}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["spec"], backend=state["backend"], block_size=state["block_size"],
-                      block_masks=state["block_masks"])
+                      block_masks=state["block_masks"],
+                      kernel_options=state.get("kernel_options"), tuned=state.get("tuned"))
+
+    @property
+    def tuned(self) -> dict:
+        """The kernel options :meth:`tune` pinned, by call signature: a dict JSON keeps, which
+        ``flexspec.compile(spec, tuned=...)`` takes again."""
+        return self._options.tuned
 
     # ---- descriptions
     def __repr__(self) -> str:
@@ -84,6 +98,8 @@ class Attention:
             options += f", block_size={self.block_size!r}"
         if self.block_masks != "exact":
             options += f", block_masks={self.block_masks!r}"
+        if self.kernel_options:
+            options += f", kernel_options={self.kernel_options!r}"
         return f"flexspec.compile({self.spec!r}, {options})"
 
     @property
@@ -213,8 +229,64 @@ class Attention:
         """This spec rewritten for jagged batches (made on the first jagged call)."""
         if self._packed is None:
             self._packed = Attention(packed_spec(self.spec), backend=self.backend,
-                                     block_size=self.block_size, block_masks=self.block_masks)
+                                     block_size=self.block_size, block_masks=self.block_masks,
+                                     kernel_options=self.kernel_options, tuned=self.tuned)
         return self._packed
+
+    def tune(self, q, k, v, *, candidates: list | None = None, repeats: int = 10, scale=None,
+             q_offset=None, kv_lengths=None, **bindings) -> Tuned:
+        """Time this call (forward, no gradients) with each of ``candidates`` (kernel options;
+        by default :func:`flexspec.runtime.tuning.default_candidates`) and flexspec's own
+        options, check each answer against the own options' answer, and pin the fastest for
+        the call's signature (:attr:`tuned`): later calls of that signature run with it. Only
+        the ``flex`` backend takes tuned options (FLASH's compile failures would be taken for
+        the spec's). Each candidate compiles its kernel (seconds)."""
+        started = time.perf_counter()
+
+        def call():
+            return self(q, k, v, scale=scale, q_offset=q_offset, kv_lengths=kv_lengths,
+                        **bindings)
+
+        with torch.no_grad():
+            call()
+            plan = self._calls.last_plan
+            key = signature(plan.request)
+            if plan.choice.backend != "flex":
+                return Tuned(key, {}, failed={"all": f"this call runs on backend "
+                                                     f"'{plan.choice.backend}', which takes no "
+                                                     "tuned kernel options"},
+                             seconds=time.perf_counter() - started)
+            candidates = default_candidates(plan.request) if candidates is None else [
+                checked_options(options, "candidates") for options in candidates]
+            result = Tuned(key, {})
+            expected = None
+            limit = torch._dynamo.config.recompile_limit + len(candidates) + 1
+            with torch._dynamo.config.patch(recompile_limit=limit,
+                                            accumulated_recompile_limit=max(
+                                                limit, torch._dynamo.config
+                                                .accumulated_recompile_limit)):
+                for options in [{}] + candidates:
+                    self._options.tuned[key] = options
+                    self._calls.forget_plans()
+                    try:
+                        out = call()
+                    except Exception as error:  # noqa: BLE001 - a candidate that fails is a row
+                        result.times.append((options, None))
+                        result.failed[str(options)] = f"failed: {type(error).__name__}"
+                        continue
+                    if expected is None:
+                        expected = out
+                    elif not _close(out, expected):
+                        result.times.append((options, None))
+                        result.failed[str(options)] = "a different answer"
+                        continue
+                    result.times.append((options, median_ms(call, repeats, q.device)))
+            timed = [(options, ms) for options, ms in result.times if ms is not None]
+            result.best = min(timed, key=lambda entry: entry[1])[0] if timed else {}
+            self._options.tuned[key] = result.best
+            self._calls.forget_plans()
+        result.seconds = time.perf_counter() - started
+        return result
 
     def call(self, q, k, v, *, bindings: dict, learnables: dict | None = None, scale=None,
              q_offset=None, kv_lengths=None, return_lse: bool = False, step=None):
@@ -279,4 +351,13 @@ class Attention:
             device = f"{target} (planned on {q.device})"
             plan = dataclasses.replace(plan, request=request)  # its kernel is the target's
         return explain_plan(plan, values, block_mask, str(self.spec), q, k, v, choice=choice,
-                            device=device, keys=keys)
+                            device=device, keys=keys,
+                            options_source=self._options.source(plan.request))
+
+
+def _close(out, expected) -> bool:
+    """Whether a tuned candidate's answer is the default options' (as close as its dtype's
+    rounding lets two kernels be)."""
+    tolerance = 1e-4 if out.dtype == torch.float32 else 2e-2
+    return out.shape == expected.shape and torch.allclose(out.float(), expected.float(),
+                                                          rtol=tolerance, atol=tolerance)

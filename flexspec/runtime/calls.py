@@ -26,10 +26,11 @@ class Calls:
     ``asked`` is the backend asked for."""
 
     def __init__(self, *, text: str, spec: ir.AttentionIR, asked: str, block_size: tuple,
-                 masks: BlockMasks, placement: Placement):
+                 masks: BlockMasks, placement: Placement, options=None):
         self.text, self.ir, self.asked, self.block_size = text, spec, asked, block_size
-        self.masks, self.placement = masks, placement
+        self.masks, self.placement, self.options = masks, placement, options
         self.plans = PlanCache()
+        self.last_plan: Plan | None = None  # the plan the last call took the whole path with
         # the spec without its mask, for calls whose rows see every key: only for auto, a mask
         # that reads no tensor and a score that does not read positions
         self.unmasked: Calls | None = None
@@ -39,7 +40,13 @@ class Calls:
             plain = ir.AttentionIR(ir.TRUE, spec.score, spec.align)
             self.unmasked = Calls(text=text, spec=plain, asked=asked, block_size=block_size,
                                   masks=BlockMasks(masks.mode, block_size),
-                                  placement=Placement(plain))
+                                  placement=Placement(plain), options=options)
+
+    def forget_plans(self) -> None:
+        """Plan every signature anew (the kernel options changed)."""
+        self.plans = PlanCache()
+        if self.unmasked is not None:
+            self.unmasked.forget_plans()
 
     def unmasked_for(self, q, k, q_offset, kv_lengths) -> "Calls | None":
         """The calls of the spec without its mask, when this call's rows provably see every
@@ -81,6 +88,7 @@ class Calls:
         bindings = calls._placed(q, sliced_k, bindings, q_offset, kv_lengths, step)
         plan, key = calls._plan_for(q, sliced_k, sliced_v, scale, bindings, learnables,
                                     return_lse)
+        self.last_plan = plan
         if signature is not None:
             launch = calls._launch(plan, scale, bindings, step, keys)
             if launch is not None:
@@ -177,4 +185,4 @@ class Calls:
                          tensors=self.placement.tensors_for(bindings), masks=self.masks,
                          block_size=self.block_size, q=q, k=k, v=v, scale=scale,
                          bindings=bindings, learnables=learnables, return_lse=return_lse,
-                         written=self.ir)
+                         written=self.ir, options=self.options)

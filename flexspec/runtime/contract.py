@@ -52,6 +52,9 @@ class Request:
     facts: tuple = ()
     # (backend, what went wrong) for the backends that failed to compile this spec before
     failed: tuple = ()
+    # kernel options given to compile or tuned for this call ((name, value) pairs, sorted):
+    # FlexAttention's backends run with them over their own (flexspec.runtime.tuning)
+    kernel_options: tuple = ()
 
     @property
     def mode(self) -> str:

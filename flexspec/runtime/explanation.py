@@ -46,6 +46,7 @@ class Explanation:
     dense: bool = False   # the chosen backend computes every pair (the dense reference)
     keys: tuple | None = None  # (start, end, cache length): the call reads only keys start:end
     kernel: str | None = None  # which of the backend's kernels runs the call, and why
+    options: str | None = None  # the kernel options given or tuned, and where they come from
 
     def __str__(self) -> str:
         s = self.sizes
@@ -69,6 +70,7 @@ class Explanation:
                if self.grads else ""),
             f"backend:  {self.choice.backend}: {self.choice.reason}",
             *([f"kernel:   {self.kernel}"] if self.kernel else []),
+            *([f"options:  {self.options}"] if self.options else []),
         ]
         for name, reason in self.choice.rejected:
             lines.append(f"  not {name}: {reason}")
@@ -83,14 +85,16 @@ def _flops_text(flops: float) -> str:
 
 
 def explain_plan(plan, values: dict, block_mask, text: str, q, k, v, *, choice=None,
-                 device: str | None = None, keys: tuple | None = None) -> Explanation:
+                 device: str | None = None, keys: tuple | None = None,
+                 options_source: str | None = None) -> Explanation:
     """The explanation of a planned call, given its tensor values and its block mask.
 
     The visible pairs are the area of the block mask's full tiles plus the pairs counted cell by
     cell inside its partial ones (its tables say which tiles are partial, not how full). A dense
     backend (the reference) computes every pair: its work counts them all. ``choice`` and
     ``device`` replace the plan's where the call is explained for another device; ``keys`` says
-    which keys of the cache a call reads, where it reads only some."""
+    which keys of the cache a call reads, where it reads only some; ``options_source`` where
+    the call's kernel options come from (given to compile, tuned)."""
     choice = plan.choice if choice is None else choice
     kernel = REGISTRY[choice.backend].kernel(plan)
     sizes, spec, mask = plan.sizes, plan.spec, plan.masks
@@ -113,4 +117,6 @@ def explain_plan(plan, values: dict, block_mask, text: str, q, k, v, *, choice=N
         density=visible / (mask.batch * mask.heads * given["Q_LEN"] * given["KV_LEN"]),
         tile_density=tiles / (mask.batch * mask.heads * nq * nk), block_size=block_size,
         flops=attention_flops(pairs, q.shape[-1], v.shape[-1], backward=False),
-        grads=plan.request.grads, choice=choice, dense=dense, keys=keys, kernel=kernel)
+        grads=plan.request.grads, choice=choice, dense=dense, keys=keys, kernel=kernel,
+        options=(f"{dict(plan.request.kernel_options)} ({options_source})"
+                 if plan.request.kernel_options and options_source else None))

@@ -161,6 +161,8 @@ class FlexAttentionBackend(Backend):
             # the decoding kernel splits a row's tiles evenly among its splits only when none
             # is listed full (flexspec.workarounds: flex-decoding-full-blocks)
             options, masks = {**DECODING_OPTIONS, **(options or {})}, masks.partial_only()
+        if plan.request.kernel_options:  # given to compile, or tuned: over flexspec's own
+            options = {**(options or {}), **dict(plan.request.kernel_options)}
         call = FlexCall(lowered=lowered, entry=compiled.compiled_entry(lowered),
                         kernel_options=options, masks=masks, decoding=decoding,
                         lse=compiled.lse_request(plan.request.lse), scale_values=scale_values)

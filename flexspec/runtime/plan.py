@@ -170,9 +170,11 @@ def call_key(q, k, v, scale, bindings: dict, learnables: dict | None,
 
 def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, block_size: tuple,
               q, k, v, scale, bindings: dict, learnables: dict | None,
-              return_lse: bool = False, written: ir.AttentionIR | None = None) -> Plan:
+              return_lse: bool = False, written: ir.AttentionIR | None = None,
+              options=None) -> Plan:
     """Check a call's inputs and decide everything that depends only on their signature.
-    ``written`` is the spec before its query positions were placed (see check_ranges)."""
+    ``written`` is the spec before its query positions were placed (see check_ranges);
+    ``options`` the Attention's :class:`~flexspec.runtime.tuning.KernelOptions`."""
     float64 = asked != "auto" and REGISTRY[asked].float64
     sizes = check_qkv(q, k, v, allow_float64=float64).as_dict()
     scale = checked_scale(scale)
@@ -202,6 +204,8 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, blo
         reference_fits=dense_fits(*q.shape[:3], k.shape[2]),
         lse=bool(return_lse), scale=scale, facts=tuple(sorted(facts.items())),
         failed=FAILURES.of(spec))
+    if options is not None:
+        request = dataclasses.replace(request, kernel_options=options.for_request(request))
     choice = choose(asked, request, spec)
     check_ranges(written or spec, sizes, REGISTRY[choice.backend].index_dtype(device.type))
     draft = Plan(text=text, asked=asked, sizes=sizes, device=device, spec=spec, request=request,
