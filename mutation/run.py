@@ -59,6 +59,10 @@ MODULES: dict[str, list[str]] = {
     "runtime/multihead": ["tests/runtime/test_multihead.py"],
     "runtime/module": ["tests/runtime/test_module.py"],
     "runtime/backends/__init__": ["tests/runtime/test_backends.py", "tests/runtime/test_order.py"],
+    "runtime/backends/sdpa": ["tests/runtime/test_backends.py"],
+    "runtime/backends/flex": ["tests/runtime/test_backends.py"],
+    "runtime/backends/native": ["tests/runtime/test_native.py"],
+    "integrations/transformers": ["tests/integrations/test_transformers.py"],
     "lang/checker": ["tests/lang/test_checker.py"],
 }
 

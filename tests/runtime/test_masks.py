@@ -704,3 +704,43 @@ def test_the_fused_program_s_first_build_of_a_mask_is_logged_and_no_other(monkey
         "build compiles) (may take seconds)...",
         "building the block-mask program of '" + ir.to_text(other.ir.mask) + "' (its first "
         "build compiles) (may take seconds)..."]
+
+
+# --- mutation testing of runtime/masks (2026-12-03: the decoding kernel's partial-only masks) --
+
+
+@pytest.mark.parametrize("dialect", ["torch", "cute"])
+def test_a_partial_only_handle_lists_every_visible_tile_as_partial_cached_apart(dialect):
+    # FlexAttention's decoding kernel gets block masks without full tiles (MaskKey.partial): the
+    # same mask, every tile with a visible cell listed as partial, kv side only
+    block_masks = BlockMasks("exact", (16, 16))
+    spec, cpu = spec_of("per_row"), torch.device("cpu")
+    attn = compile_mask("per_row", block_size=16)
+    sizes = {"B": 2, "H": 1, "Q_LEN": 40, "KV_LEN": 50}
+    r = doc_ids(((20,), (30,)), 50)
+    values = {ir.tensor_key(t): r for t in spec.tensors()}
+    bound = block_masks.bind(spec, sizes, cpu, dialect)
+    assert bound.device == cpu
+    partial = bound.partial_only()
+    assert partial.device == cpu and partial.spec is spec and partial.sizes is sizes
+    assert partial.key == block_masks.key(spec, sizes, cpu, dialect, partial=True)
+    assert partial.key.partial is True and partial.key.dialect == dialect
+    assert (partial.key.batch, partial.key.heads, partial.key.reads) == \
+        (bound.key.batch, bound.key.heads, bound.key.reads)
+    assert partial.key.token != bound.key.token
+    # the partial form of a handle bound on another device is another mask
+    assert block_masks.bind(spec, sizes, torch.device("meta"), dialect).partial_only().key \
+        != partial.key
+    full = bound.get(values, cpu)
+    listed = partial.get(values, cpu)
+    assert listed is not full
+    dense = attn.dense_mask(40, 50, batch=2, r=r)
+    expected = reference_classes(dense, (16, 16))
+    assert (expected == FULL).any()  # something to list as partial
+    assert torch.equal(tile_classes(full), expected)
+    assert listed.full_kv_num_blocks is None and listed.q_num_blocks is None
+    assert torch.equal(tile_classes(listed), torch.where(expected == FULL, PARTIAL, expected))
+    assert torch.equal(create_mask(listed.mask_mod, 2, 1, 40, 50), dense)
+    # cached apart from the full form: asked for again, each handle finds its own
+    assert partial.get(values, cpu) is listed and bound.get(values, cpu) is full
+    assert block_masks.get(spec, sizes, values, cpu, partial.key) is listed

@@ -411,3 +411,32 @@ def test_a_cache_refuses_keys_of_another_batch_head_count_or_head_size_in_full()
     assert torch.equal(keys, torch.cat((k, more), dim=2))
     assert torch.equal(values, torch.cat((k + 1, more * 2), dim=2))
     assert cache.length == 6 and keys is cache.k and values is cache.v
+
+
+def test_a_cache_of_another_type_is_refused_with_its_type_named():
+    layer = flexspec.MultiheadAttention(16, 2, "causal", batch_first=True)
+    x = torch.randn(1, 3, 16)
+    for bad, name in (({}, "dict"), ([], "list"), (object(), "object")):
+        with pytest.raises(flexspec.SpecTypeError, match=whole(
+                f"cache must be a flexspec.KVCache, got {name}")):
+            layer(x, cache=bad)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_bindings_reach_the_spec_with_and_without_key_padding(padded):
+    torch.manual_seed(9)
+    layer = flexspec.MultiheadAttention(16, 2, "causal & document", num_kv_heads=1,
+                                        batch_first=True)
+    x = torch.randn(2, 7, 16)
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 2, 2]])
+    padding = torch.zeros(2, 7, dtype=torch.bool)
+    if padded:
+        padding[0, 4] = padding[1, 1] = True  # every query still sees a key
+    with torch.no_grad():
+        out, _ = layer(x, doc_ids=ids, key_padding_mask=padding if padded else None)
+        position = torch.arange(7)
+        visible = ((position[None, :, None] >= position[None, None, :])
+                   & (ids[:, :, None] == ids[:, None, :]) & ~padding[:, None, :])
+        expected = reference_layer(layer, x, x, x, visible)
+    assert visible.any(-1).all()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
