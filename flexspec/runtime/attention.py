@@ -242,6 +242,10 @@ class Attention:
         the ``flex`` backend takes tuned options (FLASH's compile failures would be taken for
         the spec's). Each candidate compiles its kernel (seconds)."""
         started = time.perf_counter()
+        if is_jagged(q):
+            raise BindingError("tune times dense q, k, v: give it one padded batch of the "
+                               "shapes you run (a jagged batch runs laid end to end, as "
+                               "(1, H, total, D))")
 
         def call():
             return self(q, k, v, scale=scale, q_offset=q_offset, kv_lengths=kv_lengths,

@@ -129,6 +129,10 @@ def test_bad_options_are_refused_with_what_to_do():
         KernelOptions(None, ["x"])
     with pytest.raises(flexspec.BindingError, match=r"tuned\['k'\]: option names are strings"):
         KernelOptions(None, {"k": {1: 2}})
+    nested = torch.nested.nested_tensor([torch.randn(3, 2, 8)], layout=torch.jagged)
+    with pytest.raises(flexspec.BindingError, match="tune times dense q, k, v"):
+        flexspec.compile("causal").tune(nested.transpose(1, 2), nested.transpose(1, 2),
+                                        nested.transpose(1, 2))
 
 
 def test_default_candidates_fit_the_kernel_a_call_runs_on():
