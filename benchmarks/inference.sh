@@ -30,7 +30,7 @@ part 170 tests python3 -m pytest -m gpu tests/test_gpu.py -n 8 -q -p no:cachepro
     -k "decod or step or static or captured or lengths or warm or window or generate" \
     -rf --tb=line
 part 110 decode_step python3 benchmarks/decode_step.py --layers 8 --cache 32768 --batch 8
-part 160 decode python3 benchmarks/decode.py --caches 32768 --batches 8 64
+part 160 decode python3 benchmarks/decode.py --caches 32768 --batches 8
 part 130 generate python3 benchmarks/generate.py --models mistral --attention sdpa flexspec \
     --tokens 32
 
