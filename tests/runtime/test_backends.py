@@ -663,3 +663,64 @@ def test_a_backend_auto_passes_over_after_the_chosen_one_says_why(monkeypatch):
     assert rejected["fa4"].startswith("the problem is small")
     assert "fixed cost per call outweighs its speed" in rejected["fa4"]
     assert rejected["reference"] == "ranked lower for this call"
+
+
+# ---- mutation testing of runtime/backends/sdpa --------------------------------------------------
+
+
+class FakeCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: the launch's device test, without a GPU."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+@pytest.mark.parametrize("rows, restricted", [(1, True), (16, True), (17, False)])
+def test_sdpa_leaves_cudnn_out_for_calls_of_up_to_sixteen_rows_on_cuda_only(rows, restricted,
+                                                                            monkeypatch):
+    """Up to DECODING_ROWS (16) query rows on CUDA, SDPA runs inside sdpa_kernel without cuDNN,
+    with the call's causal flag, scale and grouped heads; more rows, or the CPU, run it as is."""
+    from flexspec.runtime.backends import sdpa
+
+    assert sdpa.DECODING_ROWS == 16
+    asked = []
+    monkeypatch.setattr(sdpa, "sdpa_kernel", lambda kernels: asked.append(kernels) or
+                        __import__("contextlib").nullcontext())
+    attn = flexspec.compile("causal + scale(0.5)", backend="sdpa")
+    q, k, v = Shape(2, 4, 2, rows, rows, 16).qkv(seed=3)
+    want = attn.reference(q, k, v, scale=0.3)
+    with torch.no_grad():
+        out = attn(q.as_subclass(FakeCuda), k, v, scale=0.3)
+    torch.testing.assert_close(out.as_subclass(torch.Tensor), want, rtol=1e-5, atol=1e-5)
+    SDPBackend = torch.nn.attention.SDPBackend
+    assert asked == ([[SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                       SDPBackend.MATH]] if restricted else [])
+    asked.clear()
+    with torch.no_grad():  # on the CPU, never
+        torch.testing.assert_close(attn(q, k, v, scale=0.3), want, rtol=1e-5, atol=1e-5)
+    assert asked == []
+
+
+def test_sdpa_refuses_a_scale_below_the_smallest_normal_float32_saying_it_whole():
+    from flexspec.runtime.backends.sdpa import SMALLEST_SCALE
+
+    sdpa = REGISTRY["sdpa"]
+    assert SMALLEST_SCALE == 2.0 ** -126
+    causal = ir("causal")
+    assert sdpa.why_not(dataclasses.replace(CPU, scale=SMALLEST_SCALE), causal) is None
+    below = math.nextafter(SMALLEST_SCALE, 0.0)
+    assert sdpa.why_not(dataclasses.replace(CPU, scale=below), causal) == \
+        f"SDPA returns NaN for a scale that rounds to zero in float32 ({below!r})"
+    # without a scale, 1 / sqrt(D) times the spec's factor: 6e-38 / 8 at D = 64 is below,
+    # 6e-38 / 4 at D = 16 is not
+    tiny = ir("causal + scale(6e-38)")
+    assert CPU.head_dim == 64 and CPU.scale is None
+    assert sdpa.why_not(CPU, tiny) == \
+        "SDPA returns NaN for a scale that rounds to zero in float32 (7.5e-39)"
+    assert sdpa.why_not(dataclasses.replace(CPU, head_dim=16, v_head_dim=16), tiny) is None
+
+
+def test_sdpa_says_in_full_that_it_returns_no_log_sum_exp():
+    assert REGISTRY["sdpa"].why_not(dataclasses.replace(CPU, lse=True), ir("causal")) == \
+        "SDPA does not return the log-sum-exp that return_lse=True asks for"
