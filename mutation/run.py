@@ -61,7 +61,7 @@ MODULES: dict[str, list[str]] = {
     "runtime/backends/__init__": ["tests/runtime/test_backends.py", "tests/runtime/test_order.py"],
     "runtime/backends/sdpa": ["tests/runtime/test_backends.py"],
     "runtime/backends/flex": ["tests/runtime/test_backends.py"],
-    "runtime/backends/native": ["tests/runtime/test_native.py"],
+    "runtime/backends/native": ["tests/runtime/test_native.py", "tests/runtime/test_backends.py"],
     "integrations/transformers": ["tests/integrations/test_transformers.py"],
     "lang/checker": ["tests/lang/test_checker.py"],
 }

@@ -169,10 +169,14 @@ class _Layers:
         if padded:
             masks.append("key_padding")
         spec = self.base
+        # the joined masks and softcap are transformers' own, the registry's patterns: parsed
+        # without the library, whose patterns of the same names would change them (the library
+        # still resolves the registered spec's own names, which with_mask checks)
         if masks:
-            spec = with_mask(spec, " & ".join(masks), library=self.library)
+            spec = with_mask(spec, flexspec.parse(" & ".join(masks)), library=self.library)
         if softcap:
-            spec = with_score(spec, f"softcap({float(softcap)!r})", library=self.library)
+            spec = with_score(spec, flexspec.parse(f"softcap({float(softcap)!r})"),
+                              library=self.library)
         return spec
 
     def attention_for(self, sliding_window, softcap, padded: bool, packed: bool):

@@ -293,3 +293,129 @@ def test_a_forward_finds_its_packed_documents_once_for_all_layers(monkeypatch):
     with torch.no_grad():
         model(ids, position_ids=positions, use_cache=False)
     assert len(found) == 1 and model.config.num_hidden_layers == 2
+
+
+# ---- mutation testing of integrations/transformers ----------------------------------------------
+
+
+def fresh_name(stem):
+    """A name never registered before in this process (registrations are global: a test run
+    forked from a process that registered a name would find it there already)."""
+    import uuid
+    return f"{stem}-{uuid.uuid4().hex[:8]}"
+
+
+def test_packed_documents_of_one_row_of_positions_and_of_a_last_one_token_document():
+    # position_ids of one row (as a model gets them) serve every batch row
+    documents = integration.packed_documents(torch.tensor([0, 1, 2, 0, 1]), 2)
+    assert documents.tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 1, 1]]
+    # a document that is only the last token still makes the row packed
+    documents = integration.packed_documents(torch.tensor([[0, 1, 2, 3, 0]]), 1)
+    assert documents.tolist() == [[0, 0, 0, 0, 1]]
+
+
+def test_register_without_transformers_says_how_to_install_it(monkeypatch):
+    import re
+    import sys
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    with pytest.raises(flexspec.SpecError, match="^" + re.escape(
+            "flexspec.integrations.transformers needs transformers: pip install "
+            "'flexspec[transformers]'") + "$"):
+        integration.register(fresh_name("flexspec-missing"))
+
+
+def test_the_default_registration_is_named_flexspec():
+    assert integration.register() == "flexspec"  # docs/howto.md: name = register()
+
+
+def test_a_name_registered_now_serves_attention_and_masks():
+    implementation = integration.register(fresh_name("flexspec-fresh"))
+    eager, ours = pair(MODELS["llama"], implementation)
+    ids, mask = left_padded(24)
+    with torch.no_grad():
+        expected = eager(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask).logits
+    assert (expected - got)[mask.bool()].abs().max() <= 1e-4
+
+
+def test_a_spec_from_a_library_reaches_every_kind_of_layer():
+    """register(spec=..., library=...): the padded, sliding and soft-capped layers of Gemma-2 all
+    join their masks and scores to a spec whose names only the library knows."""
+    library = flexspec.loads("mask own_causal = kv <= q")
+    implementation = integration.register(fresh_name("flexspec-library"), spec="own_causal",
+                                          library=library)
+    eager, ours = pair(MODELS["gemma2 (softcap, sliding layers)"], implementation)
+    ids, mask = left_padded(30)
+    with torch.no_grad():
+        expected = eager(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask).logits
+    assert (expected - got)[mask.bool()].abs().max() <= 1e-4
+
+
+def test_a_placement_keeps_one_step_per_kind_of_call():
+    """Placement.step: packed documents from restarting position_ids, only without a cache and
+    without doc_ids given by name; one step per position tensor, cache use, doc_ids and batch."""
+    where = integration.Placement(0, 0, None)
+    packed, plain = torch.tensor([[0, 1, 2, 0, 1]]), torch.tensor([[0, 1, 2, 3, 4]])
+    first = where.step({"position_ids": packed}, 1)
+    assert first.bindings["doc_ids"].tolist() == [[0, 0, 0, 1, 1]] and first.q_offset == 0
+    assert where.step({"position_ids": packed}, 1) is first  # the next layer's
+    assert "doc_ids" not in where.step({"position_ids": plain}, 1).bindings
+    assert "doc_ids" not in where.step({"position_ids": packed, "use_cache": True}, 1).bindings
+    given = torch.zeros(1, 5, dtype=torch.int64)
+    assert "doc_ids" not in where.step({"position_ids": packed, "doc_ids": given}, 1).bindings
+    assert where.step({"position_ids": packed}, 2).bindings["doc_ids"].shape == (2, 5)
+    # a sliding cache that dropped keys shifts the queries by its key offset
+    assert integration.Placement(10, 4, None).step({}, 1).q_offset == 6
+
+
+def test_each_kind_of_layer_is_compiled_once_with_the_registered_options():
+    layers = integration._Layers(flexspec.parse("causal"), None,
+                                 {"backend": "reference", "block_size": 64})
+    attn = layers.attention_for(8, None, True, False)
+    assert (attn.backend, attn.block_size) == ("reference", (64, 64))
+    assert str(attn.spec) == "causal & (sliding_window(7) & key_padding)"
+    assert layers.attention_for(8, None, True, False) is attn
+    assert layers.attention_for(8, None, False, False) is not attn
+
+
+def test_a_window_of_one_key_is_the_query_alone_and_none_is_refused():
+    import re
+    layers = integration._Layers(flexspec.parse("causal"), None, {})
+    assert str(layers.spec_for(1, None, False)) == "causal & sliding_window(0)"
+    with pytest.raises(flexspec.SpecError, match="^" + re.escape(
+            "sliding_window must be at least 1, got 0") + "$"):
+        layers.spec_for(0, None, False)
+
+
+def test_a_library_s_own_names_do_not_change_what_a_layer_joins():
+    """Found by mutation testing (spec_for passing the library to with_score): the masks and the
+    softcap a layer joins to the registered spec (transformers' sliding window, padding, packed
+    documents, Gemma-2's logit softcapping) were resolved in the registered library first, so a
+    library with patterns of its own named softcap, sliding_window, key_padding or doc changed
+    them (Gemma-2's tanh cap became the library's score). They mean the registry's patterns."""
+    library = flexspec.loads("""
+mask own_causal = kv <= q
+score softcap(c: float) = score * 2.0
+mask sliding_window(n: int) = true
+mask key_padding(valid: bool[B, KV_LEN]) = true
+mask doc(doc_ids: int[B, KV_LEN]) = true
+""")
+    implementation = integration.register(fresh_name("flexspec-shadowed"), spec="own_causal",
+                                          library=library)
+    eager, ours = pair(MODELS["gemma2 (softcap, sliding layers)"], implementation)
+    ids, mask = left_padded(30)
+    with torch.no_grad():
+        expected = eager(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask).logits
+    assert (expected - got)[mask.bool()].abs().max() <= 1e-4
+    # packed documents (restarting position_ids, no cache) stay apart
+    _, model = pair(MODELS["llama"], implementation)
+    generator = torch.Generator().manual_seed(3)
+    first, second = (torch.randint(0, 100, (1, n), generator=generator) for n in (11, 13))
+    positions = torch.cat([torch.arange(11), torch.arange(13)])[None]
+    with torch.no_grad():
+        together = model(torch.cat([first, second], dim=1), position_ids=positions,
+                         use_cache=False).logits
+        alone = [model(doc, use_cache=False).logits for doc in (first, second)]
+    torch.testing.assert_close(together, torch.cat(alone, dim=1), rtol=1e-4, atol=1e-4)

@@ -683,3 +683,147 @@ def test_explain_says_which_kernel_a_decode_call_runs_on_a_gpu():
     assert "kernel:" not in str(attn.explain(torch.randn(2, 8, 128, 64), k, k, q_offset=2872,
                                              target="cuda", capability=(9, 0)))
     assert "kernel:" not in str(attn.explain(q.detach(), k, k, q_offset=2999))  # on the CPU
+
+
+# ---- mutation testing of runtime/backends/sdpa --------------------------------------------------
+
+
+class FakeCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: the launch's device test, without a GPU."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+@pytest.mark.parametrize("rows, restricted", [(1, True), (16, True), (17, False)])
+def test_sdpa_leaves_cudnn_out_for_calls_of_up_to_sixteen_rows_on_cuda_only(rows, restricted,
+                                                                            monkeypatch):
+    """Up to DECODING_ROWS (16) query rows on CUDA, SDPA runs inside sdpa_kernel without cuDNN,
+    with the call's causal flag, scale and grouped heads; more rows, or the CPU, run it as is."""
+    from flexspec.runtime.backends import sdpa
+
+    assert sdpa.DECODING_ROWS == 16
+    asked = []
+    monkeypatch.setattr(sdpa, "sdpa_kernel", lambda kernels: asked.append(kernels) or
+                        __import__("contextlib").nullcontext())
+    attn = flexspec.compile("causal + scale(0.5)", backend="sdpa")
+    q, k, v = Shape(2, 4, 2, rows, rows, 16).qkv(seed=3)
+    want = attn.reference(q, k, v, scale=0.3)
+    with torch.no_grad():
+        out = attn(q.as_subclass(FakeCuda), k, v, scale=0.3)
+    torch.testing.assert_close(out.as_subclass(torch.Tensor), want, rtol=1e-5, atol=1e-5)
+    SDPBackend = torch.nn.attention.SDPBackend
+    assert asked == ([[SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                       SDPBackend.MATH]] if restricted else [])
+    asked.clear()
+    with torch.no_grad():  # on the CPU, never
+        torch.testing.assert_close(attn(q, k, v, scale=0.3), want, rtol=1e-5, atol=1e-5)
+    assert asked == []
+
+
+def test_sdpa_refuses_a_scale_below_the_smallest_normal_float32_saying_it_whole():
+    from flexspec.runtime.backends.sdpa import SMALLEST_SCALE
+
+    sdpa = REGISTRY["sdpa"]
+    assert SMALLEST_SCALE == 2.0 ** -126
+    causal = ir("causal")
+    assert sdpa.why_not(dataclasses.replace(CPU, scale=SMALLEST_SCALE), causal) is None
+    below = math.nextafter(SMALLEST_SCALE, 0.0)
+    assert sdpa.why_not(dataclasses.replace(CPU, scale=below), causal) == \
+        f"SDPA returns NaN for a scale that rounds to zero in float32 ({below!r})"
+    # without a scale, 1 / sqrt(D) times the spec's factor: 6e-38 / 8 at D = 64 is below,
+    # 6e-38 / 4 at D = 16 is not
+    tiny = ir("causal + scale(6e-38)")
+    assert CPU.head_dim == 64 and CPU.scale is None
+    assert sdpa.why_not(CPU, tiny) == \
+        "SDPA returns NaN for a scale that rounds to zero in float32 (7.5e-39)"
+    assert sdpa.why_not(dataclasses.replace(CPU, head_dim=16, v_head_dim=16), tiny) is None
+
+
+def test_sdpa_says_in_full_that_it_returns_no_log_sum_exp():
+    assert REGISTRY["sdpa"].why_not(dataclasses.replace(CPU, lse=True), ir("causal")) == \
+        "SDPA does not return the log-sum-exp that return_lse=True asks for"
+
+
+# ---- mutation testing of runtime/backends/flex --------------------------------------------------
+
+
+def test_flex_says_why_it_cannot_run_each_call_in_full():
+    flex, window = REGISTRY["flex"], ir("causal & window(8)")
+    for device in ("cpu", "mps"):
+        request = dataclasses.replace(CPU, device_type=device, grads=True)
+        assert flex.why_not(request, window) == f"FlexAttention has no backward pass on {device}"
+    training = dataclasses.replace(H200, block_size=(64, 128), grads=True)
+    assert flex.why_not(training, window) == (
+        "FlexAttention's Triton backward finds no kernel for blocks of 64x128: use "
+        "block_size=128 for training, or call without gradients")
+    assert flex.why_not(dataclasses.replace(CPU, lse=True), window) == (
+        "torch's compiled CPU FlexAttention does not return the log-sum-exp "
+        "(flexspec.workarounds: cpu-flex-lse): return_lse=True runs on the dense reference on "
+        "the CPU")
+    assert flex.why_not(dataclasses.replace(CPU, q_len=127), window) == (
+        "torch's compiled CPU FlexAttention is wrong for sequences shorter than one block (128 "
+        "positions; flexspec.workarounds: cpu-short-sequences), so flexspec does not run it "
+        "there")
+    # the others run it: gradients on CUDA and XPU, the log-sum-exp on CUDA, short on CUDA
+    for request in (dataclasses.replace(H200, grads=True), dataclasses.replace(H200, lse=True),
+                    dataclasses.replace(CPU, device_type="xpu", grads=True),
+                    dataclasses.replace(H200, q_len=1, kv_len=1)):
+        assert flex.why_not(request, window) is None
+
+
+def test_flex_computes_positions_in_int32_on_cuda_only():
+    flex = REGISTRY["flex"]
+    assert flex.index_dtype("cuda") == "int32"
+    assert flex.index_dtype("cpu") == flex.index_dtype("xpu") == "int64"
+
+
+def test_flex_forces_the_main_kernel_for_few_rows_over_keys_indexed_in_int64():
+    """FlexAttention's decoding kernel (fewer than 128 query rows) does not compile where
+    inductor indexes the keys in int64 (2**31 elements or more: flexspec.workarounds,
+    flex-decoding-wide-indices): such calls get FORCE_USE_FLEX_ATTENTION on CUDA."""
+    flex = REGISTRY["flex"]
+    # 4 rows x 16 heads x 2**18 keys x 128 = 2**31 elements; one key fewer per row is not wide
+    wide = dataclasses.replace(H200, q_len=1, kv_len=2**18)
+    narrow = dataclasses.replace(wide, kv_len=2**18 - 1)
+    assert 4 * 16 * 2**18 * 128 == 2**31
+    assert flex.kernel_options(wide) == {"FORCE_USE_FLEX_ATTENTION": True}
+    assert flex.kernel_options(dataclasses.replace(wide, q_len=127)) == \
+        {"FORCE_USE_FLEX_ATTENTION": True}
+    assert flex.kernel_options(dataclasses.replace(wide, q_len=128)) is None
+    assert flex.kernel_options(narrow) is None
+    assert flex.kernel_options(dataclasses.replace(narrow, q_len=8192)) is None
+    for device in ("cpu", "xpu"):
+        assert flex.kernel_options(dataclasses.replace(wide, device_type=device)) is None
+
+
+def test_flex_gives_xpu_small_tiles_and_table_gradients_one_stage_above_64_dimensions():
+    flex = REGISTRY["flex"]
+    small = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 32, "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 32,
+             "bwd_BLOCK_M2": 32, "bwd_BLOCK_N2": 32}
+    for device in ("cuda", "xpu"):
+        request = dataclasses.replace(H200, device_type=device, block_size=(64, 96))
+        assert flex.kernel_options(request) == small
+    assert flex.kernel_options(dataclasses.replace(CPU, block_size=(64, 96))) is None
+    # the Triton backward of a score reading a tensor that requires gradients: one stage on
+    # CUDA at head dimensions above 64 (flexspec.workarounds: triton-table-grad-stages)
+    tables = dataclasses.replace(H200, grads=True, table_grads=True)
+    for head_dim, options in ((128, {"num_stages": 1}), (65, {"num_stages": 1}), (64, None)):
+        assert flex.kernel_options(dataclasses.replace(tables, head_dim=head_dim,
+                                                       v_head_dim=head_dim)) == options
+    assert flex.kernel_options(dataclasses.replace(tables, device_type="xpu")) is None
+
+
+def test_a_compile_torch_gives_up_on_says_so_in_full():
+    from torch._dynamo.exc import TorchRuntimeError
+
+    flex = REGISTRY["flex"]
+    with pytest.raises(BackendError) as info:
+        flex.compile_failed(None, TorchRuntimeError("Invalid NaN comparison"))
+    assert str(info.value) == (
+        "backend 'flex' could not compile this spec: torch.compile failed (Invalid NaN "
+        "comparison). This is a limit of the compiled path (torch's compiler, or flexspec's "
+        "lowering for it), not an error in the spec: please report it; backend='reference' "
+        "computes it densely (float64 math, memory growing as Q_LEN x KV_LEN)")
+    assert isinstance(info.value.__cause__, TorchRuntimeError)

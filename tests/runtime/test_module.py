@@ -223,3 +223,23 @@ def test_spec_attention_passes_every_argument_of_a_call_on():
 def whole(message: str) -> str:
     """A pattern that matches ``message`` and nothing longer or shorter."""
     return "^" + re.escape(message) + "$"
+
+
+def test_a_step_reaches_spec_attention():
+    """A model passes its step (positions and documents shared by every layer) to each
+    SpecAttention: the step's q_offset and doc_ids place the call."""
+    torch.manual_seed(11)
+    module = flexspec.SpecAttention("causal_bottom_right & doc + rel_bias(max_distance=4)",
+                                    num_heads=2)
+    with torch.no_grad():
+        module.tables["rel_bias_table"].normal_()
+    q = torch.randn(1, 2, 3, 4)
+    k, v = (torch.randn(1, 2, 9, 4) for _ in range(2))
+    ids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1])
+    table = module.tables["rel_bias_table"].detach()
+    step = flexspec.Step(q_offset=2, doc_ids=ids)
+    want = module.attention.reference(q, k, v, q_offset=2, doc_ids=ids, rel_bias_table=table)
+    torch.testing.assert_close(module(q, k, v, step=step), want)
+    # without the step's offset the rows stand elsewhere: the offset changes the answer
+    assert not torch.allclose(want, module.attention.reference(q, k, v, doc_ids=ids,
+                                                               rel_bias_table=table))

@@ -293,7 +293,7 @@ def fa4_interface(monkeypatch):
     return calls
 
 
-def _run_on_fa4(attn, q, k, v, bindings, return_lse=False, fallback=None):
+def _run_on_fa4(attn, q, k, v, bindings, return_lse=False, fallback=None, scale=None):
     """One CPU call through the fa4 backend's own ``run``, as the runtime makes it
     (:func:`flexspec.runtime.plan.run`): the call's plan, handed to fa4 with what its
     ``prepare`` keeps on a GPU and ``fallback`` as the plan calls handed back run on. Returns
@@ -301,11 +301,11 @@ def _run_on_fa4(attn, q, k, v, bindings, return_lse=False, fallback=None):
     import dataclasses
     from flexspec.runtime import plan as planning
     from flexspec.runtime.backends import REGISTRY
-    plan = attn._calls.plan(q, k, v, None, bindings, None, return_lse=return_lse)
+    plan = attn._calls.plan(q, k, v, scale, bindings, None, return_lse=return_lse)
     prepared = REGISTRY["fa4"].prepare(plan, plan.values(bindings))
     plan = dataclasses.replace(plan, backend=REGISTRY["fa4"], state=prepared.state,
                                needs_values=prepared.needs_values, fallback=fallback)
-    return planning.run(plan, q, k, v, None, bindings), plan, plan.values(bindings)
+    return planning.run(plan, q, k, v, scale, bindings), plan, plan.values(bindings)
 
 
 @pytest.mark.parametrize("text", ["causal & doc", "window(7) & doc + softcap(2.0)",
@@ -418,3 +418,144 @@ def test_a_step_finds_its_documents_once_for_every_layer(fa4_interface, monkeypa
     for _ in range(3):
         layer(bounds, {})
     assert looked == [] and fa4_interface == [("varlen", [0, 60, 150, 300], 150)] * 3
+
+
+# ---- mutation testing of runtime/backends/native -------------------------------------------------
+
+
+def _h200(**changes):
+    """The facts of a call on an H200 with FA4 installed (bfloat16, D = 64)."""
+    import dataclasses
+    from flexspec.runtime.backends import Request
+    from flexspec.runtime.fa4 import INSTALLED
+    request = Request(device_type="cuda", capability=(9, 0), dtype=torch.bfloat16, batch=4,
+                      heads=16, kv_heads=16, q_len=8192, kv_len=8192, head_dim=64,
+                      v_head_dim=64, grads=False, table_grads=False, facts=((INSTALLED, True),))
+    return dataclasses.replace(request, **changes)
+
+
+def _whole(message):
+    import re
+    return "^" + re.escape(message) + "$"
+
+
+def test_the_fa4_backend_says_why_it_cannot_run_a_spec_or_a_call_in_full():
+    from flexspec import ir
+    from flexspec.runtime.backends import REGISTRY
+    fa4 = REGISTRY["fa4"]
+    chunked = flexspec.parse("causal & chunked(8) + alibi").ir
+    message = ("FA4's own kernels run full or causal attention, sliding windows and documents "
+               "(`doc_ids[b, q] == doc_ids[b, kv]`), times a constant and soft-capped; this spec "
+               f"has mask `{ir.to_text(chunked.mask)}` and score `{ir.to_text(chunked.score)}`")
+    assert fa4.cannot_run(chunked) == message
+    assert fa4.why_not(_h200(), chunked) == message
+    for text in ("causal", "full", "sliding_window(5) & doc + softcap(2.0)"):
+        assert fa4.cannot_run(flexspec.parse(text).ir) is None, text
+    with pytest.raises(flexspec.BackendError, match=_whole(
+            "backend 'fa4' cannot run 'causal & chunked(8) + alibi': " + message +
+            ". backend='auto' chooses one that can")):
+        flexspec.compile("causal & chunked(8) + alibi", backend="fa4")
+    causal = flexspec.parse("causal").ir
+    assert fa4.why_not(_h200(device_type="cpu", capability=None), causal) == \
+        "FA4's own interface runs on CUDA GPUs only, not on cpu"
+    documents = flexspec.parse("causal & doc").ir
+    assert fa4.why_not(_h200(batch=2**18, q_len=2**13, kv_len=2**13), documents) == (
+        "FA4's cumulative sequence lengths are int32: 262144 rows of 8192 positions "
+        "(2,147,483,648) do not fit")
+    assert fa4.why_not(_h200(q_len=100, kv_len=200), causal) == (
+        "FA4 aligns causal masks and windows at the bottom right, flexspec at the top left: "
+        "they agree only when Q_LEN == KV_LEN, got 100 and 200")
+
+
+def test_auto_passes_over_fa4_for_small_problems_and_its_softcap_saying_why_in_full():
+    from flexspec.runtime.backends import REGISTRY
+    fa4 = REGISTRY["fa4"]
+    causal = flexspec.parse("causal").ir
+    # 1 x 1 x 128 x 128 x 2 x (64 + 64) = 4,194,304 FLOPs: 0.00419 GFLOP
+    small = _h200(batch=1, heads=1, kv_heads=1, q_len=128, kv_len=128)
+    assert fa4.auto_veto(small, causal) == (
+        "the problem is small (0.00419 GFLOP dense < 200): FA4's own interface's fixed cost "
+        "per call outweighs its speed (docs/performance.md, FLASH's small-problem veto)")
+    assert fa4.auto_veto(_h200(), flexspec.parse("causal + softcap(30.0)").ir) == (
+        "FA4's own softcap ran slower than FlexAttention's FLASH kernel (docs/performance.md, "
+        "the order auto tries)")
+    assert fa4.auto_veto(_h200(), causal) is None
+
+
+def test_only_documents_make_the_fa4_backend_read_values_and_hand_calls_back():
+    from flexspec.runtime.backends import REGISTRY, native
+    plan, values, _ = _plan_on_a_gpu_that_is_not_there("causal & doc")
+    prepared = REGISTRY["fa4"].prepare(plan, values)
+    assert prepared.needs_values and prepared.hands_back == native.HANDS_BACK
+    assert prepared.state == native_form(plan.spec)
+    q = torch.randn(1, 2, 130, 8)
+    plan = flexspec.compile("causal & window(8)")._calls.plan(q, q, q, None, {}, None)
+    prepared = REGISTRY["fa4"].prepare(plan, {})
+    assert not prepared.needs_values and prepared.hands_back is None
+    assert prepared.state == native_form(plan.spec)
+
+
+def test_a_call_s_scale_reaches_fa4(fa4_interface):
+    attn = flexspec.compile("sliding_window(5) + scale(0.5)")
+    generator = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 130, 8, generator=generator) for _ in range(3))
+    out, _, _ = _run_on_fa4(attn, q, k, v, {}, scale=0.3)
+    torch.testing.assert_close(out.double(), attn.reference(
+        q.double(), k.double(), v.double(), scale=0.3), rtol=1e-4, atol=1e-5)
+    default, _, _ = _run_on_fa4(attn, q, k, v, {})
+    assert not torch.allclose(out, default)
+
+
+def test_a_call_without_gradients_runs_fa4_on_detached_inputs(fa4_interface):
+    attn = flexspec.compile("causal & doc")
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 130, 8, generator=generator, requires_grad=True)
+               for _ in range(3))
+    ids = torch.arange(130) // 50
+    with torch.no_grad():
+        out, plan, _ = _run_on_fa4(attn, q, k, v, {"doc_ids": ids})
+        expected = attn.reference(q.double(), k.double(), v.double(), doc_ids=ids)
+    assert plan.detach and not out.requires_grad
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_call_handed_back_says_why(fa4_interface, monkeypatch):
+    """A call fa4 hands back with no fallback kept is a bug to report, with fa4's reason."""
+    from flexspec.runtime.backends import native
+    attn = flexspec.compile("causal & doc")
+    q = torch.randn(1, 2, 150, 16)
+    ids = (torch.arange(150) // 30) % 2  # document 0 comes back
+    with pytest.raises(flexspec.BackendError, match=_whole(
+            "backend 'fa4' handed back a call it said it would run (document ids that are not "
+            "contiguous runs); please report it")):
+        _run_on_fa4(attn, q, q, q, {"doc_ids": ids})
+    monkeypatch.setattr(native, "capturing", lambda device: True)
+    with pytest.raises(flexspec.BackendError, match=_whole(
+            "backend 'fa4' handed back a call it said it would run (documents inside a CUDA "
+            "graph capture (their lengths need a host read)); please report it")):
+        _run_on_fa4(attn, q, q, q, {"doc_ids": torch.arange(150) // 30})
+
+
+def test_a_step_keeps_the_segments_of_each_ids_tensor_apart(fa4_interface):
+    """Layers of one step given different document ids by name each get their own segments
+    (the step keeps them by the ids tensor, its batch and its length)."""
+    import dataclasses
+    from flexspec.runtime import plan as planning
+    from flexspec.runtime.backends import REGISTRY
+    attn = flexspec.compile("causal & doc")
+    generator = torch.Generator().manual_seed(6)
+    step = flexspec.Step()
+    first = torch.tensor([[0] * 60 + [1] * 90, [2] * 150])
+    second = torch.tensor([[0] * 100 + [1] * 50, [3] * 20 + [4] * 130])
+    for ids in (first, second, first):
+        q, k, v = (torch.randn(2, 2, 150, 16, generator=generator) for _ in range(3))
+        bindings = {"doc_ids": ids}
+        plan = attn._calls.plan(q, k, v, None, bindings, None)
+        prepared = REGISTRY["fa4"].prepare(plan, plan.values(bindings))
+        plan = dataclasses.replace(plan, backend=REGISTRY["fa4"], state=prepared.state,
+                                   needs_values=True)
+        out = planning.run(plan, q, k, v, None, bindings, step)
+        torch.testing.assert_close(out.double(), attn.reference(
+            q.double(), k.double(), v.double(), doc_ids=ids), rtol=1e-4, atol=1e-5)
+    assert [call[1] for call in fa4_interface] == \
+        [[0, 60, 150, 300], [0, 100, 150, 170, 300], [0, 60, 150, 300]]

@@ -6,6 +6,7 @@ compiled kernel is built once per process and never recompiled. Other dtypes are
 """
 
 import inspect
+import os
 import warnings
 
 import pytest
@@ -109,6 +110,12 @@ def test_fully_masked_everywhere_on_the_reference_backend():
 
 def test_fresh_doc_ids_do_not_recompile(attn, qkv, compiled_out):
     spec_ir = attn.ir  # doc_ids of shape [B, KV_LEN]: the IR stays as it is
+    if "MUTANT_UNDER_TEST" in os.environ:
+        # under mutation testing tests/conftest.py empties flexspec's caches before every test,
+        # so the plan compiled_out made gets new mods (new code objects, one new graph) at its
+        # next call: make that call first, and count from there
+        with torch.no_grad():
+            attn(*qkv, doc_ids=random_doc_ids(99))
     entry = compiled.compiled_entry(lower(spec_ir))
     graphs = counters["stats"]["unique_graphs"]
     misses = compiled.compiled_entry.cache_info().misses
@@ -447,3 +454,268 @@ def test_kv_lengths_made_under_inference_mode():
         out = attn(q, k, v, kv_lengths=lengths)
         torch.testing.assert_close(out, attn.reference(q, k, v, kv_lengths=lengths), atol=2e-5,
                                    rtol=1e-5)
+
+
+# ---- mutation testing of runtime/attention ------------------------------------------------------
+# Short calls (fewer than 128 positions run on the reference or SDPA on the CPU) and masks against
+# hand-computed ones, so nothing here compiles a kernel.
+
+
+def whole(message):
+    import re
+    return "^" + re.escape(message) + "$"
+
+
+def hand_attention(q, k, v, visible, scale):
+    """Attention by hand in float64: ``visible`` [Q_LEN, KV_LEN] (or broadcastable)."""
+    scores = (q.double() @ k.double().transpose(-2, -1)) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return scores.softmax(-1) @ v.double(), torch.logsumexp(scores, -1)
+
+
+def test_an_attention_s_defaults_and_refusals_in_full():
+    from flexspec.runtime.attention import Attention
+    from flexspec.runtime.backends import REGISTRY
+    attn = Attention(flexspec.parse("causal"))
+    assert (attn.backend, attn.block_size, attn.block_masks) == ("auto", (128, 128), "exact")
+    window = flexspec.parse("causal & window(3)")
+    refusal = REGISTRY["sdpa"].cannot_run(window.ir)
+    assert refusal
+    with pytest.raises(flexspec.BackendError, match=whole(
+            f"backend 'sdpa' cannot run 'causal & window(3)': {refusal}. backend='auto' "
+            "chooses one that can")):
+        flexspec.compile(window, backend="sdpa")
+    with pytest.raises(SpecError, match=whole(
+            "unknown block_masks mode 'exakt'. Did you mean 'exact'? Modes: exact, intervals, "
+            "dense")):
+        flexspec.compile("causal", block_masks="exakt")
+    with pytest.raises(SpecError, match=whole(
+            "unknown block_masks mode 'sparse'. Modes: exact, intervals, dense")):
+        flexspec.compile("causal", block_masks="sparse")
+    for bad in (0, (0, 16), (16, -16)):
+        with pytest.raises(SpecError, match=whole(
+                f"block_size must be a positive multiple of 16 or a pair of them, got {bad!r}")):
+            flexspec.compile("causal", block_size=bad)
+
+
+def test_the_exact_mode_refines_every_tile_it_can():
+    from flexspec.kernels.block_tables import FULL, tile_classes
+    # (q + kv) % 2 is 0 or 1 everywhere: interval analysis alone cannot prove a tile full
+    library = load_text("mask parity = (q + kv) % 2 == 0 | (q + kv) % 2 == 1")
+    block_mask = flexspec.compile("parity", library=library, block_size=16).block_mask(48, 64)
+    assert (tile_classes(block_mask) == FULL).all()
+
+
+def test_a_copy_keeps_the_spec_and_every_option():
+    import copy
+    import pickle
+    attn = flexspec.compile("causal & window(3) + alibi", backend="reference",
+                            block_size=(32, 64), block_masks="intervals")
+    assert attn.__getstate__() == {"spec": attn.spec, "backend": "reference",
+                                   "block_size": (32, 64), "block_masks": "intervals",
+                                   "kernel_options": {}, "tuned": {}}
+    q, k, v = Shape(1, 2, 2, 10, 10, 8).qkv(seed=3)
+    for copied in (copy.deepcopy(attn), pickle.loads(pickle.dumps(attn))):
+        assert copied is not attn and copied._calls is not attn._calls
+        assert (str(copied.spec), copied.backend, copied.block_size, copied.block_masks) == \
+            ("causal & window(3) + alibi", "reference", (32, 64), "intervals")
+        assert repr(copied) == repr(attn)
+        torch.testing.assert_close(copied(q, k, v), attn.reference(q, k, v))
+
+
+def test_every_argument_of_a_call_reaches_it():
+    attn = flexspec.compile("causal & doc + alibi")
+    q = Shape(1, 2, 2, 5, 12, 8).qkv(seed=4)[0]
+    _, k, v = Shape(1, 2, 2, 12, 12, 8).qkv(seed=5)
+    ids = torch.arange(12) // 7
+    # rows 7..11 in the second document; keys 10 and 11 are past the valid length
+    given = {"scale": 0.3, "q_offset": 7, "kv_lengths": torch.tensor([10]), "doc_ids": ids}
+    want, want_lse = attn.reference(q, k, v, return_lse=True, **given)
+    # every argument changes the answer here
+    for name in ("scale", "q_offset", "kv_lengths"):
+        less = {key: value for key, value in given.items() if key != name}
+        assert not torch.allclose(attn.reference(q, k, v, **less), want), name
+    out, lse = attn(q, k, v, return_lse=True, **given)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    bindings = {"doc_ids": ids}
+    rest = {key: value for key, value in given.items() if key != "doc_ids"}
+    out, lse = attn.call(q, k, v, bindings=bindings, return_lse=True, **rest)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    plain = attn.call(q, k, v, bindings=bindings, **rest)  # return_lse defaults to False
+    assert isinstance(plain, torch.Tensor)
+    torch.testing.assert_close(plain, want)
+    # a step's positions and documents
+    step = flexspec.Step(q_offset=7, kv_lengths=torch.tensor([10]), doc_ids=ids)
+    torch.testing.assert_close(attn(q, k, v, scale=0.3, step=step), want)
+    torch.testing.assert_close(attn.call(q, k, v, bindings={}, scale=0.3, step=step), want)
+
+
+def test_the_reference_entry_point_against_attention_by_hand():
+    attn = flexspec.compile("causal")
+    q, k, v = (t.double() for t in Shape(1, 1, 1, 4, 6, 8).qkv(seed=6))
+    position = torch.arange(6)
+    visible = position[None, :] <= torch.arange(4)[:, None] + 2  # q_offset = 2
+    want, want_lse = hand_attention(q, k, v, visible, 0.3)
+    out, lse = attn.reference(q, k, v, scale=0.3, q_offset=2, return_lse=True)
+    assert out.dtype == torch.float64  # float64 inputs are taken as they are
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+    assert isinstance(attn.reference(q, k, v, scale=0.3, q_offset=2), torch.Tensor)
+    rows = attn.reference(q, k, v, scale=0.3, q_offset=2, rows=torch.tensor([1, 3]))
+    torch.testing.assert_close(rows, want[:, :, [1, 3]])
+
+
+def test_dense_masks_with_positions_and_their_extents():
+    attn = flexspec.compile("causal")
+    position = torch.arange(5)
+    mask = attn.dense_mask(3, 5, q_offset=2)
+    assert torch.equal(mask, (position[None, :] <= torch.arange(3)[:, None] + 2)[None, None])
+    # per-row lengths give a row each; one length for every row, one mask
+    lengths = attn.dense_mask(3, 5, batch=2, q_offset=2, kv_lengths=torch.tensor([5, 3]))
+    causal = position[None, :] <= torch.arange(3)[:, None] + 2
+    assert torch.equal(lengths, torch.stack([causal, causal & (position < 3)])[:, None])
+    shared = attn.dense_mask(3, 5, batch=3, kv_lengths=torch.tensor([4]))
+    plain = position[None, :] <= torch.arange(3)[:, None]
+    assert torch.equal(shared, (plain & (position < 4))[None, None])
+    # extents the mask does not read stay 1
+    assert attn.dense_mask(4, 4, batch=2, heads=3).shape == (1, 1, 4, 4)
+    # the score's bindings are not needed for the mask
+    tilt = flexspec.compile("causal + tilt", library=load_text(
+        "score tilt(w: float[H]) = score + w[h] * (kv - q)"))
+    assert torch.equal(tilt.dense_mask(4, 4, heads=2),
+                       (position[None, :4] <= position[:4, None])[None, None])
+
+
+def test_mods_place_the_queries_and_ask_for_the_lengths_they_need():
+    attn = flexspec.compile("causal")
+    with pytest.raises(BindingError, match=whole(
+            "this spec needs KV_LEN, Q_LEN; pass kv_len=..., q_len=...")):
+        attn.mods(q_offset=2)
+    with pytest.raises(BindingError, match=whole(
+            "this spec needs KV_LEN, Q_LEN; pass kv_len=..., q_len=...")):
+        attn.mods(kv_lengths=torch.tensor([3]))
+    # placed queries need the lengths on top of what the spec reads, not instead of it
+    wide = flexspec.compile("wide", library=load_text("mask wide = kv <= q + H"))
+    with pytest.raises(BindingError, match=whole("this spec needs H; pass heads=...")):
+        wide.mods(q_len=4, kv_len=6, q_offset=2)
+    position = torch.arange(6)
+    mask_mod, score_mod = attn.mods(q_len=4, kv_len=6, q_offset=2)
+    assert score_mod is None
+    assert torch.equal(create_mask(mask_mod, 1, 1, 4, 6)[0, 0],
+                       position[None, :] <= torch.arange(4)[:, None] + 2)
+    mask_mod, _ = attn.mods(q_len=4, kv_len=6, kv_lengths=torch.tensor([3]), batch=1)
+    assert torch.equal(create_mask(mask_mod, 1, 1, 4, 6)[0, 0],
+                       (position[None, :] <= torch.arange(4)[:, None]) & (position < 3))
+
+
+def test_block_masks_with_positions_batch_and_heads():
+    position = torch.arange(60)
+    causal = flexspec.compile("causal", block_size=16)
+    block_mask = causal.block_mask(40, 60, q_offset=20, kv_lengths=torch.tensor([50]))
+    want = (position[None, :] <= torch.arange(40)[:, None] + 20) & (position < 50)
+    assert torch.equal(create_mask(block_mask.mask_mod, 1, 1, 40, 60)[0, 0], want)
+    assert torch.equal(block_mask.to_dense()[0, 0].bool(), torch.nn.functional.pad(
+        want, (0, 4, 0, 8)).view(3, 16, 4, 16).any(3).any(1))
+    documents = flexspec.compile("doc", block_size=16)
+    ids = torch.stack([position // 20, position // 30])
+    block_mask = documents.block_mask(60, 60, batch=2, doc_ids=ids)
+    assert block_mask.shape[:2] == (2, 1)
+    assert torch.equal(create_mask(block_mask.mask_mod, 2, 1, 60, 60)[:, 0],
+                       ids[:, :, None] == ids[:, None, :])
+    per_head = flexspec.compile("per_head", library=load_text(
+        "mask per_head = kv <= q + 7 * h"), block_size=16)
+    block_mask = per_head.block_mask(40, 40, heads=3)
+    assert block_mask.shape[:2] == (1, 3)
+    assert torch.equal(create_mask(block_mask.mask_mod, 1, 3, 40, 40)[0],
+                       position[None, None, :40] <= position[None, :40, None]
+                       + 7 * torch.arange(3)[:, None, None])
+
+
+def test_block_mask_keeps_one_plan_per_signature_and_checks_lookups(monkeypatch):
+    from flexspec.runtime import attention
+    plans = []
+    original = attention.make_mask_plan
+    monkeypatch.setattr(attention, "make_mask_plan",
+                        lambda **kwargs: plans.append(kwargs) or original(**kwargs))
+    attn = flexspec.compile("doc", block_size=16)
+    ids = torch.arange(40) // 15
+    first = attn.block_mask(40, 40, doc_ids=ids)
+    assert attn.block_mask(40, 40, doc_ids=ids) is first and len(plans) == 1
+    for q_len, given in ((40, ids.to(torch.int32)), (30, ids)):
+        block_mask = attn.block_mask(q_len, 40, doc_ids=given)
+        assert torch.equal(create_mask(block_mask.mask_mod, 1, 1, q_len, 40)[0, 0],
+                           ids[:q_len, None] == ids[None, :])
+    assert len(plans) == 3
+    # lookups it cannot prove in range are checked on every call's values
+    group = flexspec.compile("same_group", library=load_text(
+        "mask same_group(group: int[KV_LEN]) = group[group[q]] == group[kv]"))
+    table = torch.zeros(24, dtype=torch.int64)
+    group.block_mask(24, 24, group=table)
+    table[3] = 24
+    with pytest.raises(BindingError, match=r"'group' is indexed by group\[q\]"):
+        group.block_mask(24, 24, group=table)
+
+
+def test_explain_places_the_queries_and_reads_only_the_keys_they_see():
+    window = flexspec.compile("causal & window(3)")
+    q = torch.randn(1, 2, 2, 8)
+    k = torch.randn(1, 2, 10, 8)
+    # rows 8 and 9 see keys 5..8 and 6..9: 8 of 20 pairs, and only keys 5:10 are read
+    explanation = window.explain(q, k, k, q_offset=8)
+    assert explanation.keys == (5, 10, 10) and explanation.density == 8 / 20
+    assert explanation.spec == "causal & window(3)"
+    # with 9 valid keys: 4 + 3 pairs
+    assert window.explain(q, k, k, q_offset=8, kv_lengths=torch.tensor([9])).density == 7 / 20
+    # a row that sees every key it reads runs without the mask
+    causal = flexspec.compile("causal")
+    one = torch.randn(1, 2, 1, 8)
+    unmasked = causal.explain(one, k, k, q_offset=9)
+    assert (unmasked.mask, unmasked.keys, unmasked.density) == ("true", None, 1.0)
+    assert unmasked.spec == "causal"
+    part = causal.explain(one, k, k, q_offset=5)
+    assert (part.mask, part.keys, part.density) == ("true", (0, 6, 10), 0.6)
+    masked = causal.explain(torch.randn(1, 2, 4, 8), k, k, q_offset=5)
+    assert masked.density == (6 + 7 + 8 + 9) / 40 and masked.mask != "true"
+    # ... but not when some of those keys are past a row's valid length: 7 + 10 of 20 pairs
+    lengths = causal.explain(torch.randn(2, 2, 1, 8), k.expand(2, -1, -1, -1),
+                             k.expand(2, -1, -1, -1), q_offset=9,
+                             kv_lengths=torch.tensor([7, 10]))
+    assert lengths.density == 17 / 20 and lengths.mask != "true"
+
+
+def test_explain_takes_the_call_s_scale_and_log_sum_exp():
+    attn = flexspec.compile("causal & window(30)")
+    q, k, v = Shape(1, 2, 2, 200, 200, 8).qkv(seed=7)
+    assert attn.explain(q, k, v).choice.backend == "flex"
+    assert attn.explain(q, k, v, return_lse=True).choice.backend == "reference"
+    causal = flexspec.compile("causal")
+    assert causal.explain(q, k, v).choice.backend == "sdpa"
+    assert causal.explain(q, k, v, scale=0.0).choice.backend != "sdpa"
+
+
+def test_explain_for_another_device_plans_with_its_facts():
+    attn = flexspec.compile("causal & window(256)")
+    q, k, v = (torch.randn(4, 16, 4096, 64, dtype=torch.bfloat16) for _ in range(3))
+    here = attn.explain(q[:1, :1, :200], k[:1, :1, :200], v[:1, :1, :200])
+    assert here.device == "cpu"
+    there = attn.explain(q, k, v, target="cuda", capability=(9, 0),
+                         facts={"fa4.installed": True})
+    assert there.choice.backend == "fa4" and there.device == "cuda (planned on cpu)"
+    assert there.spec == "causal & window(256)"
+    without = attn.explain(q, k, v, target="cuda", capability=(9, 0))
+    assert without.choice.backend == "flex"
+    assert "not installed" in dict(without.choice.rejected)["fa4"]
+    ampere = attn.explain(q, k, v, target="cuda", capability=(8, 0),
+                          facts={"fa4.installed": True})
+    assert "this one is 8.0" in dict(ampere.choice.rejected)["fa4"]
+
+
+def test_a_first_call_names_its_spec_in_the_log(qkv, compiled_out, caplog):
+    import logging
+    fresh = flexspec.compile(SPEC)
+    with caplog.at_level(logging.INFO, logger="flexspec"), torch.no_grad():
+        fresh(*qkv, doc_ids=doc_ids())
+    assert any(record.getMessage().startswith(f"first call of '{fresh.spec}' on backend 'flex'")
+               for record in caplog.records)
