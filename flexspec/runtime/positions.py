@@ -141,6 +141,9 @@ class Placement:
         q_len, kv_len = q.shape[2], k.shape[2]
         if q_offset is None:
             q_offset = kv_len - q_len if self.default_offset else 0
+        # before any slice or mask is decided from it: a call that then drops its positions
+        # (every key seen) would never reach the check of call_tensors
+        check_position(int(q_offset), "q_offset", error=BindingError)
         return int(q_offset), q_len, kv_len
 
     def visible_keys(self, q, k, v, q_offset, kv_lengths) -> tuple | None:

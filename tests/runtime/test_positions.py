@@ -817,3 +817,19 @@ def test_an_end_aligned_chunk_stands_at_the_end_when_it_asks_to_drop_the_mask():
     attn = flexspec.compile("causal_bottom_right & (window(100) | sink(4))")
     q, k, v = Shape(1, 2, 2, 2, 10, 8).qkv(14)  # rows at 8 and 9: row 8 does not see key 9
     close(attn(q, k, v), attn.reference(q, k, v), "rows 8, 9")
+
+
+def test_an_offset_out_of_range_is_refused_where_the_call_would_drop_its_positions():
+    """Found by the property test (2026-12-03): a spec whose mask always holds and whose score
+    reads no position runs without its mask and without positions, so an int offset beyond
+    +-2**62 went unchecked; the tensor offset was refused. Both are refused now, with the
+    slice of a window decided from the offset too."""
+    library = flexspec.loads("mask m = 0.5 < Q_LEN\nscore s = score + Q_LEN\nspec x = m + s")
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8)
+    for spec in (library["x"], flexspec.parse("causal & window(3)")):
+        attn = flexspec.compile(spec)
+        for offset in (-2**62 - 1, 2**62, torch.tensor([-2**62 - 1])):
+            with pytest.raises(flexspec.BindingError, match="out of range|must lie in"):
+                attn(q, k, k, q_offset=offset)
+        torch.testing.assert_close(attn(q, k, k, q_offset=2**62 - 8),
+                                   attn.reference(q, k, k, q_offset=2**62 - 8))
