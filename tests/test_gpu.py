@@ -745,9 +745,12 @@ def test_generate_with_the_static_cache_and_a_compiled_forward_gives_eager_token
     batch whose prompts pass one 128-position block (the compiled kernels run): the tokens are
     the eager model's."""
     import copy
+    from torch._dynamo.utils import counters
     transformers = pytest.importorskip("transformers")
     from flexspec.integrations import transformers as integration
     name = integration.register("flexspec_gpu_static")
+    torch._dynamo.reset()
+    counters.clear()
     config = transformers.LlamaConfig(vocab_size=100, hidden_size=128, intermediate_size=256,
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=512)
@@ -773,3 +776,6 @@ def test_generate_with_the_static_cache_and_a_compiled_forward_gives_eager_token
         again = ours.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
     assert torch.equal(got, want)
     assert torch.equal(again, want)  # replays (CUDA graphs recorded by the first call)
+    # each layer's call is one operator in the forward's graph: no break, so no CUDA graph
+    # per piece between layers and no recompile per layer
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])

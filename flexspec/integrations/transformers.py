@@ -25,6 +25,12 @@ every attention layer through flexspec. What a layer asks for becomes part of it
   path's has; otherwise a clear error);
 * bindings passed to the model by name (``model(ids, doc_ids=...)``) reach every layer.
 
+Inside ``torch.compile(model.forward)`` (with or without ``mode="reduce-overhead"``) the mask
+function is traced with the model and an inference call of a layer is one operator
+(``flexspec::transformers_attention``) in the model's graph, so a decode step is one graph (one
+CUDA graph) with no break. A call that needs a gradient, the spec's own bindings or packed
+documents runs outside the graph instead (a graph break per layer).
+
 What flexspec cannot do raises :class:`flexspec.SpecError` with the reason: attention dropout in
 training, attention weights (``output_attentions``).
 
@@ -99,24 +105,21 @@ def register(name: str = "flexspec", spec: str = "causal", library=None,
     if not isinstance(name, str) or not name:
         raise SpecError(f"the attention implementation's name must be a non-empty str, got {name!r}")
     base = flexspec.parse(spec, library=library) if isinstance(spec, str) else spec
-    layers = _Layers(base, library, compile_options)
+    layers = _Layers(base, library, compile_options, name)
+    _REGISTERED[name] = layers
     AttentionInterface.register(name, layers.attention)
     AttentionMaskInterface.register(name, placement)
     return name
 
 
-# Inside torch.compile(model.forward), dynamo must not trace the integration: it would guard on
-# what a placement keeps per forward (its steps, by id) and recompile every decode step, whose
-# resumed frames then read CUDA-graph outputs a later replay overwrote (mode="reduce-overhead").
-# The model's graph breaks around the mask function and each attention call instead.
-@torch.compiler.disable
 def placement(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
               mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs
               ) -> Placement:
     """transformers' mask function for flexspec: instead of a mask, where the call's queries and
     keys stand and which keys are padding. The mask itself comes from the spec. A placement
     given as the attention mask (generate() prepared it for this step) is kept, at this call's
-    offsets."""
+    offsets. Inside torch.compile it is traced with the model (no graph break): it reads nothing
+    on the host there."""
     if isinstance(attention_mask, Placement):
         if attention_mask.valid is not None and attention_mask.valid.shape[-1] != kv_length:
             raise SpecError(f"the prepared placement covers {attention_mask.valid.shape[-1]} "
@@ -128,7 +131,9 @@ def placement(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
             raise SpecError("flexspec takes the 2-D attention_mask (1 for a token, 0 for "
                             f"padding), got one of shape {list(attention_mask.shape)}")
         mask = attention_mask.bool()
-        if bool(mask.all()):  # no padding (a host read, as transformers makes one too)
+        # no padding: a host read, as transformers makes one too (inside a graph, which must not
+        # read, the padding stays, all valid)
+        if not torch.compiler.is_compiling() and bool(mask.all()):
             return Placement(q_offset, kv_offset, None, True)
         missing = kv_length + kv_offset - mask.shape[-1]
         if missing > 0:  # a static cache longer than the tokens seen: its tail is empty
@@ -153,8 +158,8 @@ class _Layers:
     """The compiled specs of one registration, one per kind of layer (window, softcap,
     padding), and the attention function transformers calls."""
 
-    def __init__(self, base, library, options: dict):
-        self.base, self.library, self.options = base, library, options
+    def __init__(self, base, library, options: dict, name: str | None = None):
+        self.base, self.library, self.options, self.name = base, library, options, name
         self._compiled: dict = {}
         self._lock = threading.Lock()
 
@@ -190,9 +195,9 @@ class _Layers:
                                                                **self.options)
         return attn
 
-    @torch.compiler.disable  # see placement()
     def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                   sliding_window=None, softcap=None, s_aux=None, **kwargs):
+        """transformers' attention function: ``[B, S, H, D]`` out of ``[B, H, S, D]`` q, k, v."""
         if dropout:
             raise SpecError("flexspec has no attention dropout: set the config's "
                             "attention_dropout to 0.0 (or run the model in eval mode)")
@@ -203,6 +208,39 @@ class _Layers:
             raise SpecError("the attention mask did not come from flexspec's mask function: "
                             "register() both with transformers (it does) and build the model "
                             "with attn_implementation set to the registered name")
+        if torch.compiler.is_compiling() and self._operator_runs(
+                attention_mask, kwargs, query, key, value, s_aux):
+            where = attention_mask
+            tensor_offset = where.q_offset if isinstance(where.q_offset, torch.Tensor) else None
+            return torch.ops.flexspec.transformers_attention(
+                self.name, -1 if sliding_window is None else int(sliding_window),
+                float(softcap or 0.0), query, key, value, scaling,
+                tensor_offset, 0 if tensor_offset is not None else where.q_offset,
+                where.kv_offset, where.valid, s_aux), None
+        return self.eager_attention(query, key, value, attention_mask, scaling, sliding_window,
+                                    softcap, s_aux, kwargs)
+
+    def _operator_runs(self, where, kwargs, query, key, value, s_aux) -> bool:
+        """Whether a call inside torch.compile runs as the operator: an inference call (the
+        operator has no gradient) that needs nothing a forward finds or is given by name
+        (packed documents, the spec's own bindings); every other call breaks the graph."""
+        if not isinstance(where, Placement) or self.name is None:
+            return False
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (query, key, value, s_aux)):
+            return False
+        if any(name in kwargs for name in self.base.bindings) or "doc_ids" in kwargs:
+            return False
+        may_pack = (not where.given_mask and kwargs.get("position_ids") is not None
+                    and not kwargs.get("use_cache") and isinstance(where.q_offset, int)
+                    and where.q_offset == 0)
+        return not may_pack
+
+    @torch.compiler.disable  # see placement()
+    def eager_attention(self, query, key, value, attention_mask, scaling, sliding_window,
+                        softcap, s_aux, kwargs: dict) -> tuple:
+        """The attention of one layer call, outside any graph: the forward's step is shared
+        with its other layers (see Placement.step)."""
         where = attention_mask or Placement(0, 0, None)
         step = where.step(kwargs, query.shape[0])
         attn = self.attention_for(sliding_window, softcap, where.valid is not None,
@@ -225,3 +263,35 @@ class _Layers:
             sink = s_aux.reshape(1, -1, 1).to(lse.dtype)
             out = out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)
         return out.transpose(1, 2).contiguous(), None
+
+
+# ---- the attention call inside torch.compile ---------------------------------------------------
+
+_REGISTERED: dict[str, _Layers] = {}  # registered name -> its layers (the operator finds them)
+
+
+# Inside torch.compile(model.forward), an inference call is one opaque operator in the model's
+# graph. A graph break around each layer's call instead compiles each layer's frame apart
+# (transformers' layer index is a static int: past dynamo's recompile limit for deep models,
+# after which the forward runs eagerly), makes each piece between two layers a CUDA graph of its
+# own under mode="reduce-overhead", and its resumed frames then read outputs that a later replay
+# had overwritten. The operator runs the call eagerly, on flexspec's own compiled kernels; it has
+# no gradient, so a call that needs one breaks the graph (see _Layers._operator_runs).
+@torch.library.custom_op("flexspec::transformers_attention", mutates_args=())
+def _attention_operator(name: str, sliding_window: int, softcap: float, query: torch.Tensor,
+                        key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+                        tensor_offset: torch.Tensor | None, q_offset: int, kv_offset: int,
+                        valid: torch.Tensor | None, s_aux: torch.Tensor | None) -> torch.Tensor:
+    layers = _REGISTERED[name]
+    where = Placement(q_offset if tensor_offset is None else tensor_offset, kv_offset, valid,
+                      True)
+    return layers.eager_attention(query, key, value, where, scaling,
+                                  None if sliding_window < 0 else sliding_window,
+                                  softcap or None, s_aux, {})[0]
+
+
+@_attention_operator.register_fake
+def _(name, sliding_window, softcap, query, key, value, scaling, tensor_offset, q_offset,
+      kv_offset, valid, s_aux):
+    batch, _, length, _ = query.shape
+    return query.new_empty(batch, length, query.shape[1], value.shape[-1])
