@@ -27,9 +27,10 @@ every attention layer through flexspec. What a layer asks for becomes part of it
 
 Inside ``torch.compile(model.forward)`` (with or without ``mode="reduce-overhead"``) the mask
 function is traced with the model and an inference call of a layer is one operator
-(``flexspec::transformers_attention``) in the model's graph, so a decode step is one graph (one
-CUDA graph) with no break. A call that needs a gradient, the spec's own bindings or packed
-documents runs outside the graph instead (a graph break per layer).
+(``flexspec::transformers_attention``) in the model's graph, so a decode step is one graph
+with no break (under ``mode="reduce-overhead"``, CUDA graphs capture the pieces between the
+operators, which run between the replays). A call that needs a gradient, the spec's own bindings
+or packed documents runs outside the graph instead (a graph break per layer).
 
 What flexspec cannot do raises :class:`flexspec.SpecError` with the reason: attention dropout in
 training, attention weights (``output_attentions``).
@@ -238,21 +239,29 @@ class _Layers:
 
     @torch.compiler.disable  # see placement()
     def eager_attention(self, query, key, value, attention_mask, scaling, sliding_window,
-                        softcap, s_aux, kwargs: dict) -> tuple:
+                        softcap, s_aux, kwargs: dict, shared: bool = True) -> tuple:
         """The attention of one layer call, outside any graph: the forward's step is shared
-        with its other layers (see Placement.step)."""
+        with its other layers (see Placement.step), unless ``shared`` is False (the operator's
+        call, whose placement is its own)."""
         where = attention_mask or Placement(0, 0, None)
-        step = where.step(kwargs, query.shape[0])
+        if shared:
+            step = where.step(kwargs, query.shape[0])
+            placed, step_bindings = {"step": step}, step.bindings
+        else:
+            # the operator's placement serves this call alone: a step would keep for nothing
+            step_bindings = {} if where.valid is None else {"valid": where.valid}
+            q_offset = where.q_offset - where.kv_offset if where.kv_offset else where.q_offset
+            placed = {"q_offset": q_offset, **step_bindings}
         attn = self.attention_for(sliding_window, softcap, where.valid is not None,
-                                  "doc_ids" in step.bindings and "doc_ids" not in kwargs)
+                                  "doc_ids" in step_bindings and "doc_ids" not in kwargs)
         bindings = {name: kwargs[name] for name in attn.bindings
-                    if name in kwargs and name not in step.bindings}
+                    if name in kwargs and name not in step_bindings}
         if s_aux is None:
-            out = attn(query, key, value, scale=scaling, step=step, **bindings)
+            out = attn(query, key, value, scale=scaling, **placed, **bindings)
         else:
             # a sink is one more logit per head in every row's softmax, on no value: it scales
             # the row's output by exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)
-            out, lse = attn(query, key, value, scale=scaling, step=step, return_lse=True,
+            out, lse = attn(query, key, value, scale=scaling, return_lse=True, **placed,
                             **bindings)
             if lse.grad_fn is None and torch.is_grad_enabled() and any(
                     t.requires_grad for t in (query, key, value)):
@@ -273,11 +282,15 @@ _REGISTERED: dict[str, _Layers] = {}  # registered name -> its layers (the opera
 # Inside torch.compile(model.forward), an inference call is one opaque operator in the model's
 # graph. A graph break around each layer's call instead compiles each layer's frame apart
 # (transformers' layer index is a static int: past dynamo's recompile limit for deep models,
-# after which the forward runs eagerly), makes each piece between two layers a CUDA graph of its
-# own under mode="reduce-overhead", and its resumed frames then read outputs that a later replay
-# had overwritten. The operator runs the call eagerly, on flexspec's own compiled kernels; it has
-# no gradient, so a call that needs one breaks the graph (see _Layers._operator_runs).
-@torch.library.custom_op("flexspec::transformers_attention", mutates_args=())
+# after which the forward runs eagerly), and under mode="reduce-overhead" its resumed frames
+# read outputs that a later replay had overwritten. The operator runs the call eagerly, on flexspec's own compiled kernels; it has
+# no gradient, so a call that needs one breaks the graph (see _Layers._operator_runs). Each
+# call has its own placement, so it shares no step. Under mode="reduce-overhead" it is not
+# captured: CUDA graph trees refuse tensors of their memory pool that outlive the capture and
+# are not outputs, and a call captured there kept some (a plan made inside the capture, block
+# masks). Marked cudagraph-unsafe, it runs between the replays of the graph's pieces.
+@torch.library.custom_op("flexspec::transformers_attention", mutates_args=(),
+                         tags=(torch._C.Tag.cudagraph_unsafe,))
 def _attention_operator(name: str, sliding_window: int, softcap: float, query: torch.Tensor,
                         key: torch.Tensor, value: torch.Tensor, scaling: float | None,
                         tensor_offset: torch.Tensor | None, q_offset: int, kv_offset: int,
@@ -287,7 +300,7 @@ def _attention_operator(name: str, sliding_window: int, softcap: float, query: t
                       True)
     return layers.eager_attention(query, key, value, where, scaling,
                                   None if sliding_window < 0 else sliding_window,
-                                  softcap or None, s_aux, {})[0]
+                                  softcap or None, s_aux, {}, shared=False)[0]
 
 
 @_attention_operator.register_fake
