@@ -237,7 +237,9 @@ class _Layers:
                     and where.q_offset == 0)
         return not may_pack
 
-    @torch.compiler.disable  # see placement()
+    # not traced: dynamo would guard on what a step keeps (by id) and recompile every decode
+    # step; a call inside torch.compile that is not the operator breaks the graph around it
+    @torch.compiler.disable
     def eager_attention(self, query, key, value, attention_mask, scaling, sliding_window,
                         softcap, s_aux, kwargs: dict, shared: bool = True) -> tuple:
         """The attention of one layer call, outside any graph: the forward's step is shared

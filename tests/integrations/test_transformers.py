@@ -270,9 +270,9 @@ def test_a_compiled_forward_with_the_static_cache_gives_eager_tokens_in_one_grap
         model, length, name):
     """transformers' production decode path: the static cache with torch.compile(model.forward).
     The mask function is traced and each attention call is one operator, so the forward is one
-    graph with no break (a break around every layer compiled each layer's frame apart: past
-    dynamo's recompile limit the H200's static+compiled generate() ran eagerly, 3.2x sdpa's
-    time); one graph for the prefill, one for the decode steps. At 140 positions the compiled
+    graph with no break (a break around every layer compiled each layer's frame apart, and
+    past dynamo's recompile limit a deeper model's forward ran eagerly); one graph for the
+    prefill, one for the decode steps. At 140 positions the compiled
     kernels run inside the operator. On the CPU here; CUDA graphs (mode='reduce-overhead')
     need the GPU suite."""
     from torch._dynamo.utils import counters
@@ -315,6 +315,30 @@ def test_a_compiled_forward_that_trains_breaks_around_attention_and_gives_eager_
     for (label, mine), theirs in zip(ours.named_parameters(), eager.parameters()):
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-6,
                                    msg=lambda m: f"{label}: {m}")
+
+
+@pytest.mark.slow
+def test_a_compiled_forward_keeps_packed_documents_apart_found_or_given(name):
+    """Inside torch.compile, calls that need what the forward finds (packed documents from
+    position_ids) or is given by name (doc_ids) are not the operator: they break the graph and
+    give the eager results, documents apart."""
+    eager, model = pair(MODELS["llama"], name)
+    given = integration.register("flexspec_packed_compiled", spec="causal & doc")
+    _, by_name = pair(MODELS["llama"], given)
+    generator = torch.Generator().manual_seed(3)
+    first, second = (torch.randint(0, 100, (1, n), generator=generator) for n in (11, 19))
+    packed = torch.cat([first, second], dim=1)
+    positions = torch.cat([torch.arange(11), torch.arange(19)])[None]
+    doc_ids = torch.tensor([[0] * 11 + [1] * 19])
+    torch._dynamo.reset()
+    with torch.no_grad():
+        theirs = eager(packed, position_ids=positions, use_cache=False).logits
+        found = torch.compile(model.forward)(packed, position_ids=positions,
+                                             use_cache=False).logits
+        named = torch.compile(by_name.forward)(packed, position_ids=positions,
+                                               doc_ids=doc_ids).logits
+    torch.testing.assert_close(found, theirs, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(named, theirs, rtol=1e-4, atol=1e-4)
 
 
 def test_a_forward_finds_its_packed_documents_once_for_all_layers(monkeypatch):
