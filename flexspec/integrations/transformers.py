@@ -288,9 +288,10 @@ _REGISTERED: dict[str, _Layers] = {}  # registered name -> its layers (the opera
 # read outputs that a later replay had overwritten. The operator runs the call eagerly, on flexspec's own compiled kernels; it has
 # no gradient, so a call that needs one breaks the graph (see _Layers._operator_runs). Each
 # call has its own placement, so it shares no step. Under mode="reduce-overhead" it is not
-# captured: CUDA graph trees refuse tensors of their memory pool that outlive the capture and
-# are not outputs, and a call captured there kept some (a plan made inside the capture, block
-# masks). Marked cudagraph-unsafe, it runs between the replays of the graph's pieces.
+# captured: CUDA graph trees refuse tensors of their memory pool that outlive the recording and
+# are not outputs, and the calls cache the plans and block masks they make (their warm-up run
+# allocates from that pool). Marked cudagraph-unsafe, it runs between the replays of the
+# graph's pieces.
 @torch.library.custom_op("flexspec::transformers_attention", mutates_args=(),
                          tags=(torch._C.Tag.cudagraph_unsafe,))
 def _attention_operator(name: str, sliding_window: int, softcap: float, query: torch.Tensor,
