@@ -481,3 +481,98 @@ mask doc(doc_ids: int[B, KV_LEN]) = true
                          use_cache=False).logits
         alone = [model(doc, use_cache=False).logits for doc in (first, second)]
     torch.testing.assert_close(together, torch.cat(alone, dim=1), rtol=1e-4, atol=1e-4)
+
+
+# ---- the operator a compiled forward calls ---------------------------------------------------
+
+def _dense_layer(q, k, v, scale, q_offset, kv_offset, valid, window, softcap, sinks):
+    """One layer's attention as transformers means it, in float64, written out: causal at the
+    cache's offsets, a window of ``window`` keys (the query included), the padding, Gemma-2's
+    cap, gpt-oss's sink logits; GQA by repeating key heads. ``[B, S, Hq, Dv]``."""
+    q, k, v = q.double(), k.double(), v.double()
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    rows = torch.arange(q.shape[2])[:, None] + q_offset.reshape(-1, 1, 1, 1) - kv_offset
+    keys = torch.arange(k.shape[2])[None, :]
+    seen = (keys <= rows)
+    if window is not None:
+        seen = seen & (rows - keys < window)
+    seen = seen & valid[:, None, None, :]
+    scores = scores.masked_fill(~seen, float("-inf"))
+    if sinks is not None:
+        sink = sinks.double().reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        weights = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        weights = scores.softmax(-1)
+    return (weights @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("window, softcap, sinks", [(None, None, False), (5, None, False),
+                                                    (None, 20.0, False), (5, None, True)])
+def test_the_operator_gives_the_layer_s_attention(window, softcap, sinks, name):
+    """torch.ops.flexspec.transformers_attention, as a compiled forward calls it (a static
+    cache: a tensor query offset, a padded batch, GQA, a value width of its own), against the
+    layer written out in float64."""
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 3, 8, generator=generator)
+    k = torch.randn(2, 2, 24, 8, generator=generator)
+    v = torch.randn(2, 2, 24, 6, generator=generator)
+    valid = torch.ones(2, 24, dtype=torch.bool)
+    valid[1, :4] = False  # the second row is padded on the left
+    offset = torch.tensor(17)
+    s_aux = torch.randn(4, generator=generator) if sinks else None
+    out = torch.ops.flexspec.transformers_attention(
+        name, -1 if window is None else window, softcap or 0.0, q, k, v, 0.3, offset, 0, 0,
+        valid, s_aux)
+    expected = _dense_layer(q, k, v, 0.3, offset, 0, valid, window, softcap, s_aux)
+    assert out.shape == (2, 3, 4, 6)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    # an int offset (the prefill) and a key offset (a sliding cache that dropped old keys)
+    out = torch.ops.flexspec.transformers_attention(name, -1, 0.0, q, k, v, 0.3, None, 21, 4,
+                                                    valid, None)
+    expected = _dense_layer(q, k, v, 0.3, torch.tensor(21), 4, valid, None, None, None)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_operator_s_fake_gives_the_output_s_shape(name):
+    """What the compiled graph is traced with: ``[B, S, Hq, Dv]`` of q's dtype and device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q, k = torch.empty(3, 4, 5, 8), torch.empty(3, 2, 9, 8)
+        v = torch.empty(3, 2, 9, 6, dtype=torch.float32)
+        out = torch.ops.flexspec.transformers_attention(name, -1, 0.0, q, k, v, None, None, 0, 0,
+                                                        None, None)
+    assert tuple(out.shape) == (3, 5, 4, 6) and out.dtype == q.dtype
+
+
+def test_a_compiled_call_runs_as_the_operator_only_when_nothing_needs_the_graph_broken():
+    """The operator has no gradient and sees no binding given by name nor packed documents:
+    each of those keeps the call outside the graph."""
+    layers = integration._Layers(flexspec.parse("causal & doc"), None, {}, "flexspec_test")
+    q = k = v = torch.zeros(1, 2, 4, 8)
+    where = integration.Placement(torch.tensor(0), 0, None)
+    assert layers._operator_runs(where, {}, q, k, v, None)
+    assert layers._operator_runs(where, {"use_cache": True}, q, k, v, None)
+    assert not layers._operator_runs(None, {}, q, k, v, None)
+    unnamed = integration._Layers(flexspec.parse("causal"), None, {})
+    assert not unnamed._operator_runs(where, {}, q, k, v, None)
+    learning = torch.zeros(1, 2, 4, 8, requires_grad=True)
+    assert not layers._operator_runs(where, {}, learning, k, v, None)
+    assert not layers._operator_runs(where, {}, q, k, v, torch.zeros(2, requires_grad=True))
+    with torch.no_grad():  # inference of a model whose weights learn: no gradient needed
+        assert layers._operator_runs(where, {}, learning, k, v, None)
+    assert not layers._operator_runs(where, {"doc_ids": torch.zeros(1, 4)}, q, k, v, None)
+    plain = integration._Layers(flexspec.parse("causal"), None, {}, "flexspec_test")
+    assert not plain._operator_runs(where, {"doc_ids": torch.zeros(1, 4)}, q, k, v, None)
+    # position_ids that may restart (no mask given, no cache, offset 0): packing is looked for
+    positions = {"position_ids": torch.arange(4)[None]}
+    at_start = integration.Placement(0, 0, None)
+    assert not plain._operator_runs(at_start, positions, q, k, v, None)
+    assert plain._operator_runs(at_start, {**positions, "use_cache": True}, q, k, v, None)
+    assert plain._operator_runs(integration.Placement(0, 0, None, True), positions, q, k, v,
+                                None)
+    assert plain._operator_runs(integration.Placement(3, 0, None), positions, q, k, v, None)
+    assert plain._operator_runs(where, positions, q, k, v, None)
