@@ -113,6 +113,11 @@ def register(name: str = "flexspec", spec: str = "causal", library=None,
     return name
 
 
+def _inside_graph() -> bool:
+    """Whether torch.compile is tracing this call (the model's forward, compiled)."""
+    return torch.compiler.is_compiling()
+
+
 def placement(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
               mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs
               ) -> Placement:
@@ -134,7 +139,7 @@ def placement(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
         mask = attention_mask.bool()
         # no padding: a host read, as transformers makes one too (inside a graph, which must not
         # read, the padding stays, all valid)
-        if not torch.compiler.is_compiling() and bool(mask.all()):
+        if not _inside_graph() and bool(mask.all()):
             return Placement(q_offset, kv_offset, None, True)
         missing = kv_length + kv_offset - mask.shape[-1]
         if missing > 0:  # a static cache longer than the tokens seen: its tail is empty
@@ -209,7 +214,7 @@ class _Layers:
             raise SpecError("the attention mask did not come from flexspec's mask function: "
                             "register() both with transformers (it does) and build the model "
                             "with attn_implementation set to the registered name")
-        if torch.compiler.is_compiling() and self._operator_runs(
+        if _inside_graph() and self._operator_runs(
                 attention_mask, kwargs, query, key, value, s_aux):
             where = attention_mask
             tensor_offset = where.q_offset if isinstance(where.q_offset, torch.Tensor) else None

@@ -6,6 +6,7 @@ weights under transformers' own eager attention. Each model gets its own config 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -133,14 +134,31 @@ def test_what_flexspec_cannot_do_is_a_clear_error(name):
     model = cls(config).train()
     model.set_attn_implementation(name)
     ids, _ = left_padded(8)
-    with pytest.raises(flexspec.SpecError, match="no attention dropout"):
+    with pytest.raises(flexspec.SpecError, match=exactly(
+            "flexspec has no attention dropout: set the config's attention_dropout to 0.0 (or "
+            "run the model in eval mode)")):
         model(ids)
     for wrong in ("", None, 3):
         with pytest.raises(flexspec.SpecError, match="must be a non-empty str"):
             integration.register(wrong)
     _, model = pair(MODELS["llama"], name)
-    with pytest.raises(flexspec.SpecError, match="does not return attention weights"):
+    with pytest.raises(flexspec.SpecError, match=exactly(
+            "flexspec does not return attention weights (output_attentions): use "
+            "attn_implementation='eager' for them")):
         model(ids, output_attentions=True)
+    layers = integration._REGISTERED[name]
+    q = torch.zeros(1, 2, 3, 8)
+    for foreign in (torch.ones(1, 1, 3, 3, dtype=torch.bool), torch.ones(1, 3)):
+        with pytest.raises(flexspec.SpecError, match=exactly(
+                "the attention mask did not come from flexspec's mask function: register() "
+                "both with transformers (it does) and build the model with attn_implementation "
+                "set to the registered name")):
+            layers.attention(None, q, q, q, foreign)
+
+
+def exactly(message: str) -> str:
+    """A pytest ``match`` for the whole message."""
+    return "^" + re.escape(message) + "$"
 
 
 def test_any_name_transformers_accepts_can_be_registered():
@@ -576,3 +594,89 @@ def test_a_compiled_call_runs_as_the_operator_only_when_nothing_needs_the_graph_
                                 None)
     assert plain._operator_runs(integration.Placement(3, 0, None), positions, q, k, v, None)
     assert plain._operator_runs(where, positions, q, k, v, None)
+
+
+def test_inside_torch_compile_the_attention_function_calls_the_operator(name, monkeypatch):
+    """What a compiled forward's attention call does (torch.compile's flag set by hand, so the
+    call runs here eagerly): the operator, given every part of the call, against the layer
+    written out in float64; a call the operator cannot take goes to the eager path."""
+    layers = integration._REGISTERED[name]
+    generator = torch.Generator().manual_seed(5)
+    q = 3 * torch.randn(2, 4, 3, 8, generator=generator)  # scores well past a cap of 2
+    k = torch.randn(2, 2, 24, 8, generator=generator)
+    v = torch.randn(2, 2, 24, 6, generator=generator)
+    valid = torch.ones(2, 24, dtype=torch.bool)
+    valid[1, :4] = False
+    sinks = torch.randn(4, generator=generator)
+    operator_calls = []
+    real = torch.ops.flexspec.transformers_attention
+
+    def counted(*args):
+        operator_calls.append(args[0])
+        return real(*args)
+    monkeypatch.setattr(integration.torch.ops.flexspec, "transformers_attention", counted,
+                        raising=False)
+    cases = [(integration.Placement(torch.tensor(17), 0, valid), None, None, None),
+             (integration.Placement(torch.tensor(17), 0, valid), 5, 2.0, sinks),
+             (integration.Placement(21, 4, valid), 6, None, None),
+             (integration.Placement(torch.tensor(19), 0, None), None, None, sinks)]
+    for compiling in (False, True):
+        monkeypatch.setattr(integration, "_inside_graph", lambda: compiling)
+        for where, window, softcap, s_aux in cases:
+            out, weights = layers.attention(None, q, k, v, where, scaling=0.3,
+                                            sliding_window=window, softcap=softcap,
+                                            s_aux=s_aux)
+            offset = where.q_offset if isinstance(where.q_offset, torch.Tensor) \
+                else torch.tensor(where.q_offset)
+            every = torch.ones(2, 24, dtype=torch.bool) if where.valid is None else where.valid
+            expected = _dense_layer(q, k, v, 0.3, offset, where.kv_offset, every, window, softcap,
+                                    s_aux)
+            assert weights is None and out.shape == (2, 3, 4, 6)
+            torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert operator_calls == [name] * len(cases)  # all the compiled calls, none of the others
+    learning = q.clone().requires_grad_()
+    layers.attention(None, learning, k, v, cases[0][0], scaling=0.3)
+    assert len(operator_calls) == len(cases)
+
+
+def test_a_registration_serves_the_operator_under_its_name():
+    implementation = integration.register("flexspec_operator_name", spec="causal")
+    layers = integration._REGISTERED[implementation]
+    assert layers.name == implementation
+    q = torch.zeros(1, 2, 4, 8)
+    assert layers._operator_runs(integration.Placement(torch.tensor(0), 0, None), {}, q, q, q,
+                                 None)
+    out = torch.ops.flexspec.transformers_attention(implementation, -1, 0.0, q, q, q, None, None,
+                                                    0, 0, None, None)
+    assert out.shape == (1, 4, 2, 8)
+
+
+def test_the_mask_function_places_the_call(monkeypatch):
+    """placement() as transformers calls it: offsets, padding, a static cache longer than the
+    tokens seen, a placement generate() prepared, and inside torch.compile (flag set by hand)
+    an unpadded batch keeps its all-true padding instead of reading it on the host."""
+    assert integration.placement(2, 3, 10) == integration.Placement(0, 0, None)
+    ones = torch.ones(2, 8, dtype=torch.long)
+    assert integration.placement(2, 4, 6, q_offset=3, kv_offset=2, attention_mask=ones) == \
+        integration.Placement(3, 2, None, True)
+    padded = ones.clone()
+    padded[1, :3] = 0
+    placed = integration.placement(2, 1, 10, q_offset=7, kv_offset=2, attention_mask=padded)
+    assert (placed.q_offset, placed.kv_offset, placed.given_mask) == (7, 2, True)
+    # keys 2..11 of a cache of 12 slots, 8 seen: the last four are empty
+    expected = torch.cat([padded.bool(), torch.zeros(2, 4, dtype=torch.bool)], dim=1)[:, 2:12]
+    assert torch.equal(placed.valid, expected)
+    prepared = integration.Placement(0, 0, placed.valid, True)
+    again = integration.placement(2, 1, 10, q_offset=8, kv_offset=2, attention_mask=prepared)
+    assert (again.q_offset, again.kv_offset, again.valid) == (8, 2, placed.valid)
+    with pytest.raises(flexspec.SpecError, match=exactly(
+            "the prepared placement covers 10 keys, this call 12: please report it")):
+        integration.placement(2, 1, 12, attention_mask=prepared)
+    with pytest.raises(flexspec.SpecError, match=exactly(
+            "flexspec takes the 2-D attention_mask (1 for a token, 0 for padding), got one of "
+            "shape [2, 1, 1, 8]")):
+        integration.placement(2, 1, 8, attention_mask=ones[:, None, None])
+    monkeypatch.setattr(integration, "_inside_graph", lambda: True)
+    inside = integration.placement(2, 4, 6, q_offset=3, kv_offset=2, attention_mask=ones)
+    assert (inside.q_offset, inside.kv_offset, inside.given_mask) == (3, 2, True)
+    assert inside.valid.shape == (2, 6) and bool(inside.valid.all())
