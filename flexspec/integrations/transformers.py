@@ -270,8 +270,10 @@ class _Layers:
             # the row's output by exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)
             out, lse = attn(query, key, value, scale=scaling, return_lse=True, **placed,
                             **bindings)
+            # the log-sum-exp depends on q and k alone: a call whose values alone learn (LoRA
+            # on the value projection) needs no gradient of it
             if lse.grad_fn is None and torch.is_grad_enabled() and any(
-                    t.requires_grad for t in (query, key, value)):
+                    t.requires_grad for t in (query, key)):
                 raise SpecError("attention sinks (s_aux) run through the log-sum-exp, which "
                                 "this backend returns without a gradient: use sinks for "
                                 "inference (torch.no_grad()), or train where the backend "

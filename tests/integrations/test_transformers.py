@@ -128,6 +128,26 @@ def test_a_few_training_steps_lower_the_loss_with_and_without_sinks(model, name)
     assert losses[-1] < losses[0]
 
 
+def test_sinks_train_when_only_the_value_projections_learn(name):
+    """LoRA-style training of the value projections alone: the first layer's q and k need no
+    gradient, so its log-sum-exp has none, and the sinks need none of it (it raised). The
+    gradients equal the eager model's."""
+    eager, ours = pair(MODELS["gpt-oss (attention sinks, sliding layers)"], name)
+    ids, mask = left_padded(20)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 1:][mask[:, :-1] == 0] = -100
+    for model in (eager, ours):
+        for parameter_name, parameter in model.named_parameters():
+            parameter.requires_grad_("v_proj" in parameter_name)
+        model(ids, attention_mask=mask, labels=labels).loss.backward()
+    learnt = [(n, p.grad) for n, p in ours.named_parameters() if p.requires_grad]
+    assert learnt and all(grad is not None for _, grad in learnt)
+    for (label, mine), theirs in zip(learnt, [p.grad for p in eager.parameters()
+                                              if p.requires_grad]):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"{label}: {m}")
+
+
 def test_what_flexspec_cannot_do_is_a_clear_error(name):
     cls, config = MODELS["llama"]()
     config.attention_dropout = 0.1
@@ -613,6 +633,10 @@ def test_inside_torch_compile_the_attention_function_calls_the_operator(name, mo
 
     def counted(*args):
         operator_calls.append(args[0])
+        tensor_offset, int_offset = args[7], args[8]
+        # a graph must not read a tensor offset on the host: it travels as a tensor
+        assert type(int_offset) is int
+        assert tensor_offset is None or isinstance(tensor_offset, torch.Tensor)
         return real(*args)
     monkeypatch.setattr(integration.torch.ops.flexspec, "transformers_attention", counted,
                         raising=False)
@@ -634,8 +658,12 @@ def test_inside_torch_compile_the_attention_function_calls_the_operator(name, mo
             assert weights is None and out.shape == (2, 3, 4, 6)
             torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     assert operator_calls == [name] * len(cases)  # all the compiled calls, none of the others
-    learning = q.clone().requires_grad_()
-    layers.attention(None, learning, k, v, cases[0][0], scaling=0.3)
+    # the operator has no gradient: a call whose q, k, v or sinks learn goes to the eager path
+    where = cases[0][0]
+    for learning in range(4):
+        parts = [q, k, v, sinks]
+        parts[learning] = parts[learning].clone().requires_grad_()
+        layers.attention(None, *parts[:3], where, scaling=0.3, s_aux=parts[3])
     assert len(operator_calls) == len(cases)
 
 
@@ -676,6 +704,12 @@ def test_the_mask_function_places_the_call(monkeypatch):
             "flexspec takes the 2-D attention_mask (1 for a token, 0 for padding), got one of "
             "shape [2, 1, 1, 8]")):
         integration.placement(2, 1, 8, attention_mask=ones[:, None, None])
+    # more rows than keys seen: the empty tail still comes from the keys' count
+    many = torch.ones(5, 3, dtype=torch.long)
+    many[0, 0] = 0
+    expected = torch.tensor([[True] * 3 + [False] * 3] * 5)
+    expected[0, 0] = False
+    assert torch.equal(integration.placement(5, 1, 6, attention_mask=many).valid, expected)
     monkeypatch.setattr(integration, "_inside_graph", lambda: True)
     inside = integration.placement(2, 4, 6, q_offset=3, kv_offset=2, attention_mask=ones)
     assert (inside.q_offset, inside.kv_offset, inside.given_mask) == (3, 2, True)
