@@ -741,7 +741,7 @@ def test_a_packed_llama_matches_its_eager_attention_on_fa4(monkeypatch):
     "transformers",
     pytest.param("reduce-overhead", marks=pytest.mark.xfail(
         strict=True, raises=RuntimeError,
-        reason="known (2026-12-03, torch 2.11, transformers 5.17): compiled by hand with CUDA "
+        reason="known (docs/performance.md, fifteenth session): compiled by hand with CUDA "
                "graphs, the graph's pieces around flexspec's operator are captured apart and "
                "the static cache's cumulative_length, made by the prefill's piece, is read "
                "after a replay overwrote it (sdpa skips CUDA graphs there: mutated inputs)")),

@@ -292,13 +292,13 @@ _REGISTERED: dict[str, _Layers] = {}  # registered name -> its layers (the opera
 # graph. A graph break around each layer's call instead compiles each layer's frame apart
 # (transformers' layer index is a static int: past dynamo's recompile limit for deep models,
 # after which the forward runs eagerly), and under mode="reduce-overhead" its resumed frames
-# read outputs that a later replay had overwritten. The operator runs the call eagerly, on flexspec's own compiled kernels; it has
-# no gradient, so a call that needs one breaks the graph (see _Layers._operator_runs). Each
-# call has its own placement, so it shares no step. Under mode="reduce-overhead" it is not
-# captured: CUDA graph trees refuse tensors of their memory pool that outlive the recording and
-# are not outputs, and the calls cache the plans and block masks they make (their warm-up run
-# allocates from that pool). Marked cudagraph-unsafe, it runs between the replays of the
-# graph's pieces.
+# read outputs that a later replay had overwritten. The operator runs the call eagerly, on
+# flexspec's own compiled kernels; it has no gradient, so a call that needs one breaks the
+# graph (see _Layers._operator_runs). Each call has its own placement, so it shares no step.
+# Under mode="reduce-overhead" it is not captured: CUDA graph trees refuse tensors of their
+# memory pool that outlive the recording and are not outputs, and the calls cache the plans and
+# block masks they make (their warm-up run allocates from that pool). Marked cudagraph-unsafe,
+# it runs between the replays of the graph's pieces.
 @torch.library.custom_op("flexspec::transformers_attention", mutates_args=(),
                          tags=(torch._C.Tag.cudagraph_unsafe,))
 def _attention_operator(name: str, sliding_window: int, softcap: float, query: torch.Tensor,
