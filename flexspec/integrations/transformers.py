@@ -80,16 +80,27 @@ class Placement:
         key = (id(positions), bool(kwargs.get("use_cache")), "doc_ids" in kwargs, batch)
         found = self._steps.get(key)
         if found is None:
-            bindings = {} if self.valid is None else {"valid": self.valid}
-            if not self.given_mask and positions is not None and not kwargs.get("use_cache") \
-                    and "doc_ids" not in kwargs and isinstance(self.q_offset, int) \
-                    and self.q_offset == 0:
+            q_offset, bindings = self.placed()
+            if self.may_pack(kwargs) and "doc_ids" not in kwargs:
                 packed = packed_documents(positions, batch)
                 if packed is not None:
                     bindings["doc_ids"] = packed
-            q_offset = self.q_offset - self.kv_offset if self.kv_offset else self.q_offset
             found = self._steps[key] = flexspec.Step(q_offset=q_offset, **bindings)
         return found
+
+    def placed(self) -> tuple:
+        """``(q_offset, bindings)`` of a call at this placement: the queries at ``q_offset -
+        kv_offset`` (a sliding cache that dropped old keys shifts both), the padding as
+        ``valid``."""
+        q_offset = self.q_offset - self.kv_offset if self.kv_offset else self.q_offset
+        return q_offset, ({} if self.valid is None else {"valid": self.valid})
+
+    def may_pack(self, kwargs: dict) -> bool:
+        """Whether the forward's ``position_ids`` may mark packed documents, as transformers
+        looks for them: without a mask, without a cache, at the start of the sequence."""
+        return (not self.given_mask and kwargs.get("position_ids") is not None
+                and not kwargs.get("use_cache") and isinstance(self.q_offset, int)
+                and self.q_offset == 0)
 
 
 def register(name: str = "flexspec", spec: str = "causal", library=None,
@@ -237,10 +248,7 @@ class _Layers:
             return False
         if any(name in kwargs for name in self.base.bindings) or "doc_ids" in kwargs:
             return False
-        may_pack = (not where.given_mask and kwargs.get("position_ids") is not None
-                    and not kwargs.get("use_cache") and isinstance(where.q_offset, int)
-                    and where.q_offset == 0)
-        return not may_pack
+        return not where.may_pack(kwargs)
 
     # not traced: dynamo would guard on what a step keeps (by id) and recompile every decode
     # step; a call inside torch.compile that is not the operator breaks the graph around it
@@ -256,8 +264,7 @@ class _Layers:
             placed, step_bindings = {"step": step}, step.bindings
         else:
             # the operator's placement serves this call alone: a step would keep for nothing
-            step_bindings = {} if where.valid is None else {"valid": where.valid}
-            q_offset = where.q_offset - where.kv_offset if where.kv_offset else where.q_offset
+            q_offset, step_bindings = where.placed()
             placed = {"q_offset": q_offset, **step_bindings}
         attn = self.attention_for(sliding_window, softcap, where.valid is not None,
                                   "doc_ids" in step_bindings and "doc_ids" not in kwargs)

@@ -59,6 +59,15 @@ def pair(make, implementation: str):
     return eager, ours
 
 
+def labels_past_the_padding(ids, mask):
+    """Labels that leave the padding's rows out of the loss, and the first token after it (the
+    labels shift by one): eager attention spreads a row that sees no key over all of them,
+    flexspec gives it zeros, so only the other rows compare."""
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 1:][mask[:, :-1] == 0] = -100
+    return labels
+
+
 def left_padded(length=40):
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 100, (2, length), generator=generator)
@@ -134,8 +143,7 @@ def test_sinks_train_when_only_the_value_projections_learn(name):
     gradients equal the eager model's."""
     eager, ours = pair(MODELS["gpt-oss (attention sinks, sliding layers)"], name)
     ids, mask = left_padded(20)
-    labels = ids.masked_fill(mask == 0, -100)
-    labels[:, 1:][mask[:, :-1] == 0] = -100
+    labels = labels_past_the_padding(ids, mask)
     for model in (eager, ours):
         for parameter_name, parameter in model.named_parameters():
             parameter.requires_grad_("v_proj" in parameter_name)
@@ -332,14 +340,11 @@ def test_a_compiled_forward_with_the_static_cache_gives_eager_tokens_in_one_grap
 @pytest.mark.slow
 def test_a_compiled_forward_that_trains_breaks_around_attention_and_gives_eager_gradients(name):
     """The operator has no gradient: a compiled forward whose attention needs one runs the call
-    outside the graph (a break per layer) and gives the eager model's loss and gradients. The
-    padding's own rows are left out of the loss (the labels shift by one, so the first token
-    after the padding goes too): eager attention spreads a row that sees no key over all of
-    them, flexspec gives it zeros."""
+    outside the graph (a break per layer) and gives the eager model's loss and gradients (the
+    padding's rows left out of the loss)."""
     eager, ours = pair(MODELS["llama"], name)
     ids, mask = left_padded(20)
-    labels = ids.masked_fill(mask == 0, -100)
-    labels[:, 1:][mask[:, :-1] == 0] = -100
+    labels = labels_past_the_padding(ids, mask)
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
