@@ -207,6 +207,31 @@ _TABLE = (
         "calls on the decoding kernel get block masks without full tables, every tile listed "
         "as partial (flexspec.kernels.block_tables.as_partial)",
         "tests/kernels/test_blocks.py::test_as_partial_lists_every_tile_as_partial_in_order"),
+    Workaround(
+        "cudagraph-trees-warm-up-pool", "torch (inductor)", "torch 2.11.0+cu130, H200",
+        "torch.compile's CUDA graph trees (mode=\"reduce-overhead\") run each graph once before "
+        "recording it, allocating from the graph's memory pool without a capture, and then "
+        "refuse the graph ('Detected N tensor(s) in the cudagraph pool not tracked as "
+        "outputs') when a tensor of that pool outlives the run: flexspec's plans and block "
+        "masks made there (a plan's scale, a block mask's eight index tables) and the caches "
+        "keyed by the run's tensors",
+        "during the warm-up the transformers operator allocates outside the pool "
+        "(runtime.capture.outside_graph_pool), and nothing is kept by or looked up by the "
+        "run's tensors, as inside a capture (runtime.capture.in_graph_memory)",
+        "tests/runtime/test_capture.py::test_outside_graph_pool_leaves_the_warm_up_s_pool_and_"
+        "comes_back"),
+    Workaround(
+        "cudagraph-trees-dispatch-state", "torch (inductor)", "torch 2.11.0+cu130, H200",
+        "CUDA graph trees warm a graph up and record it in different dispatch states (one in "
+        "inference mode, the other below the custom operator's autograd kernel), with inference "
+        "tensors in one and ordinary ones in the other; dynamo guards on the dispatch keys a "
+        "tensor shows, so a kernel compiled in the warm-up compiled again during the recording, "
+        "which fails there ('operation not permitted when stream is capturing')",
+        "the transformers operator always runs in inference mode with ADInplaceOrView excluded "
+        "(ordinary and inference tensors then show the same keys), copies its small tensors to "
+        "ordinary ones, and returns an ordinary tensor",
+        "tests/integrations/test_transformers.py::test_inside_the_operator_ordinary_and_"
+        "inference_tensors_show_the_same_keys"),
 )
 
 WORKAROUNDS: dict[str, Workaround] = {entry.name: entry for entry in _TABLE}

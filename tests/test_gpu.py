@@ -741,10 +741,10 @@ def test_a_packed_llama_matches_its_eager_attention_on_fa4(monkeypatch):
     "transformers",
     pytest.param("reduce-overhead", marks=pytest.mark.xfail(
         strict=True, raises=RuntimeError,
-        reason="known (docs/performance.md, fifteenth session): compiled by hand with CUDA "
-               "graphs, the graph's pieces around flexspec's operator are captured apart and "
-               "the static cache's cumulative_length, made by the prefill's piece, is read "
-               "after a replay overwrote it (sdpa skips CUDA graphs there: mutated inputs)")),
+        reason="known (docs/performance.md, fifteenth and sixteenth sessions): compiled by "
+               "hand with CUDA graphs, the static cache's cumulative_length, made by the "
+               "prefill's graph, was read after a replay overwrote it (sdpa skips CUDA graphs "
+               "there: mutated inputs); still a RuntimeError with the operator captured")),
     "default"])
 def test_generate_with_the_static_cache_and_a_compiled_forward_gives_eager_tokens(compiled):
     """transformers' production decode path on the GPU (issue 26): the static cache with the

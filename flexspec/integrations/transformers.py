@@ -40,6 +40,7 @@ transformers is an optional dependency: ``pip install 'flexspec[transformers]'``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ import torch
 import flexspec
 from flexspec.errors import SpecError
 from flexspec.lang.api import with_mask, with_score
+from flexspec.runtime.capture import outside_graph_pool
 
 
 @dataclass(frozen=True)
@@ -229,11 +231,18 @@ class _Layers:
                 attention_mask, kwargs, query, key, value, s_aux):
             where = attention_mask
             tensor_offset = where.q_offset if isinstance(where.q_offset, torch.Tensor) else None
-            return torch.ops.flexspec.transformers_attention(
+            int_offset = 0 if tensor_offset is not None else where.q_offset
+            # CUDA graph trees record a graph again for every value of an int it takes, and an
+            # int offset other than 0 is a cache's counter (a sliding cache's: it moves every
+            # step; dynamo shows it as an int, so only its value tells): such a call runs
+            # between replays
+            moving = int_offset != 0 or where.kv_offset != 0
+            operator = (torch.ops.flexspec.transformers_attention_between_graphs if moving
+                        else torch.ops.flexspec.transformers_attention)
+            return operator(
                 self.name, -1 if sliding_window is None else int(sliding_window),
                 float(softcap or 0.0), query, key, value, scaling,
-                tensor_offset, 0 if tensor_offset is not None else where.q_offset,
-                where.kv_offset, where.valid, s_aux), None
+                tensor_offset, int_offset, where.kv_offset, where.valid, s_aux), None
         return self.eager_attention(query, key, value, attention_mask, scaling, sliding_window,
                                     softcap, s_aux, kwargs)
 
@@ -302,26 +311,65 @@ _REGISTERED: dict[str, _Layers] = {}  # registered name -> its layers (the opera
 # read outputs that a later replay had overwritten. The operator runs the call eagerly, on
 # flexspec's own compiled kernels; it has no gradient, so a call that needs one breaks the
 # graph (see _Layers._operator_runs). Each call has its own placement, so it shares no step.
-# Under mode="reduce-overhead" it is not captured: CUDA graph trees refuse tensors of their
-# memory pool that outlive the recording and are not outputs, and the calls cache the plans and
-# block masks they make (their warm-up run allocates from that pool). Marked cudagraph-unsafe,
-# it runs between the replays of the graph's pieces.
-@torch.library.custom_op("flexspec::transformers_attention", mutates_args=(),
-                         tags=(torch._C.Tag.cudagraph_unsafe,))
-def _attention_operator(name: str, sliding_window: int, softcap: float, query: torch.Tensor,
-                        key: torch.Tensor, value: torch.Tensor, scaling: float | None,
-                        tensor_offset: torch.Tensor | None, q_offset: int, kv_offset: int,
-                        valid: torch.Tensor | None, s_aux: torch.Tensor | None) -> torch.Tensor:
+# Under mode="reduce-overhead" it is captured with the rest of the step: CUDA graph trees refuse
+# tensors of their memory pool that outlive the recording and are not outputs, so the warm-up
+# run before the recording makes what the calls keep (plans, block masks) outside that pool
+# (flexspec.workarounds: cudagraph-trees-warm-up-pool). A call whose offsets move every step
+# takes the variant that runs between the replays (see _Layers.attention).
+def _attend(name: str, sliding_window: int, softcap: float, query: torch.Tensor,
+            key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+            tensor_offset: torch.Tensor | None, q_offset: int, kv_offset: int,
+            valid: torch.Tensor | None, s_aux: torch.Tensor | None) -> torch.Tensor:
+    """The operators' call: the registered layers' attention for these arguments."""
     layers = _REGISTERED[name]
-    where = Placement(q_offset if tensor_offset is None else tensor_offset, kv_offset, valid,
-                      True)
-    return layers.eager_attention(query, key, value, where, scaling,
-                                  None if sliding_window < 0 else sliding_window,
-                                  softcap or None, s_aux, {}, shared=False)[0]
+    with outside_graph_pool(query.device), _one_dispatch_state():
+        tensor_offset, valid, s_aux = (_ordinary(t) for t in (tensor_offset, valid, s_aux))
+        where = Placement(q_offset if tensor_offset is None else tensor_offset, kv_offset,
+                          valid, True)
+        out = layers.eager_attention(query, key, value, where, scaling,
+                                     None if sliding_window < 0 else sliding_window,
+                                     softcap or None, s_aux, {}, shared=False)[0]
+    return _ordinary(out)
 
 
-@_attention_operator.register_fake
-def _(name, sliding_window, softcap, query, key, value, scaling, tensor_offset, q_offset,
-      kv_offset, valid, s_aux):
+_attention_operator = torch.library.custom_op(
+    "flexspec::transformers_attention", _attend, mutates_args=())
+# the same call, run between the replays of CUDA graph trees instead of captured
+_uncaptured_operator = torch.library.custom_op(
+    "flexspec::transformers_attention_between_graphs", _attend, mutates_args=(),
+    tags=(torch._C.Tag.cudagraph_unsafe,))
+
+
+# CUDA graph trees run a graph's warm-up and its recording in different dispatch states (one
+# under inference mode, one below the operator's autograd kernel), and the graph's own tensors
+# are inference tensors in one and ordinary ones in the other. Dynamo guards on the dispatch
+# keys a tensor shows, so a kernel compiled in the warm-up would compile again in the
+# recording, where nothing may compile. The operator therefore always runs in one state
+# (flexspec.workarounds: cudagraph-trees-dispatch-state), in which q, k and v show the same
+# keys whatever their kind, and copies its small tensors (offsets, padding, sinks), which
+# flexspec also reads outside inference mode, to ordinary ones.
+@contextlib.contextmanager
+def _one_dispatch_state():
+    """Inference mode with the ADInplaceOrView key excluded: a tensor's dispatch keys are then
+    its backend's alone, for ordinary and inference tensors alike."""
+    in_place_or_view = torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
+    with torch.inference_mode(), torch._C._ExcludeDispatchKeyGuard(in_place_or_view):
+        yield
+
+
+def _ordinary(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """``tensor``, or a copy of it that is not an inference tensor where it is one."""
+    if tensor is None or not tensor.is_inference():
+        return tensor
+    with torch.inference_mode(False):
+        return tensor.clone()
+
+
+def _attended_shape(name, sliding_window, softcap, query, key, value, scaling, tensor_offset,
+                    q_offset, kv_offset, valid, s_aux):
     batch, _, length, _ = query.shape
     return query.new_empty(batch, length, query.shape[1], value.shape[-1])
+
+
+_attention_operator.register_fake(_attended_shape)
+_uncaptured_operator.register_fake(_attended_shape)

@@ -1,7 +1,12 @@
 """Whether a call runs inside a CUDA graph capture, where it may not read the device from the
-host and its results are replayed later with new inputs."""
+host and its results are replayed later with new inputs, or inside the warm-up run before one;
+and a way out of the memory pool that torch.compile's CUDA graph trees allocate from while they
+warm a graph up."""
 
 from __future__ import annotations
+
+import contextlib
+import sys
 
 import torch
 
@@ -10,3 +15,53 @@ def capturing(device) -> bool:
     """Whether work on ``device`` is being recorded into a CUDA graph now (a captured call may
     not read the device from the host, and its results are replayed with new inputs)."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def in_graph_memory(device) -> bool:
+    """Whether this call's tensors belong to a CUDA graph: it is being captured, or it is the
+    warm-up run that torch.compile's CUDA graph trees record next (:func:`warming_pool`). Every
+    replay gives those tensors new contents, so nothing may be kept by them or looked up by
+    them (a warm-up may still read the device from the host: see :func:`capturing`)."""
+    return capturing(device) or warming_pool(device) is not None
+
+
+def warming_pool(device):
+    """The memory pool this thread allocates from because torch.compile's CUDA graph trees
+    (``mode="reduce-overhead"``) are running a graph's warm-up on ``device``, or ``None``.
+
+    The warm-up runs the graph once, not captured, with every allocation in the pool the graph
+    will be recorded into; the trees then refuse any tensor of that pool that outlives the run
+    and is not one of its outputs. What flexspec keeps from a call (plans, block masks) must
+    therefore be made outside it (:func:`outside_graph_pool`; flexspec.workarounds:
+    cudagraph-trees-warm-up-pool)."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None or device.type != "cuda" or not torch.cuda.is_initialized():
+        return None  # nothing imported the trees: no warm-up can be running
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        manager = trees.get_manager(index, create_if_none_exists=False)
+        warming = (manager is not None and manager.in_warmup
+                   and torch.cuda.current_stream(index) == manager.stream)
+        return manager.cuda_graphs_thread_pool if warming else None
+    except (AttributeError, TypeError):  # the trees changed: no warm-up is recognised
+        return None
+
+
+@contextlib.contextmanager
+def outside_graph_pool(device):
+    """Allocations inside go to the caching allocator's ordinary pools even during a CUDA graph
+    trees warm-up (see :func:`warming_pool`); elsewhere this does nothing. Yields whether a
+    warm-up is running. The warm-up's pool is given back as it was on the way out (its use
+    count is unchanged)."""
+    pool = warming_pool(device)
+    if pool is None:
+        yield False
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch._C._cuda_endAllocateToPool(index, pool)
+    try:
+        yield True
+    finally:
+        # beginning again counts one more user of the pool; releasing takes it back off
+        torch._C._cuda_beginAllocateCurrentThreadToPool(index, pool)
+        torch._C._cuda_releasePool(index, pool)

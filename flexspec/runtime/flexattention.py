@@ -18,7 +18,7 @@ from flexspec.ir import rewrites
 from flexspec.kernels.generations import call_compiled
 from flexspec.kernels.lower import Lowered, lower
 from flexspec.runtime import compiled
-from flexspec.runtime.capture import capturing
+from flexspec.runtime.capture import in_graph_memory
 from flexspec.runtime.identity import version
 from flexspec.runtime.progress import timed
 from flexspec.runtime.contract import Backend, Plan, Prepared
@@ -211,9 +211,10 @@ class FlexAttentionBackend(Backend):
         if not call.mask_bindings:
             block_mask = call.block_mask
         else:
-            # inside a CUDA graph capture the mask is built, so that replays rebuild it from
-            # what the bindings hold then (the last mask would be replayed as it was)
-            captured = capturing(q.device)
+            # inside a CUDA graph capture (or the warm-up before one) the mask is built, so that
+            # replays rebuild it from what the bindings hold then (the last mask would be
+            # replayed as it was)
+            captured = in_graph_memory(q.device)
             block_mask = None if captured else call.last_block_mask(bindings)
             if block_mask is None:
                 seen = tuple((bindings[name], version(bindings[name]))

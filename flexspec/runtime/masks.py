@@ -21,7 +21,7 @@ from flexspec.kernels import fused_blocks
 from flexspec.kernels.blocks import build_block_mask
 from flexspec.kernels.lower import lower
 from flexspec.limits import MAX_FUSED_TILES, check_block_mask
-from flexspec.runtime.capture import capturing
+from flexspec.runtime.capture import in_graph_memory
 from flexspec.runtime.identity import identity
 from flexspec.runtime.progress import timed
 
@@ -159,11 +159,12 @@ class BlockMasks:
             key: MaskKey | None = None) -> BlockMask:
         """The block mask of ``spec`` for these tensor values, from the cache or built."""
         key = key or self.key(spec, sizes, device)
-        # Inside a CUDA graph capture a mask that reads tensors is built, never looked up: the
-        # graph replays its build with whatever the tensors hold then (a cached mask would be
-        # replayed as it was at capture). The build's tensors live in the graph's memory pool,
-        # so it is not kept either.
-        captured = bool(key.reads) and capturing(device)
+        # Inside a CUDA graph capture (or the warm-up run before one, see capture.warming_pool)
+        # a mask that reads tensors is built, never looked up: the graph replays its build with
+        # whatever the tensors hold then (a cached mask would be replayed as it was at
+        # capture). The build's tensors live in the graph's memory pool, so it is not kept
+        # either.
+        captured = bool(key.reads) and in_graph_memory(device)
         cache_key = (key.token,) + tuple(identity(values[name]) for name in key.reads)
         if None in cache_key:  # an inference tensor, which cannot be seen changing: built
             return self._build(spec, sizes, values, device, key, captured)

@@ -37,7 +37,7 @@ from flexspec.ir.overflow import length_buckets, position_range, position_ranges
 from flexspec.ir.rewrites import KV_LENGTHS, Q_OFFSET, default_offset, placed, reads_positions
 from flexspec.limits import POSITION_LIMIT, check_position, kernel_int_dtype
 from flexspec.runtime.bindings import Tensors
-from flexspec.runtime.capture import capturing
+from flexspec.runtime.capture import in_graph_memory
 from flexspec.runtime.checks import as_device, check_qkv
 from flexspec.runtime.identity import identity
 
@@ -270,9 +270,10 @@ _clamped_kept: collections.OrderedDict = collections.OrderedDict()
 
 def _clamped(value: torch.Tensor, low: int, high: int) -> torch.Tensor:
     """``value.clamp(low, high)``, the same tensor again for the same unchanged ``value`` (see
-    _CLAMPED_KEPT). Not kept inside a CUDA graph capture (the clamp must be recorded, and
-    replays see new contents) nor for an inference tensor (its changes cannot be seen)."""
-    seen = None if capturing(value.device) else identity(value)
+    _CLAMPED_KEPT). Not kept inside a CUDA graph capture or the warm-up before one (the clamp
+    must be recorded, and replays see new contents) nor for an inference tensor (its changes
+    cannot be seen)."""
+    seen = None if in_graph_memory(value.device) else identity(value)
     if seen is None:
         return value.clamp(low, high)
     key = (seen, low, high)

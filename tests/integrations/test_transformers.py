@@ -5,6 +5,7 @@ weights under transformers' own eager attention. Each model gets its own config 
 
 from __future__ import annotations
 
+import collections
 import copy
 import re
 
@@ -555,10 +556,13 @@ def _dense_layer(q, k, v, scale, q_offset, kv_offset, valid, window, softcap, si
 
 @pytest.mark.parametrize("window, softcap, sinks", [(None, None, False), (5, None, False),
                                                     (None, 20.0, False), (5, None, True)])
-def test_the_operator_gives_the_layer_s_attention(window, softcap, sinks, name):
-    """torch.ops.flexspec.transformers_attention, as a compiled forward calls it (a static
-    cache: a tensor query offset, a padded batch, GQA, a value width of its own), against the
-    layer written out in float64."""
+@pytest.mark.parametrize("variant", ["transformers_attention",
+                                     "transformers_attention_between_graphs"])
+def test_the_operator_gives_the_layer_s_attention(window, softcap, sinks, variant, name):
+    """torch.ops.flexspec.transformers_attention (and its variant run between CUDA graph
+    replays), as a compiled forward calls it (a static cache: a tensor query offset, a padded
+    batch, GQA, a value width of its own), against the layer written out in float64."""
+    operator = getattr(torch.ops.flexspec, variant)
     generator = torch.Generator().manual_seed(4)
     q = torch.randn(2, 4, 3, 8, generator=generator)
     k = torch.randn(2, 2, 24, 8, generator=generator)
@@ -567,15 +571,14 @@ def test_the_operator_gives_the_layer_s_attention(window, softcap, sinks, name):
     valid[1, :4] = False  # the second row is padded on the left
     offset = torch.tensor(17)
     s_aux = torch.randn(4, generator=generator) if sinks else None
-    out = torch.ops.flexspec.transformers_attention(
+    out = operator(
         name, -1 if window is None else window, softcap or 0.0, q, k, v, 0.3, offset, 0, 0,
         valid, s_aux)
     expected = _dense_layer(q, k, v, 0.3, offset, 0, valid, window, softcap, s_aux)
     assert out.shape == (2, 3, 4, 6)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     # an int offset (the prefill) and a key offset (a sliding cache that dropped old keys)
-    out = torch.ops.flexspec.transformers_attention(name, -1, 0.0, q, k, v, 0.3, None, 21, 4,
-                                                    valid, None)
+    out = operator(name, -1, 0.0, q, k, v, 0.3, None, 21, 4, valid, None)
     expected = _dense_layer(q, k, v, 0.3, torch.tensor(21), 4, valid, None, None, None)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -634,21 +637,26 @@ def test_inside_torch_compile_the_attention_function_calls_the_operator(name, mo
     valid[1, :4] = False
     sinks = torch.randn(4, generator=generator)
     operator_calls = []
-    real = torch.ops.flexspec.transformers_attention
 
-    def counted(*args):
-        operator_calls.append(args[0])
-        tensor_offset, int_offset = args[7], args[8]
-        # a graph must not read a tensor offset on the host: it travels as a tensor
-        assert type(int_offset) is int
-        assert tensor_offset is None or isinstance(tensor_offset, torch.Tensor)
-        return real(*args)
-    monkeypatch.setattr(integration.torch.ops.flexspec, "transformers_attention", counted,
-                        raising=False)
+    def counted(variant):
+        real = getattr(torch.ops.flexspec, variant)
+
+        def call(*args):
+            operator_calls.append((variant, args[0]))
+            tensor_offset, int_offset = args[7], args[8]
+            # a graph must not read a tensor offset on the host: it travels as a tensor
+            assert type(int_offset) is int
+            assert tensor_offset is None or isinstance(tensor_offset, torch.Tensor)
+            return real(*args)
+        return call
+    for variant in ("transformers_attention", "transformers_attention_between_graphs"):
+        monkeypatch.setattr(integration.torch.ops.flexspec, variant, counted(variant),
+                            raising=False)
     cases = [(integration.Placement(torch.tensor(17), 0, valid), None, None, None),
              (integration.Placement(torch.tensor(17), 0, valid), 5, 2.0, sinks),
              (integration.Placement(21, 4, valid), 6, None, None),
-             (integration.Placement(torch.tensor(19), 0, None), None, None, sinks)]
+             (integration.Placement(torch.tensor(19), 0, None), None, None, sinks),
+             (integration.Placement(torch.tensor(17), 3, valid), 6, None, None)]
     for compiling in (False, True):
         monkeypatch.setattr(integration, "_inside_graph", lambda: compiling)
         for where, window, softcap, s_aux in cases:
@@ -662,7 +670,11 @@ def test_inside_torch_compile_the_attention_function_calls_the_operator(name, mo
                                     s_aux)
             assert weights is None and out.shape == (2, 3, 4, 6)
             torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
-    assert operator_calls == [name] * len(cases)  # all the compiled calls, none of the others
+    # all the compiled calls, none of the others; a call at int offsets other than 0 (a
+    # cache's counter) runs between CUDA graph replays, the others are captured
+    captured, between = "transformers_attention", "transformers_attention_between_graphs"
+    assert operator_calls == [(captured, name), (captured, name), (between, name),
+                              (captured, name), (between, name)]
     # the operator has no gradient: a call whose q, k, v or sinks learn goes to the eager path
     where = cases[0][0]
     for learning in range(4):
@@ -670,6 +682,97 @@ def test_inside_torch_compile_the_attention_function_calls_the_operator(name, mo
         parts[learning] = parts[learning].clone().requires_grad_()
         layers.attention(None, *parts[:3], where, scaling=0.3, s_aux=parts[3])
     assert len(operator_calls) == len(cases)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, captured, between", [
+    ("llama", 4, 0), ("mistral (sliding window)", 2, 2)])
+def test_a_compiled_static_cache_step_captures_the_operator_unless_its_offsets_move(
+        model, captured, between, name):
+    """Which operator the compiled forward's graphs hold (CUDA graph trees capture the one and
+    run the other between replays; they record a graph again for every value of an int the
+    graph takes). transformers' static cache gives a full layer its query offset as a tensor:
+    every call is captured. A sliding layer gets int offsets from the cache's counter, which
+    move every decode step: its decode calls run between replays (the prefill's offsets are 0,
+    constants of the graph). Two layers, one graph for the prefill and one for the decode;
+    the tokens are eager's."""
+    from torch._dynamo.utils import counters
+    held = collections.Counter()
+
+    def record(graph_module, inputs):
+        for node in graph_module.graph.nodes:
+            if str(node.target).startswith("flexspec."):
+                held[str(node.target).removeprefix("flexspec.")] += 1
+        return graph_module.forward
+    torch._dynamo.reset()
+    counters.clear()
+    eager, ours = pair(MODELS[model], name)
+    ids, mask = left_padded(20)  # past the window of 16 within the decode
+    for m in (eager, ours):
+        m.generation_config.cache_implementation = "static"
+    ours.forward = torch.compile(ours.forward, backend=record)
+    with torch.no_grad():
+        tokens = eager.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        ours_tokens = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(tokens, ours_tokens)
+    assert held == collections.Counter({"transformers_attention": captured,
+                                        "transformers_attention_between_graphs": between}) - \
+        collections.Counter()
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+def _keys_shown(tensor: torch.Tensor):
+    """The dispatch keys dynamo guards on: the tensor's, with this thread's included and
+    excluded keys applied."""
+    return ((torch._C._dispatch_keys(tensor) | torch._C._dispatch_tls_local_include_set())
+            - torch._C._dispatch_tls_local_exclude_set())
+
+
+def test_inside_the_operator_ordinary_and_inference_tensors_show_the_same_keys():
+    """CUDA graph trees warm a graph up and record it in different dispatch states, with
+    inference tensors in one and ordinary ones in the other: a kernel compiled in the warm-up
+    must not compile again in the recording. In the operator's state the two kinds guard
+    alike; in inference mode alone (one of the trees' states) they do not."""
+    ordinary = torch.ones(2, 3)
+    with torch.inference_mode():
+        inference = torch.ones(2, 3)
+        assert _keys_shown(ordinary) != _keys_shown(inference)
+    with integration._one_dispatch_state():
+        assert _keys_shown(ordinary) == _keys_shown(inference)
+        assert torch.is_inference_mode_enabled()
+    assert not torch.is_inference_mode_enabled()
+    assert _keys_shown(ordinary) != _keys_shown(inference)
+
+
+def test_ordinary_copies_inference_tensors_only():
+    ordinary = torch.arange(4)
+    assert integration._ordinary(ordinary) is ordinary
+    assert integration._ordinary(None) is None
+    with torch.inference_mode():
+        inference = torch.arange(4)
+        copied = integration._ordinary(inference)
+    assert not copied.is_inference() and torch.equal(copied, inference)
+
+
+@pytest.mark.parametrize("variant", ["transformers_attention",
+                                     "transformers_attention_between_graphs"])
+def test_the_operator_takes_inference_tensors_and_returns_an_ordinary_one(variant, name):
+    """As a graph's warm-up calls it: in inference mode, on inference tensors. Its output is an
+    ordinary tensor (the graph may use it outside inference mode), and right."""
+    generator = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 4, 3, 8, generator=generator),
+               torch.randn(2, 2, 24, 8, generator=generator),
+               torch.randn(2, 2, 24, 8, generator=generator))
+    valid = torch.ones(2, 24, dtype=torch.bool)
+    valid[0, :2] = False
+    expected = _dense_layer(q, k, v, 0.3, torch.tensor(21), 0, valid, None, None, None)
+    with torch.inference_mode():
+        q, k, v, valid, offset = (t.clone() for t in (q, k, v, valid, torch.tensor(21)))
+        out = getattr(torch.ops.flexspec, variant)(name, -1, 0.0, q, k, v, 0.3, offset, 0, 0,
+                                                   valid, None)
+    assert not out.is_inference()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_registration_serves_the_operator_under_its_name():

@@ -1,13 +1,18 @@
-"""runtime.capture: whether a call runs inside a CUDA graph capture."""
+"""runtime.capture: whether a call runs inside a CUDA graph capture or the warm-up before one,
+and leaving the warm-up's memory pool."""
 
 from __future__ import annotations
 
+import sys
+import types
+
+import pytest
 import torch
 
 from flexspec.runtime import capture
 
 
-# --- identity and signatures ---------------------------------------------------------------
+# --- captures ------------------------------------------------------------------------------
 
 
 def test_only_a_cuda_device_is_captured_while_its_stream_captures(monkeypatch):
@@ -17,3 +22,109 @@ def test_only_a_cuda_device_is_captured_while_its_stream_captures(monkeypatch):
     assert not capture.capturing(torch.device("cpu")) and not capture.capturing(torch.device("meta"))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert not capture.capturing(torch.device("cuda"))
+
+
+# --- CUDA graph trees' warm-up -------------------------------------------------------------
+# The trees run on a GPU only: here a stand-in manager plays their part, with the attributes
+# runtime.capture reads (in_warmup, stream, cuda_graphs_thread_pool).
+
+
+class _Manager:
+    def __init__(self, in_warmup=True, stream="graph stream", pool=(7, 3)):
+        self.in_warmup, self.stream, self.cuda_graphs_thread_pool = in_warmup, stream, pool
+
+
+@pytest.fixture
+def trees(monkeypatch):
+    """A stand-in for torch._inductor.cudagraph_trees on a CUDA device that started, whose
+    current stream is "graph stream"; ``trees.manager`` is what get_manager returns."""
+    module = types.SimpleNamespace(manager=_Manager(), asked=[])
+
+    def get_manager(index, create_if_none_exists=True):
+        module.asked.append((index, create_if_none_exists))
+        return module.manager
+    module.get_manager = get_manager
+    monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", module)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: "graph stream")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    return module
+
+
+def test_a_warm_up_is_recognised_by_its_manager_and_stream(trees):
+    cuda = torch.device("cuda")
+    assert capture.warming_pool(cuda) == (7, 3)
+    assert trees.asked == [(2, False)]  # the current device's manager, never a new one
+    assert capture.warming_pool(torch.device("cuda", 1)) == (7, 3)
+    assert trees.asked[-1] == (1, False)
+    assert capture.in_graph_memory(cuda) and not capture.capturing(cuda)
+    assert capture.warming_pool(torch.device("cpu")) is None
+    assert not capture.in_graph_memory(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("manager", [None, _Manager(in_warmup=False), _Manager(stream="other")],
+                         ids=["no manager", "not warming up", "another stream"])
+def test_no_warm_up_without_a_manager_warming_up_on_this_stream(trees, manager):
+    trees.manager = manager
+    assert capture.warming_pool(torch.device("cuda")) is None
+    assert not capture.in_graph_memory(torch.device("cuda"))
+
+
+def test_a_capture_is_in_graph_memory_without_a_warm_up(trees, monkeypatch):
+    trees.manager = None
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert capture.in_graph_memory(torch.device("cuda"))
+
+
+def test_no_warm_up_where_the_trees_were_never_imported_or_cuda_never_started(trees,
+                                                                              monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert capture.warming_pool(torch.device("cuda")) is None
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.delitem(sys.modules, "torch._inductor.cudagraph_trees")
+    assert capture.warming_pool(torch.device("cuda")) is None
+
+
+def test_trees_that_changed_shape_are_taken_for_no_warm_up(trees):
+    trees.manager = object()  # none of the attributes read
+    assert capture.warming_pool(torch.device("cuda")) is None
+
+
+@pytest.fixture
+def allocator(monkeypatch):
+    """The allocator's pool calls, recorded in order."""
+    calls = []
+    for name in ("_cuda_endAllocateToPool", "_cuda_beginAllocateCurrentThreadToPool",
+                 "_cuda_releasePool"):
+        monkeypatch.setattr(torch._C, name,
+                            lambda *args, name=name: calls.append((name, *args)))
+    return calls
+
+
+def test_outside_graph_pool_leaves_the_warm_up_s_pool_and_comes_back(trees, allocator):
+    with capture.outside_graph_pool(torch.device("cuda")) as warming:
+        assert warming
+        assert allocator == [("_cuda_endAllocateToPool", 2, (7, 3))]
+    # beginning again adds a user of the pool, releasing takes it off: the count is as it was
+    assert allocator[1:] == [("_cuda_beginAllocateCurrentThreadToPool", 2, (7, 3)),
+                             ("_cuda_releasePool", 2, (7, 3))]
+
+
+def test_outside_graph_pool_comes_back_after_an_error(trees, allocator):
+    with pytest.raises(ValueError, match="inside"):
+        with capture.outside_graph_pool(torch.device("cuda", 1)):
+            raise ValueError("inside")
+    assert [call[0] for call in allocator] == ["_cuda_endAllocateToPool",
+                                               "_cuda_beginAllocateCurrentThreadToPool",
+                                               "_cuda_releasePool"]
+    assert {call[1] for call in allocator} == {1}
+
+
+def test_outside_graph_pool_does_nothing_without_a_warm_up(trees, allocator):
+    trees.manager = _Manager(in_warmup=False)
+    with capture.outside_graph_pool(torch.device("cuda")) as warming:
+        assert not warming
+    with capture.outside_graph_pool(torch.device("cpu")) as warming:
+        assert not warming
+    assert allocator == []

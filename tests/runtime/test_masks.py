@@ -565,22 +565,22 @@ def test_inside_a_cuda_graph_capture_a_mask_that_reads_tensors_is_built_every_ti
     ids = torch.arange(300) // 100
     first = attn.block_mask(300, 300, doc_ids=ids)
     assert attn.block_mask(300, 300, doc_ids=ids) is first and len(built) == 1
-    monkeypatch.setattr(masks, "capturing", lambda device: True)
+    monkeypatch.setattr(masks, "in_graph_memory", lambda device: True)
     inside = attn.block_mask(300, 300, doc_ids=ids)
     assert inside is not first and len(built) == 2
     assert torch.equal(inside.to_dense(), first.to_dense())
     plain = flexspec.compile("causal & window(50)")
-    monkeypatch.setattr(masks, "capturing", lambda device: False)
+    monkeypatch.setattr(masks, "in_graph_memory", lambda device: False)
     kept = plain.block_mask(300, 300)
-    monkeypatch.setattr(masks, "capturing", lambda device: True)
+    monkeypatch.setattr(masks, "in_graph_memory", lambda device: True)
     assert plain.block_mask(300, 300) is kept
     # a build inside a capture is not kept: after it the cache serves what it held before
-    monkeypatch.setattr(masks, "capturing", lambda device: False)
+    monkeypatch.setattr(masks, "in_graph_memory", lambda device: False)
     assert attn.block_mask(300, 300, doc_ids=ids) is first and len(built) == 2
     # nor is a mask waiting in probation (asked for once) served to a capture
     other = torch.arange(300) // 60
     waiting = attn.block_mask(300, 300, doc_ids=other)
-    monkeypatch.setattr(masks, "capturing", lambda device: True)
+    monkeypatch.setattr(masks, "in_graph_memory", lambda device: True)
     assert attn.block_mask(300, 300, doc_ids=other) is not waiting and len(built) == 4
 
 
@@ -588,7 +588,7 @@ def test_a_mask_too_large_for_its_program_cannot_be_built_inside_a_capture(monke
     FusedProgram(monkeypatch)
     monkeypatch.setattr(fused_blocks, "MAX_FUSED_TILES", 4)
     monkeypatch.setattr(masks, "MAX_FUSED_TILES", 4)
-    monkeypatch.setattr(masks, "capturing", lambda device: True)
+    monkeypatch.setattr(masks, "in_graph_memory", lambda device: True)
     attn = flexspec.compile("causal & doc")
     with pytest.raises(BindingError, match=r"^flexspec cannot build this block mask inside a "
                        r"CUDA graph capture: its grid of 9 tiles \(B x H x query blocks x key "
@@ -603,7 +603,7 @@ def test_a_mask_its_program_cannot_trace_cannot_be_built_inside_a_capture(monkey
     attn = flexspec.compile("causal & doc")
     ids = torch.arange(300) // 100
     attn.block_mask(300, 300, doc_ids=ids)  # outside a capture: the eager builder takes it
-    monkeypatch.setattr(masks, "capturing", lambda device: True)
+    monkeypatch.setattr(masks, "in_graph_memory", lambda device: True)
     with pytest.raises(BindingError, match=r"^flexspec cannot build this block mask inside a "
                        r"CUDA graph capture: torch.compile could not trace its block-mask "
                        r"program, and the eager builder reads counts on the host. Run this "
@@ -617,7 +617,7 @@ def test_a_program_that_fails_to_compile_inside_a_capture_is_tried_again_outside
     fused = FusedProgram(monkeypatch, fail=True)
     attn = flexspec.compile("causal & doc")
     ids = torch.arange(300) // 100
-    monkeypatch.setattr(masks, "capturing", lambda device: True)
+    monkeypatch.setattr(masks, "in_graph_memory", lambda device: True)
     with pytest.raises(BindingError, match=r"^flexspec could not compile this block mask's "
                        r"program inside a CUDA graph capture \(cannot trace\): its first build "
                        r"for these batch and head extents came during the capture. Run the step "
@@ -626,7 +626,7 @@ def test_a_program_that_fails_to_compile_inside_a_capture_is_tried_again_outside
                        r"Attention.block_mask\(Q_LEN, KV_LEN, batch=..., device=..., "
                        r"<bindings>\)$"):
         attn.block_mask(300, 300, doc_ids=ids)
-    monkeypatch.setattr(masks, "capturing", lambda device: False)
+    monkeypatch.setattr(masks, "in_graph_memory", lambda device: False)
     fused.fail = False
     assert_is_the_reference(attn.block_mask(300, 300, doc_ids=ids), attn, 300, 300,
                             doc_ids=ids, exact=False)
@@ -650,7 +650,7 @@ def test_a_mask_that_reads_an_inference_tensor_is_built_every_time(monkeypatch):
     for block_mask in (first, second):
         assert_is_the_reference(block_mask, attn, 100, 150, batch=2, doc_ids=ids)
     # ... and inside a capture it is refused like any eager build there
-    monkeypatch.setattr(masks, "capturing", lambda device: True)
+    monkeypatch.setattr(masks, "in_graph_memory", lambda device: True)
     with pytest.raises(BindingError, match="cannot build this block mask inside a CUDA graph"):
         attn.block_mask(100, 150, batch=2, doc_ids=ids)
 

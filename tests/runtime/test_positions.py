@@ -590,7 +590,7 @@ def test_device_clamps_are_right_in_every_mode_and_never_kept_as_inference_tenso
 def test_device_clamps_inside_a_capture_are_made_each_time(fresh_clamps, monkeypatch):
     """A clamp recorded in a CUDA graph must run on every replay: never served from the kept
     ones (capturing() is true only on a GPU; here it is made to say so)."""
-    monkeypatch.setattr(fresh_clamps, "capturing", lambda device: True)
+    monkeypatch.setattr(fresh_clamps, "in_graph_memory", lambda device: True)
     value = torch.tensor([-5, 3, 99])
     first = fresh_clamps._clamped(value, 0, 20)
     assert first.tolist() == [0, 3, 20] and fresh_clamps._clamped(value, 0, 20) is not first
