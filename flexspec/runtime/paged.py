@@ -28,8 +28,25 @@ a sequence's key ``i`` is position ``i``, wherever its page lies.
 from __future__ import annotations
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from flexspec.errors import BindingError, BindingTypeError
+
+
+def _widened(table: torch.Tensor, width: int) -> torch.Tensor:
+    """``table`` (``[..., n]``, contiguous) seen as ``[..., width]`` with ``width >= n``: each
+    row runs on into the rows after it, and the last into ``width - n`` spare entries. The
+    kernels read a row only up to its count; the shape is what they check against the keys'
+    length (a table as wide as the pool, written out, would grow with the pool times the
+    batch)."""
+    n = table.shape[-1]
+    if width <= n:
+        return table
+    flat = torch.cat([table.reshape(-1), table.new_zeros(width - n)])
+    strides = [1] * table.dim()
+    for axis in range(table.dim() - 2, -1, -1):
+        strides[axis] = strides[axis + 1] * table.shape[axis + 1]
+    return flat.as_strided((*table.shape[:-1], width), strides)
 
 
 class PagedKVCache:
@@ -182,6 +199,70 @@ class PagedKVCache:
         positions = torch.arange(self.capacity, device=self.device).expand(slots.shape[0], -1)
         where = self.physical(slots, positions)
         return tuple(pool[:, where].permute(1, 0, 2, 3) for pool in (self.keys, self.values))
+
+    def block_mask(self, logical: BlockMask, slots: torch.Tensor) -> BlockMask:
+        """The block mask over the pool (``keys.unsqueeze(0)``, KV_LEN = ``pages * page_size``)
+        of ``logical``, a block mask over the logical positions of ``slots`` (batch row ``b``
+        is slot ``slots[b]``; KV_LEN the ``capacity``; key blocks of ``page_size``). Each row's
+        key blocks become the pages that hold them; its mask_mod sees each pool position's
+        logical position, and leaves out positions past the slot's length and pages the slot
+        does not hold (the pages of a block past its pages are dropped from its rows). Tensor
+        operations only: no value is read on the host.
+
+        For inference: it has no query-side tables (no backward). Its index tables are
+        ``[B, H, rows, pages]`` views of ``[B, H, rows, max_pages]`` tables (the columns past a
+        row's count are never read), so their memory grows with the pages a slot may hold,
+        not with the pool."""
+        slots = self._slots(slots)
+        page = self.page_size
+        if not isinstance(logical, BlockMask):
+            raise BindingTypeError(f"PagedKVCache.block_mask: the logical mask must be a "
+                                   f"BlockMask, got {type(logical).__name__}")
+        rows, kv_blocks = logical.kv_indices.shape[-2:]
+        if logical.BLOCK_SIZE[1] != page or kv_blocks != self.max_pages:
+            raise BindingError(
+                f"PagedKVCache.block_mask: the logical mask must have key blocks of the page "
+                f"size ({page}) over the capacity ({self.capacity} positions, {self.max_pages} "
+                f"blocks), got blocks of {logical.BLOCK_SIZE[1]} and {kv_blocks} key blocks: "
+                f"build it with block_size=(query block, {page}) for KV_LEN = {self.capacity}")
+        batch = slots.shape[0]
+        if logical.kv_indices.shape[0] not in (1, batch):
+            raise BindingError(f"PagedKVCache.block_mask: the logical mask has batch "
+                               f"{logical.kv_indices.shape[0]}, the call {batch} slots")
+        heads = logical.kv_indices.shape[1]
+        held = (self.lengths[slots] + page - 1) // page                       # [B]
+        table = self.page_table[slots]                                        # [B, max_pages]
+        limit = held.view(batch, 1, 1, 1)
+
+        def mapped(counts, indices):
+            if counts is None:
+                return None, None
+            counts = counts.expand(batch, heads, rows)
+            indices = indices.expand(batch, heads, rows, kv_blocks).long()
+            # a row's blocks come first in increasing order: those of pages held stay first
+            listed = torch.arange(kv_blocks, device=indices.device) < counts.unsqueeze(-1)
+            kept = (listed & (indices < limit)).sum(-1, dtype=torch.int32)
+            found = table.view(batch, 1, 1, kv_blocks).expand(-1, heads, rows, -1).gather(
+                -1, indices.clamp(max=kv_blocks - 1))
+            return kept, _widened(found.to(torch.int32), self.pages)
+
+        counts, indices = mapped(logical.kv_num_blocks, logical.kv_indices)
+        full_counts, full_indices = mapped(logical.full_kv_num_blocks, logical.full_kv_indices)
+        logical_mask = logical.mask_mod
+        page_index, page_slot, lengths = self.page_index.long(), self.page_slot.long(), self.lengths
+        slot_of_row = slots
+
+        def pool_mask(b, h, q_idx, kv_idx):
+            where = kv_idx // page
+            position = page_index[where] * page + kv_idx % page
+            slot = slot_of_row[b]
+            mine = (page_slot[where] == slot) & (position < lengths[slot])
+            return mine & logical_mask(b, h, q_idx, position)
+        return BlockMask.from_kv_blocks(counts, indices, full_counts, full_indices,
+                                        BLOCK_SIZE=logical.BLOCK_SIZE, mask_mod=pool_mask,
+                                        seq_lengths=(logical.seq_lengths[0],
+                                                     self.pages * page),
+                                        compute_q_blocks=False)
 
     # ---- checks
     def _slots(self, slots) -> torch.Tensor:

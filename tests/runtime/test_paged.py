@@ -243,3 +243,115 @@ def test_a_mixed_batch_of_prefill_chunks_and_decoded_tokens_equals_each_request_
                                                          keys[:, :, :length],
                                                          values[:, :, :length],
                                                          q_offset=length - count))
+
+
+# --- the pool read in place: a block mask mapped through the page table --------------------
+
+
+def _dense_reference(q, keys, values, lengths, q_offset, allowed):
+    """Attention of q over each row's own keys in float64, written out: ``allowed(row, i, j)``
+    says whether query row ``i`` (at position ``q_offset[row] + i``) sees key ``j``, keys past
+    the row's length never. GQA by repeating key heads."""
+    q, keys, values = q.double(), keys.double(), values.double()
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+    out = torch.zeros(q.shape[0], q.shape[1], q.shape[2], values.shape[-1], dtype=torch.float64)
+    for row in range(q.shape[0]):
+        for i in range(q.shape[2]):
+            seen = [j for j in range(int(lengths[row]))
+                    if allowed(row, int(q_offset[row]) + i, j)]
+            scores = torch.einsum("hd,hnd->hn", q[row, :, i], keys[row][:, seen]) \
+                / q.shape[-1] ** 0.5
+            out[row, :, i] = torch.einsum("hn,hnd->hd", scores.softmax(-1),
+                                          values[row][:, seen])
+    return out
+
+
+@pytest.mark.parametrize("text, allowed", [
+    ("causal", lambda row, i, j: j <= i),
+    ("sliding_window(40)", lambda row, i, j: i - 40 <= j <= i),
+    ("causal & doc", lambda row, i, j: j <= i and j // 70 == i // 70)])
+def test_flex_attention_reads_the_pool_in_place_through_the_mapped_block_mask(text, allowed):
+    """PagedKVCache.block_mask: FlexAttention (compiled, on the CPU's kernels: 130 query rows;
+    eager for documents, see below) over the whole pool, every batch row reading it through its own pages, equals attention
+    over each sequence's own keys written out in float64. Slots 3, 0, 4 in that order, pages
+    interleaved between them, lengths not multiples of the page, a page in the pool that no
+    call row holds, GQA, a binding (documents of 70 positions) over the capacity."""
+    from torch.nn.attention.flex_attention import flex_attention
+    page, heads = 32, 4
+    attn = flexspec.compile(text, block_size=(128, page))
+    slots, lengths = [3, 0, 4], [200, 150, 177]
+    paged, keys, values = filled(lengths, slots, seed=5, page_size=page, max_pages=8)
+    paged.append(torch.tensor([1]), *(torch.randn(1, KV_HEADS, 20, DIM) for _ in range(2)))
+    rows = 130
+    generator = torch.Generator().manual_seed(6)
+    q = torch.randn(3, heads, rows, DIM, generator=generator)
+    valid = torch.tensor(lengths)
+    offset = valid - rows
+    extra = {}
+    if "doc" in text:
+        extra["doc_ids"] = (torch.arange(paged.capacity) // 70).expand(3, -1).contiguous()
+    logical = attn.block_mask(rows, paged.capacity, batch=3, q_offset=offset, kv_lengths=valid,
+                              **extra)
+    pool_mask = paged.block_mask(logical, torch.tensor(slots))
+    assert pool_mask.kv_indices.shape[-1] == paged.pages
+    # the tables' memory: the logical mask's columns, plus a spare row's worth
+    assert pool_mask.kv_indices.untyped_storage().nbytes() <= 4 * (
+        logical.kv_indices.expand(3, -1, -1, -1).numel() + paged.pages)
+    # the CPU's compiled kernel fails to build (a C++ compile error in inductor's CPU
+    # template) where the mask reads a binding at a position read from the page tables: that
+    # case runs FlexAttention's eager path here
+    run = flex_attention if extra else torch.compile(flex_attention)
+    out = run(q, paged.keys.unsqueeze(0), paged.values.unsqueeze(0), block_mask=pool_mask,
+              enable_gqa=True)
+    expected = _dense_reference(q, keys, values, valid, offset, allowed)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_mapped_block_mask_drops_blocks_past_a_slot_s_pages():
+    """A logical mask that lists blocks past a slot's pages (built without the lengths) keeps
+    only the pages the slot holds, so no row reads another sequence's page; its mask_mod
+    leaves out positions past the slot's length and pages the slot does not hold."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    paged = cache(pages=12, page_size=4, slots=3, max_pages=6)
+    paged.append(torch.tensor([2, 0]), *(torch.randn(2, KV_HEADS, 6, DIM) for _ in range(2)))
+    paged.append(torch.tensor([2]), *(torch.randn(1, KV_HEADS, 3, DIM) for _ in range(2)))
+    everything = create_block_mask(lambda b, h, q, kv: kv >= 0, 2, 1, 4, paged.capacity,
+                                   BLOCK_SIZE=(4, 4), device="cpu")
+    mapped = paged.block_mask(everything, torch.tensor([2, 0]))
+    counts = mapped.kv_num_blocks + (0 if mapped.full_kv_num_blocks is None
+                                     else mapped.full_kv_num_blocks)
+    assert counts[:, 0, 0].tolist() == [3, 2]  # 9 and 6 positions in pages of 4
+    for row, slot in enumerate([2, 0]):
+        listed = [mapped.kv_indices[row, 0, 0, :int(mapped.kv_num_blocks[row, 0, 0])].tolist()]
+        if mapped.full_kv_num_blocks is not None:
+            listed.append(mapped.full_kv_indices[
+                row, 0, 0, :int(mapped.full_kv_num_blocks[row, 0, 0])].tolist())
+        pages = sorted(sum(listed, []))
+        assert pages == sorted(paged.page_table[slot, :len(pages)].tolist())
+    # the mask: slot 2 holds 9 positions; slot 0's pages are not slot 2's
+    row = torch.tensor(0)
+    own = paged.page_table[2, 2].item() * 4  # slot 2's third page: positions 8..11
+    seen = [bool(mapped.mask_mod(row, torch.tensor(0), torch.tensor(0), torch.tensor(own + i)))
+            for i in range(4)]
+    assert seen == [True, False, False, False]
+    other = paged.page_table[0, 0].item() * 4
+    assert not bool(mapped.mask_mod(row, torch.tensor(0), torch.tensor(0), torch.tensor(other)))
+
+
+def test_the_mapped_block_mask_refuses_a_logical_mask_of_other_blocks():
+    from torch.nn.attention.flex_attention import create_block_mask
+    paged = cache(pages=12, page_size=4, slots=3, max_pages=6)
+    wrong = create_block_mask(lambda b, h, q, kv: kv >= 0, 1, 1, 4, paged.capacity,
+                              BLOCK_SIZE=(4, 8), device="cpu")
+    with pytest.raises(flexspec.BindingError,
+                       match=r"key blocks of the page size \(4\) over the capacity \(24 "
+                             r"positions, 6 blocks\), got blocks of 8 and 3 key blocks: build it "
+                             r"with block_size=\(query block, 4\) for KV_LEN = 24"):
+        paged.block_mask(wrong, torch.tensor([0]))
+    with pytest.raises(flexspec.BindingTypeError, match="must be a BlockMask, got str"):
+        paged.block_mask("causal", torch.tensor([0]))
+    right = create_block_mask(lambda b, h, q, kv: kv >= 0, 2, 1, 4, paged.capacity,
+                              BLOCK_SIZE=(4, 4), device="cpu")
+    with pytest.raises(flexspec.BindingError, match="the logical mask has batch 2, the call 3"):
+        paged.block_mask(right, torch.tensor([0, 1, 2]))
