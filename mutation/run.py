@@ -57,6 +57,7 @@ MODULES: dict[str, list[str]] = {
     "runtime/attention": ["tests/runtime/test_runtime.py"],
     "runtime/positions": ["tests/runtime/test_positions.py"],
     "runtime/multihead": ["tests/runtime/test_multihead.py"],
+    "runtime/capture": ["tests/runtime/test_capture.py"],
     "runtime/module": ["tests/runtime/test_module.py"],
     "runtime/backends/__init__": ["tests/runtime/test_backends.py", "tests/runtime/test_order.py"],
     "runtime/backends/sdpa": ["tests/runtime/test_backends.py"],

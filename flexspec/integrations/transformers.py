@@ -332,12 +332,17 @@ def _attend(name: str, sliding_window: int, softcap: float, query: torch.Tensor,
     return _ordinary(out)
 
 
+# written out rather than read off _attend's annotations, which a wrapped _attend (mutation
+# testing's) does not carry
+_SCHEMA = ("(str name, SymInt sliding_window, float softcap, Tensor query, Tensor key, "
+           "Tensor value, float? scaling, Tensor? tensor_offset, SymInt q_offset, "
+           "SymInt kv_offset, Tensor? valid, Tensor? s_aux) -> Tensor")
 _attention_operator = torch.library.custom_op(
-    "flexspec::transformers_attention", _attend, mutates_args=())
+    "flexspec::transformers_attention", _attend, mutates_args=(), schema=_SCHEMA)
 # the same call, run between the replays of CUDA graph trees instead of captured
 _uncaptured_operator = torch.library.custom_op(
     "flexspec::transformers_attention_between_graphs", _attend, mutates_args=(),
-    tags=(torch._C.Tag.cudagraph_unsafe,))
+    tags=(torch._C.Tag.cudagraph_unsafe,), schema=_SCHEMA)
 
 
 # CUDA graph trees run a graph's warm-up and its recording in different dispatch states (one

@@ -6,6 +6,7 @@ weights under transformers' own eager attention. Each model gets its own config 
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import re
 
@@ -581,6 +582,30 @@ def test_the_operator_gives_the_layer_s_attention(window, softcap, sinks, varian
     out = operator(name, -1, 0.0, q, k, v, 0.3, None, 21, 4, valid, None)
     expected = _dense_layer(q, k, v, 0.3, torch.tensor(21), 4, valid, None, None, None)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_operator_refuses_a_window_of_no_key_as_the_eager_path_does(name):
+    q = torch.zeros(1, 4, 2, 8)
+    k = torch.zeros(1, 2, 5, 8)
+    with pytest.raises(flexspec.SpecError, match="sliding_window must be at least 1, got 0"):
+        torch.ops.flexspec.transformers_attention(name, 0, 0.0, q, k, k, None, None, 3, 0, None,
+                                                  None)
+
+
+def test_the_operator_leaves_the_warm_up_pool_of_its_inputs_device(name, monkeypatch):
+    """The operator allocates outside a CUDA graph trees warm-up's pool on the device of its
+    inputs (runtime.capture.outside_graph_pool; the pool itself needs a GPU)."""
+    asked = []
+
+    @contextlib.contextmanager
+    def recorded(device):
+        asked.append(device)
+        yield False
+    monkeypatch.setattr(integration, "outside_graph_pool", recorded)
+    q = torch.zeros(1, 4, 2, 8)
+    torch.ops.flexspec.transformers_attention(name, -1, 0.0, q, q, q, None, None, 0, 0, None,
+                                              None)
+    assert asked == [q.device]
 
 
 def test_the_operator_s_fake_gives_the_output_s_shape(name):

@@ -36,8 +36,9 @@ class _Manager:
 
 @pytest.fixture
 def trees(monkeypatch):
-    """A stand-in for torch._inductor.cudagraph_trees on a CUDA device that started, whose
-    current stream is "graph stream"; ``trees.manager`` is what get_manager returns."""
+    """A stand-in for torch._inductor.cudagraph_trees on a CUDA device that started (the
+    current one is 2), whose current stream is "graph stream"; ``trees.manager`` is what
+    get_manager returns."""
     module = types.SimpleNamespace(manager=_Manager(), asked=[])
 
     def get_manager(index, create_if_none_exists=True):
@@ -47,7 +48,10 @@ def trees(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", module)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: "graph stream")
+    # the graph's stream is current on the devices asked for by index (None: the current
+    # device's, which the trees' own stream need not be)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda index=None: "graph stream" if index is not None else "default")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     return module
 
