@@ -1,0 +1,178 @@
+"""Paged decode on a GPU: one new query token per sequence over a paged KV cache, read in place
+through a block mask mapped to the pool (``PagedKVCache.block_mask``), against flexspec's
+contiguous decode of the same sequences and against ``attn.paged`` (which gathers the pages
+into contiguous keys first). Issue 27's target: paged decode within 1.1x contiguous.
+
+For each spec, batch, cache length and page size (Hq=32, Hkv=8, D=128, bf16), the sequences sit
+in slots of a shuffled order, their pages interleaved in the pool, each full to the cache
+length:
+
+* ``contiguous``: ``attn(q, keys, values, q_offset=..., kv_lengths=...)`` on the sequences laid
+  out contiguously (built once, outside the timed region): the denominator;
+* ``in place, kernel``: ``torch.compile(flex_attention)`` over the whole pool with the mapped
+  block mask built once outside the timed region (the kernel alone);
+* ``in place, call``: the same with the logical block mask built and mapped inside the timed
+  region, as a decode step does;
+* ``gather``: ``attn.paged(q, cache, slots)``, today's path (a copy of every sequence per call).
+
+Only specs whose score reads no position run in place (the mapping of scores is not written
+yet). Outputs are checked against the contiguous call. Times are medians of
+``triton.testing.do_bench`` (on the CPU: of ``--repeats`` calls). The last lines printed are the
+table (markdown).
+
+    python benchmarks/paged.py                              # B 8 and 64, 4K-32K, pages 16-128
+    python benchmarks/paged.py --caches 4096 --batches 8 --pages 64
+    python benchmarks/paged.py --device cpu --caches 512 --batches 2 --pages 32 --heads 4 \\
+        --kv-heads 2 --dim 16 --dtype float32                # a smoke run on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import flexspec  # noqa: E402
+
+SPECS = ["causal", "sliding_window(4096)", "causal & doc"]
+DOCUMENTS = 8
+QUERY_BLOCK = 128
+
+
+def timed(call, device, repeats: int) -> float:
+    """Milliseconds per call: the median of do_bench on CUDA, of ``repeats`` calls elsewhere."""
+    if device.type == "cuda":
+        import triton.testing
+        return triton.testing.do_bench(call)
+    call()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def filled_cache(batch: int, length: int, page: int, args, device, generator):
+    """A cache whose slots (a shuffled order, one spare) hold ``batch`` sequences of ``length``
+    positions with interleaved pages, random keys and values: ``(cache, slots, keys, values)``
+    with the contiguous keys and values ``[batch, Hkv, length, D]``."""
+    dtype = getattr(torch, args.dtype)
+    max_pages = -(-length // page)
+    cache = flexspec.PagedKVCache(pages=batch * max_pages, page_size=page,
+                                  kv_heads=args.kv_heads, head_dim=args.dim, slots=batch + 1,
+                                  max_pages=max_pages, dtype=dtype, device=device)
+    slots = torch.randperm(batch + 1, generator=generator)[:batch].to(device)
+    for held in range(1, max_pages + 1):  # a page per slot at a time: pages interleave
+        grown = torch.full((batch,), min(held * page, length), device=device)
+        cache.reserve(slots, grown, check=False)
+        cache.lengths[slots] = grown  # what append does after reserving
+    cache.check()
+    cache.keys.normal_(generator=None)
+    cache.values.normal_(generator=None)
+    keys, values = cache.gathered(slots)
+    return cache, slots, keys[:, :, :length].contiguous(), values[:, :, :length].contiguous()
+
+
+def row(text: str, batch: int, length: int, page: int, args, device) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    cache, slots, keys, values = filled_cache(batch, length, page, args, device, generator)
+    dtype = getattr(torch, args.dtype)
+    q = torch.randn(batch, args.heads, 1, args.dim, generator=generator).to(device, dtype)
+    lengths = torch.full((batch,), length, device=device)
+    offset = lengths - 1
+    bindings, logical_bindings = {}, {}
+    if "doc" in text:
+        ids = (torch.arange(length) * DOCUMENTS // length).to(device)
+        bindings["doc_ids"] = ids.expand(batch, -1).contiguous()
+        padded = torch.full((cache.capacity,), DOCUMENTS, device=device)
+        padded[:length] = ids
+        logical_bindings["doc_ids"] = padded.expand(batch, -1).contiguous()
+    attn = flexspec.compile(text)
+    paged_attn = flexspec.compile(text, block_size=(QUERY_BLOCK, page))
+    result = {"spec": text, "B": batch, "cache": length, "page": page}
+    with torch.no_grad():
+        want = attn(q, keys, values, q_offset=offset, kv_lengths=lengths, **bindings)
+        result["contiguous"] = timed(
+            lambda: attn(q, keys, values, q_offset=offset, kv_lengths=lengths, **bindings),
+            device, args.repeats)
+        kernel = torch.compile(flex_attention)
+        pool_k, pool_v = cache.keys.unsqueeze(0), cache.values.unsqueeze(0)
+
+        def mapped():
+            logical = paged_attn.block_mask(1, cache.capacity, batch=batch, device=device,
+                                            q_offset=offset, kv_lengths=lengths,
+                                            **logical_bindings)
+            return cache.block_mask(logical, slots)
+        pool_mask = mapped()
+        got = kernel(q, pool_k, pool_v, block_mask=pool_mask, enable_gqa=True)
+        close = torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        result["in place, kernel"] = timed(
+            lambda: kernel(q, pool_k, pool_v, block_mask=pool_mask, enable_gqa=True), device,
+            args.repeats) if close else "wrong"
+        result["in place, call"] = timed(
+            lambda: kernel(q, pool_k, pool_v, block_mask=mapped(), enable_gqa=True), device,
+            args.repeats) if close else "wrong"
+        result["gather"] = timed(
+            lambda: attn.paged(q, cache, slots, **logical_bindings), device, args.repeats)
+    for name in ("in place, kernel", "in place, call"):
+        if isinstance(result[name], float):
+            result[f"{name} / contiguous"] = result[name] / result["contiguous"]
+    return result
+
+
+COLUMNS = ["spec", "B", "cache", "page", "contiguous", "in place, kernel", "in place, call",
+           "gather", "in place, kernel / contiguous", "in place, call / contiguous"]
+
+
+def table(rows: list) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for found in rows:
+        cells = []
+        for name in COLUMNS:
+            value = found.get(name, "-")
+            cells.append(f"{value:.3f}" if isinstance(value, float) else str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--specs", default=";".join(SPECS), help="';'-separated specs")
+    parser.add_argument("--caches", nargs="+", type=int, default=[4096, 32768])
+    parser.add_argument("--batches", nargs="+", type=int, default=[8, 64])
+    parser.add_argument("--pages", nargs="+", type=int, default=[16, 64, 128])
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls off CUDA")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    rows = []
+    for text in args.specs.split(";"):
+        for batch in args.batches:
+            for length in args.caches:
+                for page in args.pages:
+                    try:
+                        found = row(text, batch, length, page, args, device)
+                    except Exception as err:  # noqa: BLE001 - a failed row is a table cell
+                        found = {"spec": text, "B": batch, "cache": length, "page": page,
+                                 "contiguous": f"fails: {type(err).__name__}: "
+                                               f"{str(err).splitlines()[0][:100]}"}
+                    print(found, flush=True)
+                    rows.append(found)
+    print()
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
