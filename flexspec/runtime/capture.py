@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 
 import torch
 
@@ -17,12 +18,20 @@ def capturing(device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+# Whether this thread runs inside outside_graph_pool during a warm-up: the one way flexspec is
+# entered while CUDA graph trees warm a graph up (the transformers operator); anything else
+# inside a compiled graph breaks it and runs outside the trees. A flag, so that the calls that
+# ask (several per attention call) pay no look at the trees.
+_thread = threading.local()
+
+
 def in_graph_memory(device) -> bool:
-    """Whether this call's tensors belong to a CUDA graph: it is being captured, or it is the
-    warm-up run that torch.compile's CUDA graph trees record next (:func:`warming_pool`). Every
-    replay gives those tensors new contents, so nothing may be kept by them or looked up by
-    them (a warm-up may still read the device from the host: see :func:`capturing`)."""
-    return capturing(device) or warming_pool(device) is not None
+    """Whether this call's tensors belong to a CUDA graph: it is being captured, or it runs in
+    the warm-up that torch.compile's CUDA graph trees record next, entered through
+    :func:`outside_graph_pool`. Every replay gives those tensors new contents, so nothing may
+    be kept by them or looked up by them (a warm-up may still read the device from the host:
+    see :func:`capturing`)."""
+    return capturing(device) or getattr(_thread, "warming", False)
 
 
 def warming_pool(device):
@@ -50,18 +59,21 @@ def warming_pool(device):
 @contextlib.contextmanager
 def outside_graph_pool(device):
     """Allocations inside go to the caching allocator's ordinary pools even during a CUDA graph
-    trees warm-up (see :func:`warming_pool`); elsewhere this does nothing. Yields whether a
-    warm-up is running. The warm-up's pool is given back as it was on the way out (its use
-    count is unchanged)."""
+    trees warm-up (see :func:`warming_pool`), and :func:`in_graph_memory` is true there;
+    elsewhere this does nothing. Yields whether a warm-up is running. The warm-up's pool is
+    given back as it was on the way out (its use count is unchanged)."""
     pool = warming_pool(device)
     if pool is None:
         yield False
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
     torch._C._cuda_endAllocateToPool(index, pool)
+    was = getattr(_thread, "warming", False)
+    _thread.warming = True
     try:
         yield True
     finally:
+        _thread.warming = was
         # beginning again counts one more user of the pool; releasing takes it back off
         torch._C._cuda_beginAllocateCurrentThreadToPool(index, pool)
         torch._C._cuda_releasePool(index, pool)

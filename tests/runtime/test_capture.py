@@ -4,6 +4,7 @@ and leaving the warm-up's memory pool."""
 from __future__ import annotations
 
 import sys
+import threading
 import types
 
 import pytest
@@ -62,9 +63,37 @@ def test_a_warm_up_is_recognised_by_its_manager_and_stream(trees):
     assert trees.asked == [(2, False)]  # the current device's manager, never a new one
     assert capture.warming_pool(torch.device("cuda", 1)) == (7, 3)
     assert trees.asked[-1] == (1, False)
-    assert capture.in_graph_memory(cuda) and not capture.capturing(cuda)
     assert capture.warming_pool(torch.device("cpu")) is None
-    assert not capture.in_graph_memory(torch.device("cpu"))
+
+
+def test_a_thread_that_never_warmed_a_graph_up_is_not_in_graph_memory():
+    answers = []
+    thread = threading.Thread(target=lambda: answers.append(
+        capture.in_graph_memory(torch.device("cpu"))))
+    thread.start()
+    thread.join()
+    assert answers == [False] and answers[0] is False
+
+
+def test_inside_outside_graph_pool_a_warm_up_s_tensors_are_in_graph_memory(trees, allocator):
+    """Where flexspec is entered during a warm-up (the transformers operator, through
+    outside_graph_pool), nothing is kept by the call's tensors; before and after, and without
+    a warm-up, in_graph_memory says no (it does not look at the trees itself)."""
+    cuda = torch.device("cuda")
+    assert not capture.in_graph_memory(cuda)
+    with capture.outside_graph_pool(cuda):
+        assert capture.in_graph_memory(cuda) and not capture.capturing(cuda)
+        with capture.outside_graph_pool(cuda):  # nested, it is restored as it was
+            pass
+        assert capture.in_graph_memory(cuda)
+    assert not capture.in_graph_memory(cuda)
+    with pytest.raises(ValueError):
+        with capture.outside_graph_pool(cuda):
+            raise ValueError
+    assert not capture.in_graph_memory(cuda)
+    trees.manager = _Manager(in_warmup=False)
+    with capture.outside_graph_pool(cuda):
+        assert not capture.in_graph_memory(cuda)
 
 
 @pytest.mark.parametrize("manager", [None, _Manager(in_warmup=False), _Manager(stream="other")],
@@ -72,7 +101,6 @@ def test_a_warm_up_is_recognised_by_its_manager_and_stream(trees):
 def test_no_warm_up_without_a_manager_warming_up_on_this_stream(trees, manager):
     trees.manager = manager
     assert capture.warming_pool(torch.device("cuda")) is None
-    assert not capture.in_graph_memory(torch.device("cuda"))
 
 
 def test_a_capture_is_in_graph_memory_without_a_warm_up(trees, monkeypatch):
