@@ -207,7 +207,8 @@ class PagedKVCache:
         key blocks become the pages that hold them; its mask_mod sees each pool position's
         logical position, and leaves out positions past the slot's length and pages the slot
         does not hold (the pages of a block past its pages are dropped from its rows). Tensor
-        operations only: no value is read on the host.
+        operations only: no value is read on the host. It serves one call: pages reserved,
+        released or filled after it is made are not seen.
 
         For inference: it has no query-side tables (no backward). Its index tables are
         ``[B, H, rows, pages]`` views of ``[B, H, rows, max_pages]`` tables (the columns past a
@@ -249,7 +250,10 @@ class PagedKVCache:
         counts, indices = mapped(logical.kv_num_blocks, logical.kv_indices)
         full_counts, full_indices = mapped(logical.full_kv_num_blocks, logical.full_kv_indices)
         logical_mask = logical.mask_mod
-        page_index, page_slot, lengths = self.page_index.long(), self.page_slot.long(), self.lengths
+        # int64 copies: the CPU's compiled kernel fails to build mods that mix int32 tables
+        # into int64 positions; the mask is made for one call, as the pages are now
+        page_index, page_slot = self.page_index.long(), self.page_slot.long()
+        lengths = self.lengths.clone()
         slot_of_row = slots
 
         def pool_mask(b, h, q_idx, kv_idx):
