@@ -159,7 +159,7 @@ class BlockMasks:
             key: MaskKey | None = None) -> BlockMask:
         """The block mask of ``spec`` for these tensor values, from the cache or built."""
         key = key or self.key(spec, sizes, device)
-        # Inside a CUDA graph capture (or the warm-up run before one, see capture.warming_pool)
+        # Inside a CUDA graph capture (or the warm-up run before one, see capture.in_graph_memory)
         # a mask that reads tensors is built, never looked up: the graph replays its build with
         # whatever the tensors hold then (a cached mask would be replayed as it was at
         # capture). The build's tensors live in the graph's memory pool, so it is not kept
