@@ -353,12 +353,14 @@ _uncaptured_operator = torch.library.custom_op(
 # (flexspec.workarounds: cudagraph-trees-dispatch-state), in which q, k and v show the same
 # keys whatever their kind, and copies its small tensors (offsets, padding, sinks), which
 # flexspec also reads outside inference mode, to ordinary ones.
+_IN_PLACE_OR_VIEW = torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
+
+
 @contextlib.contextmanager
 def _one_dispatch_state():
     """Inference mode with the ADInplaceOrView key excluded: a tensor's dispatch keys are then
     its backend's alone, for ordinary and inference tensors alike."""
-    in_place_or_view = torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
-    with torch.inference_mode(), torch._C._ExcludeDispatchKeyGuard(in_place_or_view):
+    with torch.inference_mode(), torch._C._ExcludeDispatchKeyGuard(_IN_PLACE_OR_VIEW):
         yield
 
 

@@ -46,7 +46,7 @@ def warming_pool(device):
     trees = sys.modules.get("torch._inductor.cudagraph_trees")
     if trees is None or device.type != "cuda" or not torch.cuda.is_initialized():
         return None  # nothing imported the trees: no warm-up can be running
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     try:
         manager = trees.get_manager(index, create_if_none_exists=False)
         warming = (manager is not None and manager.in_warmup
@@ -66,7 +66,7 @@ def outside_graph_pool(device):
     if pool is None:
         yield False
         return
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     torch._C._cuda_endAllocateToPool(index, pool)
     was = getattr(_thread, "warming", False)
     _thread.warming = True
@@ -77,3 +77,8 @@ def outside_graph_pool(device):
         # beginning again counts one more user of the pool; releasing takes it back off
         torch._C._cuda_beginAllocateCurrentThreadToPool(index, pool)
         torch._C._cuda_releasePool(index, pool)
+
+
+def _index(device) -> int:
+    """The index of a CUDA ``device``, the current one where it names none."""
+    return device.index if device.index is not None else torch.cuda.current_device()

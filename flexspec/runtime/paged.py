@@ -43,10 +43,7 @@ def _widened(table: torch.Tensor, width: int) -> torch.Tensor:
     if width <= n:
         return table
     flat = torch.cat([table.reshape(-1), table.new_zeros(width - n)])
-    strides = [1] * table.dim()
-    for axis in range(table.dim() - 2, -1, -1):
-        strides[axis] = strides[axis + 1] * table.shape[axis + 1]
-    return flat.as_strided((*table.shape[:-1], width), strides)
+    return flat.as_strided((*table.shape[:-1], width), table.stride())
 
 
 class PagedKVCache:
