@@ -161,8 +161,7 @@ def test_generate_benchmark_runs_its_models_small_on_the_cpu(monkeypatch):
 def test_paged_benchmark_reads_the_pool_in_place_right_on_the_cpu(capsys):
     """benchmarks/paged.py run small on the CPU: the pool read in place through the mapped
     block mask gives the contiguous call's output (a wrong one is a 'wrong' cell), every cell
-    ran. Documents are left out: the CPU's compiled kernel fails to build that mask (see
-    tests/runtime/test_paged.py)."""
+    ran, for a mask, a binding and a score that reads positions."""
     torch._dynamo.reset()  # flex_attention compiled by earlier tests, at other shapes
     spec = importlib.util.spec_from_file_location("benchmark_paged",
                                                   ROOT / "benchmarks" / "paged.py")
@@ -170,11 +169,11 @@ def test_paged_benchmark_reads_the_pool_in_place_right_on_the_cpu(capsys):
     spec.loader.exec_module(paged)
     assert paged.main(["--device", "cpu", "--caches", "300", "--batches", "2", "--pages", "32",
                        "--heads", "4", "--kv-heads", "2", "--dim", "16", "--dtype", "float32",
-                       "--repeats", "1", "--specs", "causal;sliding_window(100)"]) == 0
+                       "--repeats", "1", "--specs", "sliding_window(100);causal & doc;causal + alibi"]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines
             if line.startswith("| causal") or line.startswith("| sliding")]
-    assert len(rows) == 2
+    assert len(rows) == 3
     for cells in rows:
         assert not any("wrong" in cell or "fails" in cell for cell in cells), cells
         assert all(float(cell) > 0 for cell in cells[4:]), cells

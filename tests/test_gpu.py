@@ -787,3 +787,48 @@ def test_generate_with_the_static_cache_and_a_compiled_forward_gives_eager_token
     # each layer's call is one operator in the forward's graph: no break, so no frame and no
     # recompile per layer
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("q_len", [1, 130])
+@pytest.mark.parametrize("text", ["causal", "sliding_window(100)", "causal & doc",
+                                  "causal + alibi", "causal + softcap(20)"])
+def test_a_paged_cache_read_in_place_matches_each_sequence_alone(text, q_len, page):
+    """attn.paged on CUDA reads the pool in place (read='auto'): the decoding kernel (one row)
+    and the main one (130 rows), slots 5, 0, 3 with interleaved pages and lengths that are not
+    multiples of the page, a page held by a slot outside the call, GQA, bf16; each row equals
+    the float64 reference over its own sequence."""
+    torch._dynamo.reset()
+    attn = flexspec.compile(text)
+    heads, kv_heads, dim = 8, 2, 64
+    max_pages = (700 + page - 1) // page
+    cache = flexspec.PagedKVCache(pages=4 * max_pages, page_size=page, kv_heads=kv_heads,
+                                  head_dim=dim, slots=6, max_pages=max_pages,
+                                  dtype=torch.bfloat16, device="cuda")
+    slots, lengths = [5, 0, 3], [650, 301, 470]
+    generator = torch.Generator().manual_seed(3)
+    sequences = [[torch.randn(1, kv_heads, n, dim, generator=generator).to("cuda", torch.bfloat16)
+                  for _ in range(2)] for n in lengths]
+    for start, end in ((0, 0.5), (0.5, 1.0)):  # two appends each: pages interleave
+        for slot, n, (k, v) in zip(slots, lengths, sequences):
+            lo, hi = int(n * start), int(n * end)
+            cache.append(torch.tensor([slot], device="cuda"), k[:, :, lo:hi], v[:, :, lo:hi])
+    cache.append(torch.tensor([1], device="cuda"),
+                 *(torch.randn(1, kv_heads, 40, dim, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(2)))
+    q = torch.randn(3, heads, q_len, dim, generator=generator).to("cuda", torch.bfloat16)
+    extra = {}
+    if "doc" in text:
+        extra["doc_ids"] = (torch.arange(cache.capacity, device="cuda") // 90).expand(
+            3, -1).contiguous()
+    with torch.no_grad():
+        out = attn.paged(q, cache, torch.tensor(slots, device="cuda"), **extra)
+        gathered = attn.paged(q, cache, torch.tensor(slots, device="cuda"), read="gather",
+                              **extra)
+    assert _relative_error(out, gathered) < TOLERANCE[torch.bfloat16]
+    for row, (n, (k, v)) in enumerate(zip(lengths, sequences)):
+        alone = {name: value[row:row + 1, :n] for name, value in extra.items()}
+        ref = attn.reference(q[row:row + 1].double(), k.double(), v.double(),
+                             q_offset=n - q_len, **alone)
+        assert _relative_error(out[row:row + 1], ref) < TOLERANCE[torch.bfloat16], (row, text)
+    torch._dynamo.reset()

@@ -33,6 +33,8 @@ from flexspec.runtime.tuning import (KernelOptions, Tuned, checked_options, defa
                                      median_ms, signature)
 from flexspec.runtime.lookups import check_lookups
 from flexspec.runtime.masks import BLOCK_MASK_MODES, BlockMaskMode, BlockMasks, mask_extent
+from flexspec.runtime.paged_call import (QUERY_BLOCK, PagedRead, check_pages, checked_read,
+                                         pool_read, reads_in_place)
 from flexspec.runtime.plan import PlanCache, make_mask_plan
 from flexspec.runtime.positions import Placement
 
@@ -69,6 +71,7 @@ class Attention:
                             masks=self._masks, placement=self._placement, options=self._options)
         self._mask_plans = PlanCache()  # block_mask's
         self._packed: Attention | None = None  # the spec for jagged batches (see _jagged)
+        self._paged: dict = {}  # page size -> the spec with key blocks of it (see paged)
 
     # ---- copies: the spec and the options travel; plans and caches are made anew (they hold
     # tensors, compiled entries and locks, and a copy may land on another process or device)
@@ -308,23 +311,62 @@ class Attention:
                            step=step)
 
     def paged(self, q, cache, slots, *, scale=None, q_offset=None, return_lse: bool = False,
-              **bindings):
+              read: str = "auto", **bindings):
         """Attention of ``q`` ``(B, Hq, Q_LEN, D)`` over the sequences ``slots`` (``[B]``, in
         any order) of a :class:`~flexspec.runtime.paged.PagedKVCache`: row ``b`` of q reads the
         keys of slot ``slots[b]``, at logical positions ``0 .. length - 1`` (KV_LEN is the
         cache's ``capacity``, the valid lengths are the slots' lengths). ``q_offset`` defaults
         to ``length - Q_LEN``: the rows are the newest tokens of their sequences, appended to
-        the cache already. Bindings indexed by ``kv`` cover the capacity."""
+        the cache already. Bindings indexed by ``kv`` cover the capacity.
+
+        ``read`` says how the pages are read: ``"in_place"`` through a block mask mapped to the
+        pages (:mod:`flexspec.runtime.paged_call`; inference only), ``"gather"`` from a copy of
+        the sequences laid out contiguously (any backend, a backward pass), ``"auto"`` (the
+        default) in place where :func:`~flexspec.runtime.paged_call.reads_in_place` says so
+        (CUDA, no gradient, pages of a multiple of 16), else gathered."""
         from flexspec.runtime.paged import PagedKVCache
         if not isinstance(cache, PagedKVCache):
             raise BindingTypeError(f"cache must be a flexspec.PagedKVCache, got "
                                    f"{type(cache).__name__}")
+        read = checked_read(read)
+        if read == "auto":
+            read = "in_place" if reads_in_place(q, cache, self.backend) else "gather"
+        if read == "in_place":
+            return self.paged_read(q, cache, slots, scale=scale, q_offset=q_offset,
+                                   return_lse=return_lse, **bindings)(q)
         keys, values = cache.gathered(slots)
         lengths = cache.lengths[slots.long()]
         if q_offset is None and isinstance(q, torch.Tensor) and q.dim() == 4:
             q_offset = lengths - q.shape[2]
         return self._calls(q, keys, values, scale=scale, bindings=bindings, q_offset=q_offset,
                            kv_lengths=lengths, return_lse=return_lse)
+
+    def paged_read(self, q, cache, slots, *, scale=None, q_offset=None, return_lse: bool = False,
+                   **bindings) -> PagedRead:
+        """The in-place read :meth:`paged` makes (``read="in_place"``), prepared once for
+        queries shaped like ``q``: ``read(q)`` runs a call of that shape over the pages as
+        they are now, and ``read(q, other)`` the same over another cache of that geometry whose
+        pages were taken by the same operations (a model's other layers). What the call derives
+        from the page tables (the block mask, the mods) is made here, once per model step
+        instead of once per layer (see :class:`~flexspec.runtime.paged_call.PagedRead`)."""
+        from flexspec.runtime.paged import PagedKVCache
+        if not isinstance(cache, PagedKVCache):
+            raise BindingTypeError(f"cache must be a flexspec.PagedKVCache, got "
+                                   f"{type(cache).__name__}")
+        check_pages(cache)
+        return pool_read(self._paged_sibling(cache.page_size), q, cache, slots, scale=scale,
+                         q_offset=q_offset, return_lse=return_lse, bindings=bindings)
+
+    def _paged_sibling(self, page_size: int) -> "Attention":
+        """This spec with key blocks of ``page_size`` (made on the first in-place read of a
+        cache of such pages): its block masks and mods are the logical ones the pool's read
+        maps."""
+        sibling = self._paged.get(page_size)
+        if sibling is None:
+            sibling = Attention(self.spec, backend="auto", block_size=(QUERY_BLOCK, page_size),
+                                block_masks=self.block_masks)
+            self._paged[page_size] = sibling
+        return sibling
 
     def explain(self, q, k, v, *, scale=None, q_offset=None, kv_lengths=None,
                 return_lse: bool = False, target: str | None = None, capability=None,

@@ -32,9 +32,10 @@ _entry_counter = itertools.count(1)
 
 
 @functools.lru_cache(maxsize=256)
-def compiled_entry(lowered: Lowered):
+def compiled_entry(lowered: Lowered, purpose: str = "call"):
     """A compiled ``flex_attention`` call whose code object belongs to this spec alone, so each
-    spec has its own dynamo cache and recompile budget."""
+    spec has its own dynamo cache and recompile budget (and each ``purpose`` of it: the reads
+    of a paged cache compile apart from the plain calls)."""
     text = ("def run(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, lse):\n"
             "    if lse is None:\n"
             "        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,\n"

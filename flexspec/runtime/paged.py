@@ -247,16 +247,15 @@ class PagedKVCache:
         counts, indices = mapped(logical.kv_num_blocks, logical.kv_indices)
         full_counts, full_indices = mapped(logical.full_kv_num_blocks, logical.full_kv_indices)
         logical_mask = logical.mask_mod
-        # int64 copies: the CPU's compiled kernel fails to build mods that mix int32 tables
-        # into int64 positions; the mask is made for one call, as the pages are now
-        page_index, page_slot = self.page_index.long(), self.page_slot.long()
-        lengths = self.lengths.clone()
+        position_of = self._position_of()
+        # int64 copies (see _position_of); the mask serves one call, as the pages are now
+        page_slot, lengths = self.page_slot.long(), self.lengths.clone()
         slot_of_row = slots
 
         def pool_mask(b, h, q_idx, kv_idx):
             where = kv_idx // page
-            position = page_index[where] * page + kv_idx % page
             slot = slot_of_row[b]
+            position = position_of(kv_idx)
             mine = (page_slot[where] == slot) & (position < lengths[slot])
             return mine & logical_mask(b, h, q_idx, position)
         return BlockMask.from_kv_blocks(counts, indices, full_counts, full_indices,
@@ -264,6 +263,27 @@ class PagedKVCache:
                                         seq_lengths=(logical.seq_lengths[0],
                                                      self.pages * page),
                                         compute_q_blocks=False)
+
+    def score_mod(self, logical_score):
+        """``logical_score`` (a ``score_mod`` over logical positions) as a ``score_mod`` over
+        the pool: each pool position is given to it as its logical position (0 for a free
+        page, whose scores the mask leaves out). Like :meth:`block_mask`, it serves one call."""
+        position_of = self._position_of()
+
+        def pool_score(score, b, h, q_idx, kv_idx):
+            return logical_score(score, b, h, q_idx, position_of(kv_idx))
+        return pool_score
+
+    def _position_of(self):
+        """The function from pool positions to logical ones, as the pages are now (a free
+        page's positions give 0: never a negative index into a binding). It reads an int64
+        copy of ``page_index``: the CPU's compiled kernel fails to build mods that mix int32
+        tables into int64 positions."""
+        page_index, page = self.page_index.long(), self.page_size
+
+        def position_of(kv_idx):
+            return (page_index[kv_idx // page] * page + kv_idx % page).clamp(min=0)
+        return position_of
 
     # ---- checks
     def _slots(self, slots) -> torch.Tensor:

@@ -360,3 +360,104 @@ def test_the_mapped_block_mask_refuses_a_logical_mask_of_other_blocks():
                               BLOCK_SIZE=(4, 4), device="cpu")
     with pytest.raises(flexspec.BindingError, match="the logical mask has batch 2, the call 3"):
         paged.block_mask(right, torch.tensor([0, 1, 2]))
+
+
+# --- attn.paged reading the pool in place (read="in_place", paged_read) ---------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text, allowed", [
+    ("causal + alibi", None),
+    ("causal & doc", lambda row, i, j: j <= i and j // 70 == i // 70),
+    ("sliding_window(40) + softcap(20)", None)])
+def test_paged_reads_the_pool_in_place_equal_to_each_sequence_alone(text, allowed):
+    """attn.paged(..., read="in_place") on the CPU's compiled kernels (130 query rows): slots
+    3, 0, 4 with interleaved pages and a page of a slot outside the call, GQA, a mask that
+    reads a binding over the capacity, scores that read positions (alibi: the score sees each
+    key's logical position, not its place in the pool); each row equals the float64 reference
+    over its own sequence."""
+    torch._dynamo.reset()
+    page, rows = 32, 130
+    attn = flexspec.compile(text)
+    slots, lengths = [3, 0, 4], [200, 150, 177]
+    paged, keys, values = filled(lengths, slots, seed=5, page_size=page, max_pages=8)
+    paged.append(torch.tensor([1]), *(torch.randn(1, KV_HEADS, 20, DIM) for _ in range(2)))
+    q = torch.randn(3, 4, rows, DIM, generator=torch.Generator().manual_seed(6))
+    extra = {}
+    if "doc" in text:
+        extra["doc_ids"] = (torch.arange(paged.capacity) // 70).expand(3, -1).contiguous()
+    with torch.no_grad():
+        out = attn.paged(q, paged, torch.tensor(slots), read="in_place", **extra)
+    for row, length in enumerate(lengths):
+        alone = {name: value[row:row + 1, :length] for name, value in extra.items()}
+        expected = attn.reference(q[row:row + 1].double(), keys[row:row + 1, :, :length].double(),
+                                  values[row:row + 1, :, :length].double(),
+                                  q_offset=length - rows, **alone)
+        torch.testing.assert_close(out[row:row + 1].double(), expected, rtol=1e-4, atol=1e-4)
+    if allowed is not None:  # and the reference itself against the mask written out
+        written = _dense_reference(q, keys, values, torch.tensor(lengths),
+                                   torch.tensor(lengths) - rows, allowed)
+        torch.testing.assert_close(out.double(), written, rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_a_paged_read_made_once_serves_every_layer_of_a_step():
+    """attn.paged_read: made from one layer's cache, it runs the other layers' caches (same
+    operations, other keys and values) and equals each cache read on its own; it refuses a
+    query of another shape and a cache of another geometry, saying what to do."""
+    torch._dynamo.reset()
+    attn = flexspec.compile("causal + alibi")
+    slots = torch.tensor([2, 0])
+    layers = [cache(pages=20, page_size=16, slots=3, max_pages=10) for _ in range(2)]
+    generator = torch.Generator().manual_seed(8)
+    for lengths in ([90, 140], [40, 1]):
+        for layer in layers:  # the same appends: the same pages
+            layer.append(slots, *(torch.randn(2, KV_HEADS, lengths[0], DIM, generator=generator)
+                                  for _ in range(2)))
+    q = torch.randn(2, 4, 130, DIM, generator=generator)
+    with torch.no_grad():
+        read = attn.paged_read(q, layers[0], slots)
+        for layer in layers:
+            torch.testing.assert_close(read(q, layer),
+                                       attn.paged(q, layer, slots, read="gather"),
+                                       rtol=1e-4, atol=1e-4)
+        with pytest.raises(flexspec.BindingError, match="queries of the shape it was made for"):
+            read(q[:, :, :129])
+        other = cache(pages=21, page_size=16, slots=3, max_pages=10)
+        with pytest.raises(flexspec.BindingError, match="caches of the geometry it was made"):
+            read(q, other)
+    torch._dynamo.reset()
+
+
+def test_paged_refuses_what_it_cannot_read_in_place(monkeypatch):
+    """read= is checked; pages that are not a multiple of 16 positions, and a query that needs
+    gradients, are refused in place with the way out (read='gather'); on the CPU, read="auto"
+    gathers (the in-place read is never made)."""
+    from flexspec.runtime import paged_call
+    attn = flexspec.compile("causal")
+    paged = cache(pages=12, page_size=4, slots=3, max_pages=6)
+    slots = torch.tensor([1])
+    paged.append(slots, *(torch.randn(1, KV_HEADS, 7, DIM) for _ in range(2)))
+    q = torch.randn(1, 4, 2, DIM)
+    with pytest.raises(flexspec.BindingTypeError,
+                       match="read must be 'auto', 'in_place' or 'gather', got 'pages'"):
+        attn.paged(q, paged, slots, read="pages")
+    with pytest.raises(flexspec.BindingError, match=r"pages hold 4: use pages of 16, 32, 64 or "
+                                                    r"128 positions, or read='gather'"):
+        attn.paged(q, paged, slots, read="in_place")
+    sixteen = cache(pages=4, page_size=16, slots=2, max_pages=2)
+    sixteen.append(slots, *(torch.randn(1, KV_HEADS, 7, DIM) for _ in range(2)))
+    with pytest.raises(flexspec.BindingError, match="inference only .* read='gather' to train"):
+        attn.paged(q.requires_grad_(), sixteen, slots, read="in_place")
+    with pytest.raises(flexspec.BindingError, match=r"a row per slot \(B = 1\), got \[2, 4"):
+        attn.paged(torch.randn(2, 4, 1, DIM), sixteen, slots, read="in_place")
+
+    def never(*args, **kwargs):
+        raise AssertionError("read in place")
+    monkeypatch.setattr(paged_call, "pool_read", never)
+    monkeypatch.setattr("flexspec.runtime.attention.pool_read", never)
+    out = attn.paged(q.detach(), sixteen, slots)  # auto, on the CPU: gathered
+    keys, values = sixteen.gathered(slots)
+    torch.testing.assert_close(out, attn.reference(q.detach(), keys[:, :, :7], values[:, :, :7],
+                                                   q_offset=5))

@@ -1,0 +1,162 @@
+"""Attention over a paged KV cache read in place: one compiled FlexAttention call over the whole
+pool (``keys.unsqueeze(0)``, every batch row reading it), through a block mask mapped from the
+sequences' logical positions to the pages that hold them and a ``score_mod`` that sees logical
+positions (:meth:`PagedKVCache.block_mask <flexspec.runtime.paged.PagedKVCache.block_mask>`,
+:meth:`~flexspec.runtime.paged.PagedKVCache.score_mod`). Nothing is copied; the call reads
+the pages its sequences hold and no other.
+
+The logical block mask and the mods come from a sibling of the spec compiled with key blocks of
+the page size (:func:`attend_in_place`'s ``sibling``). For inference only: the mapped mask has
+no query-side tables, so there is no backward pass (``attn.paged(..., read="gather")`` has one).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flexspec import ir
+from flexspec.errors import BindingError, BindingTypeError
+from flexspec.kernels.block_tables import as_partial
+from flexspec.kernels.generations import call_compiled
+from flexspec.kernels.lower import lower
+from flexspec.runtime import compiled
+from flexspec.runtime.checks import check_qkv, checked_scale
+from flexspec.runtime.contract import BackendError
+from flexspec.runtime.flexattention import DECODE_ROWS, DECODING_OPTIONS, WIDE_INDEX_ELEMENTS
+
+# The query block of the logical masks: FlexAttention's default.
+QUERY_BLOCK = 128
+# The widest key tile FlexAttention's kernels take by default: a smaller page needs its own.
+WIDEST_KEY_TILE = 128
+
+
+def reads_in_place(q, cache, backend: str) -> bool:
+    """Whether ``attn.paged`` reads the pool in place by default (``read="auto"``): on CUDA, for
+    inference (no gradient to q), pages of a multiple of 16 positions (FlexAttention's
+    smallest key tile), on a backend that runs FlexAttention."""
+    return (isinstance(q, torch.Tensor) and q.device.type == "cuda"
+            and not (torch.is_grad_enabled() and q.requires_grad)
+            and cache.page_size % 16 == 0 and backend in ("auto", "flex"))
+
+
+class PagedRead:
+    """An in-place read of a paged cache prepared once (see :func:`pool_read`): the block mask
+    mapped to the pages as they were when it was made, the mods, the compiled entry. Calling
+    it, ``read(q)`` or ``read(q, cache)``, launches the kernel alone, so the layers of a model
+    step share one preparation: ``cache`` may be any cache of the same geometry whose pages
+    were taken by the same operations (one cache per layer, appended together)."""
+
+    def __init__(self, entry, args: tuple, cache, signature: tuple, text: str):
+        self._entry, self._args, self._cache = entry, args, cache
+        self._signature, self._text, self._warm = signature, text, False
+
+    def __call__(self, q, cache=None):
+        cache = self._cache if cache is None else cache
+        if not isinstance(q, torch.Tensor) or _signature(q) != self._signature:
+            raise BindingError(f"a PagedRead runs queries of the shape it was made for "
+                               f"(shape, dtype, device {self._signature}), got "
+                               f"{_signature(q) if isinstance(q, torch.Tensor) else q!r}: "
+                               "make one per query shape")
+        if cache is not self._cache and _geometry(cache) != _geometry(self._cache):
+            raise BindingError(f"a PagedRead reads caches of the geometry it was made for "
+                               f"{_geometry(self._cache)}, got {_geometry(cache)}")
+        args = (q, cache.keys.unsqueeze(0), cache.values.unsqueeze(0)) + self._args[3:]
+        if self._warm:
+            out = call_compiled(self._entry, *args)
+        else:
+            try:
+                out = compiled.run_compiled(self._entry, *args)
+            except compiled.CompileLimitError:
+                raise
+            except Exception as err:  # noqa: BLE001 - inductor's errors have no stable type
+                raise BackendError(
+                    f"attn.paged: FlexAttention could not compile its read of the pool for "
+                    f"'{self._text}' on {q.device.type} ({compiled.first_line(err)}); "
+                    "read='gather' runs it on the sequences copied out of their pages") from err
+            self._warm = True
+        return compiled.split_lse(out) if self._args[8] is not None else out
+
+
+def _signature(q) -> tuple:
+    return tuple(q.shape), q.dtype, q.device
+
+
+def _geometry(cache) -> tuple:
+    """What a read of a cache depends on besides its tables' values."""
+    if not hasattr(cache, "page_size"):
+        return type(cache).__name__
+    return (cache.pages, cache.page_size, cache.slots, cache.max_pages, tuple(cache.keys.shape),
+            tuple(cache.values.shape), cache.keys.dtype, cache.device)
+
+
+def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse: bool = False,
+              bindings: dict) -> PagedRead:
+    """The :class:`PagedRead` of queries shaped like ``q`` over ``slots`` of ``cache``, as the
+    pages are now (``sibling``: the spec compiled with ``block_size=(QUERY_BLOCK, page
+    size)``)."""
+    slots = cache._slots(slots)
+    scale = checked_scale(scale)
+    dim, v_dim = cache.keys.shape[-1], cache.values.shape[-1]
+    batch = slots.shape[0]
+    # q against the cache as a call's k and v of the slots' capacity would be (no memory)
+    k_shape = (batch, cache.keys.shape[0], cache.capacity)
+    keys = cache.keys.new_empty(1, 1, 1, 1).expand(*k_shape, dim)
+    values = cache.values.new_empty(1, 1, 1, 1).expand(*k_shape, v_dim)
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != batch:
+        raise BindingError(f"attn.paged: q must be [B, Hq, Q_LEN, D] with a row per slot "
+                           f"(B = {batch}), got "
+                           f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    check_qkv(q, keys, values)
+    if torch.is_grad_enabled() and q.requires_grad:
+        raise BindingError("attn.paged: the pool is read in place for inference only (no "
+                           "backward pass); use read='gather' to train through a paged cache")
+    heads, q_len = q.shape[1], q.shape[2]
+    lengths = cache.lengths[slots]
+    if q_offset is None:
+        q_offset = lengths - q_len
+    placed = dict(q_len=q_len, kv_len=cache.capacity, batch=batch, heads=heads,
+                  device=q.device, q_offset=q_offset, kv_lengths=lengths)
+    logical = sibling.block_mask(**placed, **bindings)
+    pool_elements = cache.keys.shape[0] * cache.keys.shape[1] * max(dim, v_dim)
+    # the decoding kernel does not compile for a pool inductor indexes in int64
+    # (flexspec.workarounds: flex-decoding-wide-indices): such reads run on the main kernel
+    wide = pool_elements >= WIDE_INDEX_ELEMENTS
+    decoding = q.device.type == "cuda" and q_len < DECODE_ROWS and not wide
+    if decoding:
+        # FlexAttention's decoding kernel splits a row's tiles among its splits by the pool's
+        # length when any tile is listed full: the pages of a row would land in a few splits
+        logical = as_partial(logical)
+    block_mask = cache.block_mask(logical, slots)
+    score_mod = sibling.mods(**placed, **bindings)[1]
+    if score_mod is not None and "kv" in ir.free_vars(sibling.ir.score):
+        score_mod = cache.score_mod(score_mod)
+    options = dict(DECODING_OPTIONS) if decoding else {}
+    if wide and q_len < DECODE_ROWS:
+        options["FORCE_USE_FLEX_ATTENTION"] = True
+    if cache.page_size < WIDEST_KEY_TILE:
+        options["BLOCK_N"] = cache.page_size  # a key tile may not span two pages
+    entry = compiled.compiled_entry(lower(sibling.ir), "paged")
+    pool_keys, pool_values = cache.keys.unsqueeze(0), cache.values.unsqueeze(0)
+    args = (q, pool_keys, pool_values, score_mod, block_mask, scale,
+            heads != cache.keys.shape[0], options or None, compiled.lse_request(return_lse))
+    compiled.mark_lengths_dynamic(entry, *args[:5])
+    if decoding:
+        compiled.mark_batch_static(q, pool_keys, pool_values)
+    return PagedRead(entry, args, cache, _signature(q), str(sibling.spec))
+
+
+def check_pages(cache) -> None:
+    """A :class:`BindingError` unless FlexAttention can read ``cache``'s pages in place."""
+    if cache.page_size % 16:
+        raise BindingError(f"attn.paged: the pool is read in place in key tiles of a multiple "
+                           f"of 16 positions, and the cache's pages hold {cache.page_size}: "
+                           "use pages of 16, 32, 64 or 128 positions, or read='gather'")
+
+
+def checked_read(read) -> str:
+    """``read`` of ``attn.paged``, checked."""
+    if read not in ("auto", "in_place", "gather"):
+        raise BindingTypeError(f"attn.paged: read must be 'auto', 'in_place' or 'gather', got "
+                               f"{read!r}")
+    return read
+
