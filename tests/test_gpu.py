@@ -832,3 +832,33 @@ def test_a_paged_cache_read_in_place_matches_each_sequence_alone(text, q_len, pa
                              q_offset=n - q_len, **alone)
         assert _relative_error(out[row:row + 1], ref) < TOLERANCE[torch.bfloat16], (row, text)
     torch._dynamo.reset()
+
+
+def test_serving_steps_over_a_paged_cache_never_synchronise_with_the_host():
+    """Issue 27's serving target on the H200: 300 decode steps with requests arriving and
+    leaving at random (tests/runtime/test_paged.py's loop, every running row checked against
+    the float64 reference), flexspec's part of each step (appends, the in-place read,
+    releases) run under torch.cuda.set_sync_debug_mode("error"): a host synchronisation
+    there raises. After the first steps (the block-mask program and the read compile), no
+    compile."""
+    import contextlib
+    import sys
+    from pathlib import Path
+
+    from torch._dynamo.utils import counters
+    sys.path.insert(0, str(Path(__file__).parent / "runtime"))
+    from test_paged import serve_at_random
+
+    @contextlib.contextmanager
+    def no_sync():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch._dynamo.reset()
+    serve_at_random("cuda", 3, dim=16)  # compiles outside the guard (a compile reads the device)
+    before = counters["stats"]["unique_graphs"]
+    assert serve_at_random("cuda", 300, seed=1, guard=no_sync, dim=16) > 250
+    assert counters["stats"]["unique_graphs"] - before == 0
+    torch._dynamo.reset()

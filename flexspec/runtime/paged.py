@@ -138,7 +138,7 @@ class PagedKVCache:
             spare.scatter_(0, gone, torch.full_like(gone, -1, dtype=table.dtype))
             table.copy_(spare[:self.pages])
         self.free_count += held.sum()
-        self.lengths[slots] = 0
+        self.lengths.index_fill_(0, slots, 0)  # a scalar written by index_put_ syncs
 
     def check(self) -> None:
         """A :class:`BindingError` if a reservation ran out of free pages (one host read)."""

@@ -26,6 +26,8 @@ from flexspec.runtime.flexattention import DECODE_ROWS, DECODING_OPTIONS, WIDE_I
 
 # The query block of the logical masks: FlexAttention's default.
 QUERY_BLOCK = 128
+# The least head dimension FlexAttention's GPU kernels take.
+MIN_GPU_HEAD_DIM = 16
 # The widest key tile FlexAttention's kernels take by default: a smaller page needs its own.
 WIDEST_KEY_TILE = 128
 
@@ -33,10 +35,12 @@ WIDEST_KEY_TILE = 128
 def reads_in_place(q, cache, backend: str) -> bool:
     """Whether ``attn.paged`` reads the pool in place by default (``read="auto"``): on CUDA, for
     inference (no gradient to q), pages of a multiple of 16 positions (FlexAttention's
-    smallest key tile), on a backend that runs FlexAttention."""
+    smallest key tile), heads of at least 16 dimensions (its GPU kernels' least), on a
+    backend that runs FlexAttention."""
     return (isinstance(q, torch.Tensor) and q.device.type == "cuda"
             and not (torch.is_grad_enabled() and q.requires_grad)
-            and cache.page_size % 16 == 0 and backend in ("auto", "flex"))
+            and cache.page_size % 16 == 0 and backend in ("auto", "flex")
+            and min(cache.keys.shape[-1], cache.values.shape[-1]) >= MIN_GPU_HEAD_DIM)
 
 
 class PagedRead:

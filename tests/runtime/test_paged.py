@@ -4,6 +4,8 @@ them equals the same call on the sequences laid out contiguously, for any spec."
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -461,3 +463,77 @@ def test_paged_refuses_what_it_cannot_read_in_place(monkeypatch):
     keys, values = sixteen.gathered(slots)
     torch.testing.assert_close(out, attn.reference(q.detach(), keys[:, :, :7], values[:, :, :7],
                                                    q_offset=5))
+
+
+def serve_at_random(device, steps: int, seed: int = 0, slots: int = 4,
+                    guard=contextlib.nullcontext, dim: int = DIM):
+    """Decode steps of up to ``slots`` requests over a paged cache, requests arriving into free
+    slots and leaving at random (prompts of 1..40 tokens appended, then a token a step until
+    each has its number). Every step makes one in-place read for all slots (idle slots hold no
+    key) and checks each running request's row against the float64 reference over its own
+    keys. flexspec's part of each step (appends, the read, releases) runs inside ``guard()``.
+    Returns the count of steps that checked rows."""
+    attn = flexspec.compile("causal & (window(48) | sink(2)) + alibi")
+    paged = PagedKVCache(pages=slots * 8, page_size=16, kv_heads=KV_HEADS, head_dim=dim,
+                         slots=slots, max_pages=8, device=device)
+    rng = torch.Generator().manual_seed(seed)
+    running = {}  # slot -> [keys, values, tokens left]
+    all_slots = torch.arange(slots, device=device)
+    checked = 0
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=rng).to(device)
+    for _ in range(steps):
+        for slot in range(slots):
+            if slot not in running and torch.rand(1, generator=rng).item() < 0.3:
+                prompt = int(torch.randint(1, 41, (1,), generator=rng))
+                kv = [randn(1, KV_HEADS, prompt, dim) for _ in range(2)]
+                arriving = torch.tensor([slot], device=device)
+                with guard():
+                    paged.append(arriving, *kv, check=False)
+                running[slot] = kv + [int(torch.randint(1, 80, (1,), generator=rng))]
+        active = sorted(running)
+        if active:  # the new token of every running request, then one read for all slots
+            new = [randn(len(active), KV_HEADS, 1, dim) for _ in range(2)]
+            decoding = torch.tensor(active, device=device)
+            with guard():
+                paged.append(decoding, *new, check=False)
+            for row, slot in enumerate(active):
+                for part in (0, 1):
+                    running[slot][part] = torch.cat([running[slot][part],
+                                                     new[part][row:row + 1]], dim=2)
+        q = randn(slots, 4, 1, dim)
+        with torch.no_grad(), guard():
+            out = attn.paged_read(q, paged, all_slots)(q)
+        for slot in active:
+            keys, values, _ = running[slot]
+            want = attn.reference(q[slot:slot + 1].double().cpu(), keys.double().cpu(),
+                                  values.double().cpu(), q_offset=keys.shape[2] - 1)
+            torch.testing.assert_close(out[slot:slot + 1].double().cpu(), want,
+                                       rtol=1e-4, atol=1e-4)
+        checked += bool(active)
+        leaving = [slot for slot in active if running[slot][2] == 1
+                   or running[slot][0].shape[2] == paged.capacity]
+        for slot in active:
+            running[slot][2] -= 1
+        if leaving:
+            leaving_slots = torch.tensor(leaving, device=device)
+            with guard():
+                paged.release(leaving_slots)
+            for slot in leaving:
+                del running[slot]
+    paged.check()
+    return checked
+
+
+@pytest.mark.slow
+def test_a_thousand_steps_of_arrivals_and_departures_compile_once():
+    """Issue 27's serving target on the CPU: 1000 decode steps with requests arriving and
+    leaving at random, slots reused, every running request's row equal to the float64
+    reference each step, and the in-place read compiled once (dynamo's graph count)."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    assert serve_at_random("cpu", 1000) > 900
+    assert counters["stats"]["unique_graphs"] - before <= 2
+    torch._dynamo.reset()
