@@ -137,20 +137,40 @@ class Attention:
             plan.lookups.check(values)
         return plan.masks.get(values, device)
 
-    def _mask_plan(self, sizes: dict, bindings: dict, device) -> InputPlan:
+    def _mask_plan(self, sizes: dict, bindings: dict, device,
+                   mask_only: bool = True) -> InputPlan:
         """The :class:`InputPlan` of :meth:`block_mask` for this signature (sizes, device, the
         bindings' names and :func:`meta`), from the cache or made: checking the bindings and
         specializing the IR on every call would cost a quarter of a fresh block mask's time on
-        a GPU (docs/performance.md, `Attention.block_mask`'s own host path)."""
-        key = (tuple(sizes.items()), device, torch.is_inference_mode_enabled(),
+        a GPU (docs/performance.md, `Attention.block_mask`'s own host path). With
+        ``mask_only=False``, the plan of the score's tensors too (:meth:`logical_read`)."""
+        key = (tuple(sizes.items()), device, torch.is_inference_mode_enabled(), mask_only,
                tuple((name, meta(value)) for name, value in bindings.items()))
         plan = self._mask_plans.get(key)
         if plan is None:
             plan = make_mask_plan(tensors=self._placement.tensors_for(bindings),
                                   masks=self._masks, sizes=sizes, bindings=bindings,
-                                  device=device)
+                                  device=device, mask_only=mask_only)
             self._mask_plans.put(key, plan)
         return plan
+
+    def logical_read(self, q_len: int, kv_len: int, *, batch: int, heads: int, device,
+                     q_offset, kv_lengths, **bindings) -> tuple:
+        """``(block_mask, score_mod)`` at these sizes from one plan (a paged read maps both to
+        the pages): what :meth:`block_mask` and :meth:`mods` give, with the bindings placed,
+        gathered and checked once. A float64 table of the score is read as float32, as the
+        kernel computes scores."""
+        sizes = given_sizes(q_len, kv_len, batch, heads).as_dict()
+        device = as_device(device)
+        bindings = self._placement.bindings(bindings, q_offset, kv_lengths, sizes, device)
+        plan = self._mask_plan(sizes, bindings, device, mask_only=False)
+        values = plan.values(bindings)
+        if plan.lookups:
+            plan.lookups.check(values)
+        block_mask = plan.masks.get(values, device)
+        kernel_values = {key: value.float() if value.dtype == torch.float64 else value
+                         for key, value in values.items()}
+        return block_mask, lower(plan.spec).make_mods(sizes, kernel_values)[1]
 
     def dense_mask(self, q_len: int, kv_len: int, *, batch: int | None = None,
                    heads: int | None = None, device="cpu", q_offset=None, kv_lengths=None,

@@ -120,7 +120,7 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
         q_offset = lengths - q_len
     placed = dict(q_len=q_len, kv_len=cache.capacity, batch=batch, heads=heads,
                   device=q.device, q_offset=q_offset, kv_lengths=lengths)
-    logical = sibling.block_mask(**placed, **bindings)
+    logical, score_mod = sibling.logical_read(**placed, **bindings)
     pool_elements = cache.keys.shape[0] * cache.keys.shape[1] * max(dim, v_dim)
     # the decoding kernel does not compile for a pool inductor indexes in int64
     # (flexspec.workarounds: flex-decoding-wide-indices): such reads run on the main kernel
@@ -131,7 +131,6 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
         # length when any tile is listed full: the pages of a row would land in a few splits
         logical = as_partial(logical)
     block_mask = cache.block_mask(logical, slots)
-    score_mod = sibling.mods(**placed, **bindings)[1]
     if score_mod is not None and "kv" in ir.free_vars(sibling.ir.score):
         score_mod = cache.score_mod(score_mod)
     options = dict(DECODING_OPTIONS) if decoding else {}

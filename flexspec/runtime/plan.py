@@ -42,11 +42,12 @@ FAILURES_KEPT = 256
 
 
 def make_mask_plan(*, tensors: Tensors, masks: BlockMasks, sizes: dict, bindings: dict,
-                   device) -> InputPlan:
-    """The :class:`InputPlan` of the mask alone (for ``Attention.block_mask``): its bindings
+                   device, mask_only: bool = True) -> InputPlan:
+    """The :class:`InputPlan` of the mask alone (for ``Attention.block_mask``; with
+    ``mask_only=False``, of the mask and the score, for the mods of a paged read): its bindings
     checked, its IR specialized to their shapes, its integer arithmetic checked at these sizes
     (positions as in :func:`check_ranges`) and its lookups proven in range where they can be."""
-    values, spec = tensors.gather(sizes, bindings, device, mask_only=True)
+    values, spec = tensors.gather(sizes, bindings, device, mask_only=mask_only)
     lookups = LookupCheck(spec, sizes, values)
     check_ranges(spec, sizes, "int64")
     slots = _slots(spec, sizes, bindings)
