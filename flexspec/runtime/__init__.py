@@ -9,8 +9,8 @@ the FlexAttention call two backends make (:mod:`.flexattention`), compiled entry
 (:mod:`.masks`), query positions (:mod:`.positions`), plans (:mod:`.plan`), the call path
 (:mod:`.calls`), ``explain``'s report (:mod:`.explanation`), the :class:`Attention` facade
 ``flexspec.compile`` returns (:mod:`.attention`), the ``SpecAttention`` module (:mod:`.module`),
-``MultiheadAttention`` with projections (:mod:`.multihead`), and paged KV caches
-(:mod:`.paged`)."""
+``MultiheadAttention`` with projections (:mod:`.multihead`), paged KV caches (:mod:`.paged`)
+and their read in place (:mod:`.paged_call`)."""
 
 from flexspec.runtime.attention import Attention
 from flexspec.runtime.contract import BackendError
