@@ -1,0 +1,2 @@
+"""Past one device: context parallelism (:mod:`.context`), the query rows of a sequence sharded
+over ranks, balanced by the spec's own block structure (:mod:`.balance`)."""
