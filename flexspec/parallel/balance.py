@@ -5,7 +5,8 @@ all shards have one size, as the collectives need).
 
 ``flexspec`` (:func:`balanced`) places the costliest blocks first, each on the least loaded
 rank that has room, then swaps blocks between the busiest and the idlest rank while that
-lowers the busiest one. For comparison, the assignments torch's context parallelism offers,
+lowers the busiest one; it keeps the best of that and of the other assignments refined by the
+same swaps. For comparison, the assignments torch's context parallelism offers,
 at the same block granularity: none (contiguous shards), head-tail (the sequence in ``2W``
 chunks, rank ``r`` taking chunks ``r`` and ``2W - 1 - r``), head-tail within each document, and
 processing-time round robin (PTRR: blocks sorted by work, dealt to the ranks in a snake order).
@@ -71,7 +72,9 @@ def ptrr(work: torch.Tensor, ranks: int) -> list:
 
 def balanced(work: torch.Tensor, ranks: int) -> list:
     """flexspec's assignment (see the module docstring): every rank ``blocks / ranks`` blocks,
-    the busiest rank's work as low as the greedy placement and the swaps make it."""
+    the busiest rank's work as low as the greedy placement and the swaps make it. PTRR's and
+    the fixed assignments, refined by the same swaps, are candidates too, so it is never
+    busier than any of them."""
     blocks = work.shape[0]
     share = _share(blocks, ranks)
     values = work.tolist()
@@ -83,8 +86,17 @@ def balanced(work: torch.Tensor, ranks: int) -> list:
         taken[rank].append(block)
         if len(taken[rank]) < share:
             heapq.heappush(loads, (load + values[block], rank))
-    _swap(taken, values)
-    return [torch.tensor(sorted(own), dtype=torch.long) for own in taken]
+    candidates = [taken, [own.tolist() for own in ptrr(work, ranks)],
+                  [own.tolist() for own in contiguous(blocks, ranks)]]
+    if blocks % (2 * ranks) == 0:
+        candidates.append([own.tolist() for own in head_tail(blocks, ranks)])
+    best = None
+    for candidate in candidates:
+        _swap(candidate, values)
+        busiest = max(sum(values[b] for b in own) for own in candidate)
+        if best is None or busiest < best[0]:
+            best = (busiest, candidate)
+    return [torch.tensor(sorted(own), dtype=torch.long) for own in best[1]]
 
 
 def _swap(taken: list, values: list, rounds: int = 1000) -> None:

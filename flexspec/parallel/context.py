@@ -1,0 +1,171 @@
+"""Context parallelism: one spec's attention over a sequence whose query rows, keys and values
+are sharded over the ranks of a ``torch.distributed`` process group.
+
+Each rank holds the rows of its query blocks (blocks of 128 positions, chosen by a balancer of
+:mod:`flexspec.parallel.balance` from the spec's block structure at the full length) of q, k
+and v. A call gathers every rank's keys and values with torch's autograd-aware all-gather
+(``torch.distributed._functional_collectives``: gradients flow back to each rank's shard),
+puts them in sequence order, and runs each run of consecutive local blocks as one ordinary
+flexspec call at its absolute position (``q_offset``), so each rank's block masks cover its own
+rows only. The sequence is padded inside to a multiple of ``ranks x 128``; padded keys are
+masked (``kv_lengths``) and padded rows dropped by :meth:`ContextParallel.unshard`.
+
+Bindings that decide the structure (``doc_ids``) are given whole when the plan is made: they
+choose the balance, and the keys of every rank read them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flexspec.errors import BindingError, BindingTypeError, SpecError
+from flexspec.parallel import balance as balancers
+
+BLOCK = 128
+
+
+class ContextParallel:
+    """The context-parallel plan of ``attn`` over ``seq_len`` positions on the ranks of
+    ``group`` (the default group when None): ``shard`` a whole tensor to this rank's rows,
+    call it on the shards of q, k and v, ``unshard`` the result (see the module docstring).
+    ``balance`` is one of :data:`flexspec.parallel.balance.BALANCERS` ("per_document" needs
+    ``documents``, the block count of each document in order); ``bindings`` are the spec's
+    bindings over the whole (unpadded) sequence."""
+
+    def __init__(self, attn, seq_len: int, *, group=None, balance: str = "flexspec",
+                 documents: list | None = None, batch: int = 1, **bindings):
+        import torch.distributed as dist
+        if not dist.is_available() or not dist.is_initialized():
+            raise BindingError("context parallelism needs torch.distributed initialised "
+                               "(torch.distributed.init_process_group) on every rank")
+        if balance not in balancers.BALANCERS:
+            raise BindingError(f"balance must be one of {', '.join(balancers.BALANCERS)}, "
+                               f"got {balance!r}")
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+            raise BindingError(f"seq_len must be a positive int, got {seq_len!r}")
+        if attn._placement.default_offset:
+            raise SpecError(f"'{attn.spec}' aligns its queries at the end of the keys, which a "
+                            "shard of rows does not see: write it aligned at the start (causal "
+                            "instead of causal_bottom_right) for context parallelism")
+        self.attn, self.group, self.seq_len = attn, group, seq_len
+        self.ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        # head-tail cuts the blocks into 2 x ranks runs
+        unit = self.ranks * BLOCK * (2 if balance == "head_tail" else 1)
+        self.padded = -(-seq_len // unit) * unit
+        self.bindings = {name: self._padded(value, -1) for name, value in bindings.items()}
+        blocks = self.padded // BLOCK
+        if balance == "none":
+            assignment = balancers.contiguous(blocks, self.ranks)
+        elif balance == "head_tail":
+            assignment = balancers.head_tail(blocks, self.ranks)
+        elif balance == "per_document":
+            if documents is None or sum(documents) != blocks:
+                raise BindingError(f"balance='per_document' needs documents: the block count "
+                                   f"of each document, {blocks} blocks in all")
+            assignment = balancers.per_document(documents, self.ranks)
+        else:
+            device = next(iter(self.bindings.values())).device if self.bindings else "cpu"
+            lengths = torch.full((batch,), seq_len, device=device)
+            mask = attn.block_mask(self.padded, self.padded, batch=batch, device=device,
+                                   kv_lengths=lengths, **self.bindings)
+            work = balancers.block_work(mask).cpu()
+            assignment = (balancers.ptrr if balance == "ptrr" else balancers.balanced)(
+                work, self.ranks)
+        self.blocks = assignment[self.rank]
+        # the gathered shards, rank after rank, put back in sequence order
+        gathered = torch.cat(assignment)
+        self._restore = _rows(torch.argsort(gathered))
+        self.rows = _rows(self.blocks)
+        self._runs = _runs(self.blocks.tolist())
+
+    def _padded(self, tensor, dim: int):
+        """``tensor`` padded along ``dim`` from ``seq_len`` to the padded length with its last
+        entry (a binding: the padding continues the last document); other sizes pass."""
+        if not isinstance(tensor, torch.Tensor):
+            raise BindingTypeError(f"bindings of a context-parallel plan must be tensors, got "
+                                   f"{type(tensor).__name__}")
+        if tensor.shape[dim] != self.seq_len or self.padded == self.seq_len:
+            return tensor
+        last = tensor.narrow(dim, self.seq_len - 1, 1)
+        shape = list(tensor.shape)
+        shape[dim] = self.padded - self.seq_len
+        return torch.cat([tensor, last.expand(shape)], dim=dim)
+
+    def shard(self, tensor, dim: int = 2):
+        """This rank's rows of ``tensor`` (the whole sequence along ``dim``: 2 for q, k, v of
+        shape ``(B, H, S, D)``), zero-padded to the padded length first."""
+        if not isinstance(tensor, torch.Tensor) or tensor.shape[dim] != self.seq_len:
+            raise BindingError(f"shard takes a tensor of the whole sequence ({self.seq_len} "
+                               f"positions) along dim {dim}, got "
+                               f"{list(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor!r}")
+        if self.padded != self.seq_len:
+            pad = list(tensor.shape)
+            pad[dim] = self.padded - self.seq_len
+            tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=dim)
+        return tensor.index_select(dim, self.rows.to(tensor.device))
+
+    def gather(self, shard, dim: int = 2):
+        """The whole padded sequence along ``dim`` from every rank's ``shard``, in sequence
+        order (autograd flows back to each rank's shard)."""
+        import torch.distributed as dist
+        group = self.group if self.group is not None else dist.group.WORLD
+        # one new leading dimension, rank after rank: the collective gathers along dim 0 only
+        parts = _all_gather(shard.contiguous().unsqueeze(0), 0, group)
+        dim = dim % shard.dim()
+        laid = parts.movedim(0, dim).flatten(dim, dim + 1)
+        return laid.index_select(dim, self._restore.to(shard.device))
+
+    def unshard(self, shard, dim: int = 2):
+        """The whole sequence (``seq_len`` positions, padding dropped) of every rank's
+        ``shard`` of an output."""
+        return self.gather(shard, dim).narrow(dim, 0, self.seq_len)
+
+    def __call__(self, q, k, v, *, scale=None, return_lse: bool = False):
+        """This rank's rows of the attention of the whole sequence: q, k and v are this rank's
+        shards (:meth:`shard`), the output has q's rows (and with ``return_lse``, the
+        log-sum-exp of each row too)."""
+        for name, tensor in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4 \
+                    or tensor.shape[2] != self.rows.shape[0]:
+                raise BindingError(f"{name} must be this rank's shard, (B, H, "
+                                   f"{self.rows.shape[0]}, D) (ContextParallel.shard), got "
+                                   f"{list(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor!r}")
+        keys, values = self.gather(k), self.gather(v)
+        lengths = torch.full((q.shape[0],), self.seq_len, device=q.device)
+        outs, lses, local = [], [], 0
+        for first, count in self._runs:
+            rows = count * BLOCK
+            result = self.attn(q[:, :, local:local + rows], keys, values, scale=scale,
+                               q_offset=first * BLOCK, kv_lengths=lengths,
+                               return_lse=return_lse, **self.bindings)
+            out, lse = result if return_lse else (result, None)
+            outs.append(out)
+            lses.append(lse)
+            local += rows
+        out = torch.cat(outs, dim=2)
+        return (out, torch.cat(lses, dim=2)) if return_lse else out
+
+
+def _all_gather(tensor, dim: int, group):
+    """torch's autograd-aware all-gather (all_gather_single_autograd in newer torch,
+    all_gather_tensor_autograd in older)."""
+    from torch.distributed import _functional_collectives as collectives
+    gather = getattr(collectives, "all_gather_single_autograd", None) \
+        or collectives.all_gather_tensor_autograd
+    return gather(tensor, dim, group)
+
+
+def _rows(blocks: torch.Tensor) -> torch.Tensor:
+    """The positions of ``blocks`` (block numbers), block after block."""
+    return (blocks.view(-1, 1) * BLOCK + torch.arange(BLOCK)).reshape(-1)
+
+
+def _runs(blocks: list) -> list:
+    """``(first block, count)`` of each run of consecutive blocks in ``blocks`` (sorted)."""
+    runs = []
+    for block in blocks:
+        if runs and runs[-1][0] + runs[-1][1] == block:
+            runs[-1][1] += 1
+        else:
+            runs.append([block, 1])
+    return [tuple(run) for run in runs]

@@ -1,0 +1,87 @@
+"""parallel.context: a spec's attention with the sequence sharded over ranks (torch.distributed,
+gloo, processes on the CPU) equals the single-process call, forward and gradients of q, k and
+v, for several specs, lengths that are not multiples of ranks x 128, GQA, a binding, and every
+balancer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flexspec
+from flexspec.parallel.context import ContextParallel
+
+CASES = [  # (spec, length, balance)
+    ("causal", 300, "flexspec"),
+    ("causal & doc", 520, "ptrr"),
+    ("sliding_window(100) + alibi", 300, "head_tail"),
+    ("prefix_lm(77)", 260, "none"),
+    ("causal & doc", 513, "flexspec"),
+]
+
+
+def _inputs(length, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, length, 16, generator=generator)
+    k, v = (torch.randn(2, 2, length, 16, generator=generator) for _ in range(2))
+    weight = torch.randn(2, 4, length, 16, generator=generator)
+    doc_ids = torch.sort(torch.randint(0, 4, (2, length), generator=generator)).values
+    return q, k, v, weight, doc_ids
+
+
+def _check(rank, world, path, cases, backend):
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        for text, length, balance in cases:
+            attn = flexspec.compile(text, backend=backend)
+            q, k, v, weight, doc_ids = _inputs(length)
+            bindings = {"doc_ids": doc_ids} if "doc" in text else {}
+            # the single-process call
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            want = attn(*full, **bindings)
+            (want * weight).sum().backward()
+            # sharded: each rank's loss over its own rows, the gradients summed over ranks
+            cp = ContextParallel(attn, length, balance=balance, batch=2, **bindings)
+            whole = [t.clone().requires_grad_() for t in (q, k, v)]
+            shards = [cp.shard(t) for t in whole]
+            out = cp(*shards)
+            (out * cp.shard(weight)).sum().backward()
+            torch.testing.assert_close(cp.unshard(out.detach()), want.detach(),
+                                       rtol=1e-5, atol=1e-5, msg=f"{text} forward")
+            for name, mine, single in zip("qkv", whole, full):
+                grad = mine.grad.clone()
+                dist.all_reduce(grad)
+                torch.testing.assert_close(grad, single.grad, rtol=1e-4, atol=1e-5,
+                                           msg=f"{text} d{name}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world, tmp_path, cases, backend):
+    mp.spawn(_check, args=(world, str(tmp_path / "rendezvous"), cases, backend), nprocs=world,
+             join=True)
+
+
+def test_two_ranks_equal_one_process(tmp_path):
+    _spawn(2, tmp_path, CASES, "reference")
+
+
+@pytest.mark.slow
+def test_four_ranks_equal_one_process(tmp_path):
+    _spawn(4, tmp_path, CASES, "reference")
+
+
+@pytest.mark.slow
+def test_two_ranks_on_the_compiled_kernels(tmp_path):
+    """The same on flexspec's default backend: each run of a rank's blocks has 128 rows or
+    more, so it runs on the compiled CPU kernels, forward and backward."""
+    _spawn(2, tmp_path, [("causal & doc", 520, "flexspec")], "auto")
+
+
+def test_a_plan_needs_torch_distributed_and_a_start_aligned_spec():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    with pytest.raises(flexspec.BindingError, match="init_process_group"):
+        ContextParallel(flexspec.compile("causal"), 300)
