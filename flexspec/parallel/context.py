@@ -30,10 +30,11 @@ class ContextParallel:
     call it on the shards of q, k and v, ``unshard`` the result (see the module docstring).
     ``balance`` is one of :data:`flexspec.parallel.balance.BALANCERS` ("per_document" needs
     ``documents``, the block count of each document in order); ``bindings`` are the spec's
-    bindings over the whole (unpadded) sequence."""
+    bindings over the whole (unpadded) sequence; ``batch``, the batch size the balance is
+    measured at, defaults to the leading size of the bindings with one (1 without)."""
 
     def __init__(self, attn, seq_len: int, *, group=None, balance: str = "flexspec",
-                 documents: list | None = None, batch: int = 1, **bindings):
+                 documents: list | None = None, batch: int | None = None, **bindings):
         import torch.distributed as dist
         if not dist.is_available() or not dist.is_initialized():
             raise BindingError("context parallelism needs torch.distributed initialised "
@@ -65,6 +66,9 @@ class ContextParallel:
             assignment = balancers.per_document(documents, self.ranks)
         else:
             device = next(iter(self.bindings.values())).device if self.bindings else "cpu"
+            if batch is None:
+                batch = max((t.shape[0] for t in self.bindings.values() if t.dim() > 1),
+                            default=1)
             lengths = torch.full((batch,), seq_len, device=device)
             mask = attn.block_mask(self.padded, self.padded, batch=batch, device=device,
                                    kv_lengths=lengths, **self.bindings)
@@ -96,8 +100,7 @@ class ContextParallel:
         shape ``(B, H, S, D)``), zero-padded to the padded length first."""
         if not isinstance(tensor, torch.Tensor) or tensor.shape[dim] != self.seq_len:
             raise BindingError(f"shard takes a tensor of the whole sequence ({self.seq_len} "
-                               f"positions) along dim {dim}, got "
-                               f"{list(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor!r}")
+                               f"positions) along dim {dim}, got {_described(tensor)}")
         if self.padded != self.seq_len:
             pad = list(tensor.shape)
             pad[dim] = self.padded - self.seq_len
@@ -129,7 +132,7 @@ class ContextParallel:
                     or tensor.shape[2] != self.rows.shape[0]:
                 raise BindingError(f"{name} must be this rank's shard, (B, H, "
                                    f"{self.rows.shape[0]}, D) (ContextParallel.shard), got "
-                                   f"{list(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor!r}")
+                                   f"{_described(tensor)}")
         keys, values = self.gather(k), self.gather(v)
         lengths = torch.full((q.shape[0],), self.seq_len, device=q.device)
         outs, lses, local = [], [], 0
@@ -144,6 +147,11 @@ class ContextParallel:
             local += rows
         out = torch.cat(outs, dim=2)
         return (out, torch.cat(lses, dim=2)) if return_lse else out
+
+
+def _described(value) -> str:
+    """A tensor's shape, or anything else's repr, for messages."""
+    return str(list(value.shape)) if isinstance(value, torch.Tensor) else repr(value)
 
 
 def _all_gather(tensor, dim: int, group):

@@ -343,7 +343,8 @@ class Attention:
         pages (:mod:`flexspec.runtime.paged_call`; inference only), ``"gather"`` from a copy of
         the sequences laid out contiguously (any backend, a backward pass), ``"auto"`` (the
         default) in place where :func:`~flexspec.runtime.paged_call.reads_in_place` says so
-        (CUDA, no gradient, pages of a multiple of 16), else gathered."""
+        (CUDA, no gradient, pages of a multiple of 16 positions, heads of 16 dimensions or more,
+        the ``auto`` or ``flex`` backend), else gathered."""
         from flexspec.runtime.paged import PagedKVCache
         if not isinstance(cache, PagedKVCache):
             raise BindingTypeError(f"cache must be a flexspec.PagedKVCache, got "

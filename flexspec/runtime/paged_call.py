@@ -53,6 +53,7 @@ class PagedRead:
     def __init__(self, entry, args: tuple, cache, signature: tuple, text: str):
         self._entry, self._args, self._cache = entry, args, cache
         self._signature, self._text, self._warm = signature, text, False
+        self._returns_lse = args[-1] is not None  # the entry's last argument: the lse request
 
     def __call__(self, q, cache=None):
         cache = self._cache if cache is None else cache
@@ -78,7 +79,7 @@ class PagedRead:
                     f"'{self._text}' on {q.device.type} ({compiled.first_line(err)}); "
                     "read='gather' runs it on the sequences copied out of their pages") from err
             self._warm = True
-        return compiled.split_lse(out) if self._args[8] is not None else out
+        return compiled.split_lse(out) if self._returns_lse else out
 
 
 def _signature(q) -> tuple:

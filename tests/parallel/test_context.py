@@ -43,7 +43,7 @@ def _check(rank, world, path, cases, backend):
             want = attn(*full, **bindings)
             (want * weight).sum().backward()
             # sharded: each rank's loss over its own rows, the gradients summed over ranks
-            cp = ContextParallel(attn, length, balance=balance, batch=2, **bindings)
+            cp = ContextParallel(attn, length, balance=balance, **bindings)
             whole = [t.clone().requires_grad_() for t in (q, k, v)]
             shards = [cp.shard(t) for t in whole]
             out = cp(*shards)
@@ -80,8 +80,42 @@ def test_two_ranks_on_the_compiled_kernels(tmp_path):
     _spawn(2, tmp_path, [("causal & doc", 520, "flexspec")], "auto")
 
 
-def test_a_plan_needs_torch_distributed_and_a_start_aligned_spec():
+def test_a_plan_needs_torch_distributed(tmp_path):
     if dist.is_initialized():
         pytest.skip("a process group is already initialised")
     with pytest.raises(flexspec.BindingError, match="init_process_group"):
         ContextParallel(flexspec.compile("causal"), 300)
+
+
+def test_bad_plans_and_shards_are_refused_with_what_to_do(tmp_path):
+    """On one rank (a gloo group of one process): the errors of a plan and of its calls."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'one'}", rank=0,
+                            world_size=1)
+    try:
+        attn = flexspec.compile("causal", backend="reference")
+        with pytest.raises(flexspec.BindingError, match="balance must be one of none, "
+                                                        "head_tail, per_document, ptrr, "
+                                                        "flexspec, got 'greedy'"):
+            ContextParallel(attn, 300, balance="greedy")
+        with pytest.raises(flexspec.SpecError, match=r"aligns its queries at the end .* "
+                                                     r"\(causal instead of causal_bottom_right\)"):
+            ContextParallel(flexspec.compile("causal_bottom_right"), 300)
+        with pytest.raises(flexspec.BindingError, match="seq_len must be a positive int"):
+            ContextParallel(attn, 0)
+        with pytest.raises(flexspec.BindingError, match="needs documents: the block count of "
+                                                        "each document, 3 blocks in all"):
+            ContextParallel(attn, 300, balance="per_document")
+        cp = ContextParallel(attn, 300)
+        assert cp.padded == 384 and cp.rows.tolist() == list(range(384))
+        with pytest.raises(flexspec.BindingError, match=r"whole sequence \(300 positions\)"):
+            cp.shard(torch.randn(1, 2, 299, 16))
+        q, k, v, _, _ = _inputs(300)
+        with pytest.raises(flexspec.BindingError, match=r"k must be this rank's shard, "
+                                                        r"\(B, H, 384, D\)"):
+            cp(cp.shard(q), k, cp.shard(v))
+        torch.testing.assert_close(cp.unshard(cp(*(cp.shard(t) for t in (q, k, v)))),
+                                   attn(q, k, v), rtol=1e-5, atol=1e-5)
+    finally:
+        dist.destroy_process_group()

@@ -276,9 +276,10 @@ def _dense_reference(q, keys, values, lengths, q_offset, allowed):
 def test_flex_attention_reads_the_pool_in_place_through_the_mapped_block_mask(text, allowed):
     """PagedKVCache.block_mask: FlexAttention (compiled, on the CPU's kernels: 130 query rows;
     eager for documents, see below) over the whole pool, every batch row reading it through
-    its own pages, equals attention over each sequence's own keys written out in float64. Slots 3, 0, 4 in that order, pages
-    interleaved between them, lengths not multiples of the page, a page in the pool that no
-    call row holds, GQA, a binding (documents of 70 positions) over the capacity."""
+    its own pages, equals attention over each sequence's own keys written out in float64.
+    Slots 3, 0, 4 in that order, pages interleaved between them, lengths not multiples of
+    the page, a page in the pool that no call row holds, GQA, a binding (documents of 70
+    positions) over the capacity."""
     from torch.nn.attention.flex_attention import flex_attention
     torch._dynamo.reset()  # see the end
     page, heads = 32, 4
