@@ -65,6 +65,7 @@ MODULES: dict[str, list[str]] = {
     "runtime/backends/native": ["tests/runtime/test_native.py", "tests/runtime/test_backends.py"],
     "integrations/transformers": ["tests/integrations/test_transformers.py"],
     "lang/checker": ["tests/lang/test_checker.py"],
+    "parallel/balance": ["tests/parallel/test_balance.py"],
 }
 
 # Linked into each work folder: the package, its tests and the data files flexspec reads from the

@@ -11,7 +11,9 @@ rows only. The sequence is padded inside to a multiple of ``ranks x 128``; padde
 masked (``kv_lengths``) and padded rows dropped by :meth:`ContextParallel.unshard`.
 
 Bindings that decide the structure (``doc_ids``) are given whole when the plan is made: they
-choose the balance, and the keys of every rank read them.
+choose the balance, and the keys of every rank read them. The balance's work per query block
+is measured by each rank for a share of the rows and gathered, so no rank builds the block mask
+of the whole sequence.
 """
 
 from __future__ import annotations
@@ -65,14 +67,7 @@ class ContextParallel:
                                    f"of each document, {blocks} blocks in all")
             assignment = balancers.per_document(documents, self.ranks)
         else:
-            device = next(iter(self.bindings.values())).device if self.bindings else "cpu"
-            if batch is None:
-                batch = max((t.shape[0] for t in self.bindings.values() if t.dim() > 1),
-                            default=1)
-            lengths = torch.full((batch,), seq_len, device=device)
-            mask = attn.block_mask(self.padded, self.padded, batch=batch, device=device,
-                                   kv_lengths=lengths, **self.bindings)
-            work = balancers.block_work(mask).cpu()
+            work = self._work(batch)
             assignment = (balancers.ptrr if balance == "ptrr" else balancers.balanced)(
                 work, self.ranks)
         self.blocks = assignment[self.rank]
@@ -81,6 +76,27 @@ class ContextParallel:
         self._restore = _rows(torch.argsort(gathered))
         self.rows = _rows(self.blocks)
         self._runs = _runs(self.blocks.tolist())
+
+    def _work(self, batch: int | None) -> torch.Tensor:
+        """The work of every query block (:func:`balance.block_work`), each rank measuring a
+        contiguous share of the rows from the block mask of those rows alone, the shares
+        all-gathered: no rank builds the whole sequence's block mask."""
+        import torch.distributed as dist
+        if self.bindings:
+            device = next(iter(self.bindings.values())).device
+        else:  # the collective's own device: NCCL gathers GPU tensors only
+            device = torch.device("cuda" if dist.get_backend(self.group) == "nccl" else "cpu")
+        if batch is None:
+            batch = max((t.shape[0] for t in self.bindings.values() if t.dim() > 1), default=1)
+        share = self.padded // self.ranks
+        lengths = torch.full((batch,), self.seq_len, device=device)
+        mask = self.attn.block_mask(share, self.padded, batch=batch, device=device,
+                                    q_offset=self.rank * share, kv_lengths=lengths,
+                                    **self.bindings)
+        mine = balancers.block_work(mask)
+        shares = [torch.empty_like(mine) for _ in range(self.ranks)]
+        dist.all_gather(shares, mine.contiguous(), group=self.group)
+        return torch.cat(shares).cpu()
 
     def _padded(self, tensor, dim: int):
         """``tensor`` padded along ``dim`` from ``seq_len`` to the padded length with its last

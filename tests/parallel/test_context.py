@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flexspec
+from flexspec.parallel import balance as balancers
 from flexspec.parallel.context import ContextParallel
 
 CASES = [  # (spec, length, balance)
@@ -44,6 +45,13 @@ def _check(rank, world, path, cases, backend):
             (want * weight).sum().backward()
             # sharded: each rank's loss over its own rows, the gradients summed over ranks
             cp = ContextParallel(attn, length, balance=balance, **bindings)
+            if balance in ("flexspec", "ptrr"):  # the shares' work is the whole mask's
+                whole_mask = attn.block_mask(cp.padded, cp.padded, batch=2,
+                                             kv_lengths=torch.full((2,), length),
+                                             **cp.bindings)
+                chosen = getattr(balancers, "balanced" if balance == "flexspec" else "ptrr")(
+                    balancers.block_work(whole_mask), world)
+                assert torch.equal(cp.blocks, chosen[rank]), (text, balance)
             whole = [t.clone().requires_grad_() for t in (q, k, v)]
             shards = [cp.shard(t) for t in whole]
             out = cp(*shards)

@@ -538,3 +538,37 @@ def test_a_thousand_steps_of_arrivals_and_departures_compile_once():
     assert serve_at_random("cpu", 1000) > 900
     assert counters["stats"]["unique_graphs"] - before <= 2
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_a_mixed_batch_read_in_place_equals_each_request_alone():
+    """Issue 27, item 2, read in place: a prefill chunk of one request (5 new tokens after 6
+    held), a decoded token of another (after 17) and a whole prompt of a third (9 tokens), in
+    one call with each row's own q_offset; each request's rows equal the float64 reference
+    over its own keys."""
+    torch._dynamo.reset()
+    attn = flexspec.compile("causal & window(20) + alibi")
+    generator = torch.Generator().manual_seed(7)
+    paged = cache(pages=12, page_size=16, slots=4, max_pages=4)
+    slots, held, new = torch.tensor([3, 0, 1]), [6, 17, 0], [5, 1, 9]
+    sequences = {}
+    for slot, count, added in zip(slots.tolist(), held, new):
+        kv = [torch.randn(1, KV_HEADS, count + added, DIM, generator=generator)
+              for _ in range(2)]
+        sequences[slot] = kv
+        if count:
+            paged.append(torch.tensor([slot]), kv[0][:, :, :count], kv[1][:, :, :count])
+    for slot, count, added in zip(slots.tolist(), held, new):  # the new tokens' keys
+        kv = sequences[slot]
+        paged.append(torch.tensor([slot]), kv[0][:, :, count:], kv[1][:, :, count:])
+    q = torch.randn(3, 4, max(new), DIM, generator=generator)
+    with torch.no_grad():
+        mixed = attn.paged(q, paged, slots, q_offset=paged.lengths[slots] - torch.tensor(new),
+                           read="in_place")
+    for row, (slot, count, added) in enumerate(zip(slots.tolist(), held, new)):
+        keys, values = sequences[slot]
+        want = attn.reference(q[row:row + 1, :, :added].double(), keys.double(),
+                              values.double(), q_offset=count)
+        torch.testing.assert_close(mixed[row:row + 1, :, :added].double(), want,
+                                   rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()
