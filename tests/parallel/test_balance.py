@@ -5,6 +5,8 @@ specs."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -79,3 +81,60 @@ def test_the_balance_table_meets_the_target_at_128k():
             assert row["flexspec"] <= 1.05, row
             assert all(row["flexspec"] <= row[name] + 1e-9
                        for name in ("none", "head_tail", "per_document", "ptrr")), row
+
+
+def _best_busiest(values, ranks):
+    """The least busiest-rank work over every split of ``values`` into equal shares (brute
+    force, for a few blocks)."""
+    share = len(values) // ranks
+
+    def splits(left, groups):
+        if groups == 1:
+            yield [left]
+            return
+        first, rest = left[0], left[1:]
+        for others in itertools.combinations(rest, share - 1):
+            remaining = [b for b in rest if b not in others]
+            for tail in splits(remaining, groups - 1):
+                yield [[first, *others]] + tail
+    return min(max(sum(values[b] for b in group) for group in split)
+               for split in splits(list(range(len(values))), ranks))
+
+
+@pytest.mark.parametrize("values", [[34, 15, 4, 2, 5, 8, 10, 10, 34],
+                                    [10, 32, 14, 0, 12, 34, 35, 14, 25]])
+def test_flexspec_finds_the_best_split_where_ptrr_does_not(values):
+    """Three ranks, nine blocks: PTRR's and the contiguous split, swapped as far as swaps go,
+    stay above the best split; flexspec's greedy placement reaches it (brute force)."""
+    work = torch.tensor(values)
+    best = _best_busiest(values, 3)
+    busiest = max(int(work[own].sum()) for own in balance.balanced(work, 3))
+    assert busiest == best
+    assert max(int(work[own].sum()) for own in balance.ptrr(work, 3)) > best
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(2, 4), st.integers(1, 4), st.data())
+def test_swaps_keep_the_shares_and_stop_where_no_swap_helps(ranks, share, data):
+    """_swap: the shares keep their sizes and blocks, the busiest rank never gets busier, and
+    at the end no swap of a block of the busiest rank with one of the idlest moves less work
+    than their gap (the move that would lower the busiest)."""
+    blocks = ranks * share
+    values = data.draw(st.lists(st.integers(0, 40), min_size=blocks, max_size=blocks))
+    order = data.draw(st.permutations(range(blocks)))
+    taken = [list(order[r * share:(r + 1) * share]) for r in range(ranks)]
+    before = max(sum(values[b] for b in own) for own in taken)
+    balance._swap(taken, values)
+    assert sorted(sum(taken, [])) == list(range(blocks))
+    assert all(len(own) == share for own in taken)
+    loads = [sum(values[b] for b in own) for own in taken]
+    assert max(loads) <= before
+    busiest, idlest = loads.index(max(loads)), loads.index(min(loads))
+    gap = loads[busiest] - loads[idlest]
+    assert not any(0 < values[a] - values[c] < gap
+                   for a in taken[busiest] for c in taken[idlest])
+
+
+def test_imbalance_is_the_busiest_over_the_mean():
+    work = torch.tensor([4, 0, 1, 1])
+    assert balance.imbalance(work, [torch.tensor([0, 1]), torch.tensor([2, 3])]) == 4 / 3
