@@ -89,7 +89,7 @@ def eager_kernels(monkeypatch):
 
     from flexspec.runtime import compiled
 
-    def eager_entry(lowered):
+    def eager_entry(lowered, purpose="call"):
         def run(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, lse):
             with warnings.catch_warnings():  # that it is not compiled is the point here
                 warnings.filterwarnings("ignore", ".*flex_attention called without torch")

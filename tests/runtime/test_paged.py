@@ -189,6 +189,37 @@ def test_attention_over_the_cache_equals_the_contiguous_call(text, lengths, q_le
     torch.testing.assert_close(attn.paged(q, paged, slots, **extra), want)
 
 
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(spec_texts(), st.lists(st.integers(1, 40), min_size=1, max_size=3), st.integers(1, 3),
+       st.randoms(use_true_random=False), st.integers(0, 2**31 - 1), st.data())
+def test_reading_the_pool_in_place_equals_the_contiguous_call(eager_kernels, text, lengths,
+                                                              q_len, rng, seed, data):
+    """read="in_place" (FlexAttention run eagerly over the pool: its mask_mod and score_mod
+    evaluated at every pool position) for any registry spec, any slot order, ragged lengths
+    over pages of 16: equal to the same call on the sequences laid out contiguously, with
+    bindings that cover the capacity. The compiled kernels, which read the mapped tables, are
+    the slow tests' and the GPU's."""
+    attn = flexspec.compile(text)
+    lengths = [max(length, q_len) for length in lengths]
+    order = rng.sample(range(len(lengths) + 2), len(lengths))
+    paged, keys, values = filled(lengths, order, seed, page_size=16, max_pages=3)
+    batch, capacity = len(lengths), paged.capacity
+    q = torch.randn(batch, 4, q_len, DIM, generator=torch.Generator().manual_seed(seed + 1))
+    extra = data.draw(bindings(attn.spec, Shape(batch, 4, KV_HEADS, q_len, capacity, DIM)))
+    valid = torch.tensor(lengths)
+    try:
+        want = attn.reference(q, keys, values, q_offset=valid - q_len, kv_lengths=valid,
+                              **extra)
+    except flexspec.SpecError as error:
+        with pytest.raises(type(error)):
+            attn.paged(q, paged, torch.tensor(order), read="in_place", **extra)
+        return
+    with torch.no_grad():
+        got = attn.paged(q, paged, torch.tensor(order), read="in_place", **extra)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_a_decode_loop_over_the_cache_equals_the_contiguous_loop(eager_kernels):
     """Three sequences decoding at once in slots 4, 0, 2, each token appended then attended,
     on the flex path (prefills of 130 rows) and the reference (decode rows): equal to the same
