@@ -28,6 +28,8 @@ def test_the_fixed_assignments_are_the_ones_torch_describes():
     # two documents of 4 blocks: head-tail within each
     assert [own.tolist() for own in balance.per_document([4, 4], 2)] == [[0, 3, 4, 7],
                                                                          [1, 2, 5, 6]]
+    assert [own.tolist() for own in balance.per_document([4, 8, 4], 2)] == [
+        [0, 3, 4, 5, 10, 11, 12, 15], [1, 2, 6, 7, 8, 9, 13, 14]]
     # torch's own example of PTRR's dealing (its docstring): 16 tasks in 4 groups
     work = torch.tensor([9, 14, 2, 20, 10, 15, 8, 14, 16, 19, 15, 3, 12, 1, 12, 10])
     assert [own.tolist() for own in balance.ptrr(work, 4)] == [
