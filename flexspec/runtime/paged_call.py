@@ -6,7 +6,7 @@ positions (:meth:`PagedKVCache.block_mask <flexspec.runtime.paged.PagedKVCache.b
 the pages its sequences hold and no other.
 
 The logical block mask and the mods come from a sibling of the spec compiled with key blocks of
-the page size (:func:`attend_in_place`'s ``sibling``). For inference only: the mapped mask has
+the page size (:func:`pool_read`'s ``sibling``). For inference only: the mapped mask has
 no query-side tables, so there is no backward pass (``attn.paged(..., read="gather")`` has one).
 """
 
@@ -28,6 +28,8 @@ from flexspec.runtime.flexattention import DECODE_ROWS, DECODING_OPTIONS, WIDE_I
 QUERY_BLOCK = 128
 # The least head dimension FlexAttention's GPU kernels take.
 MIN_GPU_HEAD_DIM = 16
+INFERENCE_ONLY = ("attn.paged: the pool is read in place for inference only (no backward "
+                  "pass); use read='gather' to train through a paged cache")
 # The widest key tile FlexAttention's kernels take by default: a smaller page needs its own.
 WIDEST_KEY_TILE = 128
 
@@ -62,6 +64,8 @@ class PagedRead:
                                f"(shape, dtype, device {self._signature}), got "
                                f"{_signature(q) if isinstance(q, torch.Tensor) else q!r}: "
                                "make one per query shape")
+        if torch.is_grad_enabled() and q.requires_grad:
+            raise BindingError(INFERENCE_ONLY)
         if cache is not self._cache and _geometry(cache) != _geometry(self._cache):
             raise BindingError(f"a PagedRead reads caches of the geometry it was made for "
                                f"{_geometry(self._cache)}, got {_geometry(cache)}")
@@ -113,8 +117,7 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
                            f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
     check_qkv(q, keys, values)
     if torch.is_grad_enabled() and q.requires_grad:
-        raise BindingError("attn.paged: the pool is read in place for inference only (no "
-                           "backward pass); use read='gather' to train through a paged cache")
+        raise BindingError(INFERENCE_ONLY)
     heads, q_len = q.shape[1], q.shape[2]
     lengths = cache.lengths[slots]
     if q_offset is None:

@@ -461,6 +461,8 @@ def test_a_paged_read_made_once_serves_every_layer_of_a_step():
         other = cache(pages=21, page_size=16, slots=3, max_pages=10)
         with pytest.raises(flexspec.BindingError, match="caches of the geometry it was made"):
             read(q, other)
+    with pytest.raises(flexspec.BindingError, match="inference only .* read='gather' to train"):
+        read(q.clone().requires_grad_())
     torch._dynamo.reset()
 
 
