@@ -28,10 +28,11 @@ from flexspec.runtime.flexattention import DECODE_ROWS, DECODING_OPTIONS, WIDE_I
 QUERY_BLOCK = 128
 # The least head dimension FlexAttention's GPU kernels take.
 MIN_GPU_HEAD_DIM = 16
-INFERENCE_ONLY = ("attn.paged: the pool is read in place for inference only (no backward "
-                  "pass); use read='gather' to train through a paged cache")
 # The widest key tile FlexAttention's kernels take by default: a smaller page needs its own.
 WIDEST_KEY_TILE = 128
+# The mapped block mask has no query-side tables: no backward pass.
+INFERENCE_ONLY = ("attn.paged: the pool is read in place for inference only (no backward "
+                  "pass); use read='gather' to train through a paged cache")
 
 
 def reads_in_place(q, cache, backend: str) -> bool:
