@@ -58,6 +58,11 @@ def _check(rank, world, path, cases, backend):
             (out * cp.shard(weight)).sum().backward()
             torch.testing.assert_close(cp.unshard(out.detach()), want.detach(),
                                        rtol=1e-5, atol=1e-5, msg=f"{text} forward")
+            with torch.no_grad():  # a given scale, and the log-sum-exp of each row
+                got, lse = cp(*(cp.shard(t) for t in (q, k, v)), scale=0.3, return_lse=True)
+                out_ref, lse_ref = attn(q, k, v, scale=0.3, return_lse=True, **bindings)
+            torch.testing.assert_close(cp.unshard(got), out_ref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(cp.unshard(lse), lse_ref, rtol=1e-5, atol=1e-5)
             for name, mine, single in zip("qkv", whole, full):
                 grad = mine.grad.clone()
                 dist.all_reduce(grad)
