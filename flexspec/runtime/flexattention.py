@@ -109,8 +109,14 @@ def wide_indices(request) -> bool:
     """Whether the keys or values hold so many elements that inductor indexes them in int64,
     where FlexAttention's decoding kernel does not compile (flexspec.workarounds:
     flex-decoding-wide-indices)."""
-    keys = request.batch * request.kv_heads * request.kv_len
-    return keys * max(request.head_dim, request.v_head_dim) >= WIDE_INDEX_ELEMENTS
+    return wide_keys(request.batch * request.kv_heads * request.kv_len, request.head_dim,
+                     request.v_head_dim)
+
+
+def wide_keys(positions: int, head_dim: int, v_head_dim: int) -> bool:
+    """:func:`wide_indices` for keys and values of ``positions`` rows over all batch rows and
+    heads (a paged cache's pool: its heads times its positions)."""
+    return positions * max(head_dim, v_head_dim) >= WIDE_INDEX_ELEMENTS
 
 
 def varying_score(call: FlexCall, plan: Plan, values: dict):

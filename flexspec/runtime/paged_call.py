@@ -22,7 +22,7 @@ from flexspec.kernels.lower import lower
 from flexspec.runtime import compiled
 from flexspec.runtime.checks import check_qkv, checked_scale
 from flexspec.runtime.contract import BackendError
-from flexspec.runtime.flexattention import DECODE_ROWS, DECODING_OPTIONS, WIDE_INDEX_ELEMENTS
+from flexspec.runtime.flexattention import DECODE_ROWS, DECODING_OPTIONS, wide_keys
 
 # The query block of the logical masks: FlexAttention's default.
 QUERY_BLOCK = 128
@@ -126,10 +126,9 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
     placed = dict(q_len=q_len, kv_len=cache.capacity, batch=batch, heads=heads,
                   device=q.device, q_offset=q_offset, kv_lengths=lengths)
     logical, score_mod = sibling.logical_read(**placed, **bindings)
-    pool_elements = cache.keys.shape[0] * cache.keys.shape[1] * max(dim, v_dim)
     # the decoding kernel does not compile for a pool inductor indexes in int64
     # (flexspec.workarounds: flex-decoding-wide-indices): such reads run on the main kernel
-    wide = pool_elements >= WIDE_INDEX_ELEMENTS
+    wide = wide_keys(cache.keys.shape[0] * cache.keys.shape[1], dim, v_dim)
     decoding = q.device.type == "cuda" and q_len < DECODE_ROWS and not wide
     if decoding:
         # FlexAttention's decoding kernel splits a row's tiles among its splits by the pool's
