@@ -65,6 +65,10 @@ class Placement:
     kv_offset: int
     valid: torch.Tensor | None
     given_mask: bool = False  # the model got a 2-D attention_mask (then packing is not looked for)
+    # q_offset - kv_offset as a 0-d device tensor, made where the placement was prepared outside
+    # any graph (generate() prepares a static cache's step before the compiled forward): inside
+    # the graph the operator reads it instead of the cache's int counter (see _Layers.attention)
+    prepared_offset: torch.Tensor | None = field(default=None, compare=False)
     _steps: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     # generate() prepares the mask of a step before the model's forward, which prepares it
@@ -144,21 +148,26 @@ def placement(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
             raise SpecError(f"the prepared placement covers {attention_mask.valid.shape[-1]} "
                             f"keys, this call {kv_length}: please report it")
         return dataclasses.replace(attention_mask, q_offset=q_offset, kv_offset=kv_offset)
-    valid = None
-    if attention_mask is not None:
-        if attention_mask.dim() != 2:
-            raise SpecError("flexspec takes the 2-D attention_mask (1 for a token, 0 for "
-                            f"padding), got one of shape {list(attention_mask.shape)}")
-        mask = attention_mask.bool()
-        # no padding: a host read, as transformers makes one too (inside a graph, which must not
-        # read, the padding stays, all valid)
-        if not _inside_graph() and bool(mask.all()):
-            return Placement(q_offset, kv_offset, None, True)
-        missing = kv_length + kv_offset - mask.shape[-1]
-        if missing > 0:  # a static cache longer than the tokens seen: its tail is empty
-            mask = torch.nn.functional.pad(mask, (0, missing))
-        valid = mask[:, kv_offset:kv_offset + kv_length]
-    return Placement(q_offset, kv_offset, valid, attention_mask is not None)
+    if attention_mask is None:
+        return Placement(q_offset, kv_offset, None, False)
+    if attention_mask.dim() != 2:
+        raise SpecError("flexspec takes the 2-D attention_mask (1 for a token, 0 for "
+                        f"padding), got one of shape {list(attention_mask.shape)}")
+    prepared = None
+    if not _inside_graph() and isinstance(q_offset, int):
+        # a fill, not a copy from the host: nothing waits for it
+        prepared = torch.full((), q_offset - kv_offset, dtype=torch.long,
+                              device=attention_mask.device)
+    mask = attention_mask.bool()
+    # no padding: a host read, as transformers makes one too (inside a graph, which must not
+    # read, the padding stays, all valid)
+    if not _inside_graph() and bool(mask.all()):
+        return Placement(q_offset, kv_offset, None, True, prepared)
+    missing = kv_length + kv_offset - mask.shape[-1]
+    if missing > 0:  # a static cache longer than the tokens seen: its tail is empty
+        mask = torch.nn.functional.pad(mask, (0, missing))
+    return Placement(q_offset, kv_offset, mask[:, kv_offset:kv_offset + kv_length], True,
+                     prepared)
 
 
 def packed_documents(position_ids: torch.Tensor, batch: int) -> torch.Tensor | None:
@@ -230,19 +239,24 @@ class _Layers:
         if _inside_graph() and self._operator_runs(
                 attention_mask, kwargs, query, key, value, s_aux):
             where = attention_mask
-            tensor_offset = where.q_offset if isinstance(where.q_offset, torch.Tensor) else None
-            int_offset = 0 if tensor_offset is not None else where.q_offset
+            tensor_offset, int_offset, kv_offset = None, where.q_offset, where.kv_offset
+            if isinstance(where.q_offset, torch.Tensor):
+                tensor_offset, int_offset = where.q_offset, 0
+            elif where.prepared_offset is not None:
+                # the same offsets (generate() prepared them for this step), as a tensor: the
+                # graph takes no int of the cache's counter, which moves every step
+                tensor_offset, int_offset, kv_offset = where.prepared_offset, 0, 0
             # CUDA graph trees record a graph again for every value of an int it takes, and an
             # int offset other than 0 is a cache's counter (a sliding cache's: it moves every
             # step; dynamo shows it as an int, so only its value tells): such a call runs
             # between replays
-            moving = int_offset != 0 or where.kv_offset != 0
+            moving = int_offset != 0 or kv_offset != 0
             operator = (torch.ops.flexspec.transformers_attention_between_graphs if moving
                         else torch.ops.flexspec.transformers_attention)
             return operator(
                 self.name, -1 if sliding_window is None else int(sliding_window),
                 float(softcap or 0.0), query, key, value, scaling,
-                tensor_offset, int_offset, where.kv_offset, where.valid, s_aux), None
+                tensor_offset, int_offset, kv_offset, where.valid, s_aux), None
         return self.eager_attention(query, key, value, attention_mask, scaling, sliding_window,
                                     softcap, s_aux, kwargs)
 
