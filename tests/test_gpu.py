@@ -862,3 +862,26 @@ def test_serving_steps_over_a_paged_cache_never_synchronise_with_the_host():
     assert serve_at_random("cuda", 300, seed=1, guard=no_sync, dim=16) > 250
     assert counters["stats"]["unique_graphs"] - before == 0
     torch._dynamo.reset()
+
+
+def test_tuning_the_backward_pins_backward_tiles_that_give_reference_gradients():
+    """Attention.tune(backward=True) on the real kernels: candidates of backward tiles compile
+    and time, the fastest is pinned for calls with gradients, and those calls' gradients
+    equal the float64 reference (a length that is not a multiple of 128)."""
+    attn = flexspec.compile("causal & window(300)", backend="flex")
+    q, k, v = (torch.randn(2, 4, 700, 64, device="cuda") for _ in range(3))
+    candidates = [{"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
+                   "bwd_BLOCK_N2": 32, "bwd_num_warps": 4, "bwd_num_stages": 2},
+                  {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
+                   "bwd_BLOCK_N2": 64, "bwd_num_warps": 4, "bwd_num_stages": 3}]
+    result = attn.tune(q, k, v, backward=True, candidates=candidates, repeats=3)
+    assert result.signature.endswith(":backward") and not result.failed, str(result)
+    assert all(ms is not None and ms > 0 for _, ms in result.times)
+    assert attn.tuned == {result.signature: result.best}
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    grad = torch.randn_like(q)
+    got = torch.autograd.grad(attn(*leaves), leaves, grad)
+    doubles = [t.double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(attn.reference(*doubles), doubles, grad.double())
+    for g, w in zip(got, want):
+        assert _relative_error(g, w) < 5e-3

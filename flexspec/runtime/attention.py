@@ -29,8 +29,8 @@ from flexspec.runtime.contract import InputPlan
 from flexspec.runtime.explanation import Explanation, explain_plan
 from flexspec.runtime.identity import meta
 from flexspec.runtime.jagged import is_jagged, jagged_call, packed_spec
-from flexspec.runtime.tuning import (KernelOptions, Tuned, checked_options, default_candidates,
-                                     median_ms, signature)
+from flexspec.runtime.tuning import (KernelOptions, Tuned, answer_of, checked_options,
+                                     default_candidates, fastest, signature, time_candidates)
 from flexspec.runtime.lookups import check_lookups
 from flexspec.runtime.masks import BLOCK_MASK_MODES, BlockMaskMode, BlockMasks, mask_extent
 from flexspec.runtime.paged_call import (QUERY_BLOCK, PagedRead, check_pages, checked_read,
@@ -256,62 +256,45 @@ class Attention:
                                      kernel_options=self.kernel_options, tuned=self.tuned)
         return self._packed
 
-    def tune(self, q, k, v, *, candidates: list | None = None, repeats: int = 10, scale=None,
-             q_offset=None, kv_lengths=None, **bindings) -> Tuned:
-        """Time this call (forward, no gradients) with each of ``candidates`` (kernel options;
-        by default :func:`flexspec.runtime.tuning.default_candidates`) and flexspec's own
-        options, check each answer against the own options' answer, and pin the fastest for
-        the call's signature (:attr:`tuned`): later calls of that signature run with it. Only
-        the ``flex`` backend takes tuned options (FLASH's compile failures would be taken for
-        the spec's). Each candidate compiles its kernel (seconds)."""
+    def tune(self, q, k, v, *, backward: bool = False, candidates: list | None = None,
+             repeats: int = 10, scale=None, q_offset=None, kv_lengths=None, **bindings) -> Tuned:
+        """Time this call with each of ``candidates`` (kernel options; by default
+        :func:`flexspec.runtime.tuning.default_candidates`) and flexspec's own options, check
+        each answer against the own options' answer, and pin the fastest for the call's
+        signature (:attr:`tuned`; flexspec's own unless one is faster by more than the timing's
+        noise, :data:`flexspec.runtime.tuning.MARGIN`): later calls of that signature run with
+        it. ``backward=True``
+        times the forward and the backward together (the gradients of q, k and v are part of
+        the answer) and pins for calls that need gradients. Only the ``flex`` backend takes
+        tuned options (FLASH's compile failures would be taken for the spec's). Each candidate
+        compiles its kernels (seconds)."""
         started = time.perf_counter()
         if is_jagged(q):
             raise BindingError("tune times dense q, k, v: give it one padded batch of the "
                                "shapes you run (a jagged batch runs laid end to end, as "
                                "(1, H, total, D))")
+        run = answer_of(lambda q, k, v: self(q, k, v, scale=scale, q_offset=q_offset,
+                                             kv_lengths=kv_lengths, **bindings),
+                        q, k, v, backward)
+        run()
+        plan = self._calls.last_plan
+        key = signature(plan.request)
+        if plan.choice.backend != "flex":
+            return Tuned(key, {}, failed={"all": f"this call runs on backend "
+                                                 f"'{plan.choice.backend}', which takes no "
+                                                 "tuned kernel options"},
+                         seconds=time.perf_counter() - started)
+        candidates = default_candidates(plan.request) if candidates is None else [
+            checked_options(options, "candidates") for options in candidates]
+        result = Tuned(key, {})
 
-        def call():
-            return self(q, k, v, scale=scale, q_offset=q_offset, kv_lengths=kv_lengths,
-                        **bindings)
-
-        with torch.no_grad():
-            call()
-            plan = self._calls.last_plan
-            key = signature(plan.request)
-            if plan.choice.backend != "flex":
-                return Tuned(key, {}, failed={"all": f"this call runs on backend "
-                                                     f"'{plan.choice.backend}', which takes no "
-                                                     "tuned kernel options"},
-                             seconds=time.perf_counter() - started)
-            candidates = default_candidates(plan.request) if candidates is None else [
-                checked_options(options, "candidates") for options in candidates]
-            result = Tuned(key, {})
-            expected = None
-            limit = torch._dynamo.config.recompile_limit + len(candidates) + 1
-            with torch._dynamo.config.patch(recompile_limit=limit,
-                                            accumulated_recompile_limit=max(
-                                                limit, torch._dynamo.config
-                                                .accumulated_recompile_limit)):
-                for options in [{}] + candidates:
-                    self._options.tuned[key] = options
-                    self._calls.forget_plans()
-                    try:
-                        out = call()
-                    except Exception as error:  # noqa: BLE001 - a candidate that fails is a row
-                        result.times.append((options, None))
-                        result.failed[str(options)] = f"failed: {type(error).__name__}"
-                        continue
-                    if expected is None:
-                        expected = out
-                    elif not _close(out, expected):
-                        result.times.append((options, None))
-                        result.failed[str(options)] = "a different answer"
-                        continue
-                    result.times.append((options, median_ms(call, repeats, q.device)))
-            timed = [(options, ms) for options, ms in result.times if ms is not None]
-            result.best = min(timed, key=lambda entry: entry[1])[0] if timed else {}
-            self._options.tuned[key] = result.best
+        def pin(options: dict) -> None:
+            self._options.tuned[key] = options
             self._calls.forget_plans()
+        # each candidate compiles in an entry of its own (FlexAttentionBackend.prepare)
+        time_candidates(run, [{}] + candidates, pin, result, repeats, q.device)
+        pin(fastest(result.times))
+        result.best = self._options.tuned[key]
         result.seconds = time.perf_counter() - started
         return result
 
@@ -420,11 +403,3 @@ class Attention:
         return explain_plan(plan, values, block_mask, str(self.spec), q, k, v, choice=choice,
                             device=device, keys=keys,
                             options_source=self._options.source(plan.request))
-
-
-def _close(out, expected) -> bool:
-    """Whether a tuned candidate's answer is the default options' (as close as its dtype's
-    rounding lets two kernels be)."""
-    tolerance = 1e-4 if out.dtype == torch.float32 else 2e-2
-    return out.shape == expected.shape and torch.allclose(out.float(), expected.float(),
-                                                          rtol=tolerance, atol=tolerance)

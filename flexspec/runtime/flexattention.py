@@ -169,7 +169,12 @@ class FlexAttentionBackend(Backend):
             options, masks = {**DECODING_OPTIONS, **(options or {})}, masks.partial_only()
         if plan.request.kernel_options:  # given to compile, or tuned: over flexspec's own
             options = {**(options or {}), **dict(plan.request.kernel_options)}
-        call = FlexCall(lowered=lowered, entry=compiled.compiled_entry(lowered),
+        # options of their own compile in an entry of their own: tune's candidates would
+        # otherwise leave their graphs in the default entry, whose every later call then checks
+        # their guards (host time that doubled a decode call after tuning)
+        purpose = ("call" if not plan.request.kernel_options
+                   else f"call with {dict(plan.request.kernel_options)}")
+        call = FlexCall(lowered=lowered, entry=compiled.compiled_entry(lowered, purpose),
                         kernel_options=options, masks=masks, decoding=decoding,
                         lse=compiled.lse_request(plan.request.lse), scale_values=scale_values)
         call.mask_bindings = tuple(slot.name for slot in plan.slots

@@ -11,6 +11,7 @@ that JSON keeps: ``flexspec.compile(spec, tuned=attn.tuned)`` reuses it without 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -79,14 +80,87 @@ class KernelOptions:
 def default_candidates(request) -> list:
     """The kernel options :meth:`Attention.tune` tries by default: for a call of fewer than 128
     rows (FlexAttention's decoding kernel) pipeline stages, warps and splits; for longer ones
-    tile sizes, stages and warps."""
+    tile sizes, stages and warps of the forward kernel, or, for a call that needs gradients,
+    of the backward kernels (``bwd_``-prefixed: the forward keeps flexspec's own)."""
     if request.q_len < 128:
         return [{"num_stages": stages, "num_warps": warps}
                 for stages in (1, 2, 3, 4) for warps in (2, 4)] + [
                     {"num_stages": 3, "SPLIT_KV": splits} for splits in (8, 16, 32)]
+    if request.grads:
+        # the backward's two loops: BLOCK_M1 x BLOCK_N1 tiles for dk and dv, BLOCK_M2 x BLOCK_N2
+        # for dq (the transposed tile, as torch's own configurations pair them)
+        return [{"bwd_BLOCK_M1": m, "bwd_BLOCK_N1": n, "bwd_BLOCK_M2": n, "bwd_BLOCK_N2": m,
+                 "bwd_num_stages": stages, "bwd_num_warps": warps}
+                for m, n in ((32, 128), (64, 64), (64, 128))
+                for stages, warps in ((2, 4), (3, 4), (3, 8))]
     return [{"BLOCK_M": m, "BLOCK_N": n, "num_stages": stages, "num_warps": warps}
             for m, n in ((128, 64), (64, 64), (128, 128), (64, 128))
             for stages, warps in ((2, 4), (3, 4), (3, 8))]
+
+
+def answer_of(call, q, k, v, backward: bool):
+    """A function of no arguments that runs ``call(q, k, v)`` once and returns its answer as a
+    tuple: the output, and with ``backward`` the gradients of q, k and v as well (the
+    output's gradient is the same random tensor on every run), so that what is timed is the
+    forward and the backward together."""
+    if not backward:
+        def forward() -> tuple:
+            with torch.no_grad():
+                return (call(q, k, v),)
+        return forward
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    seeded = torch.Generator(device=q.device).manual_seed(0)
+    grad = []
+
+    def forward_and_backward() -> tuple:
+        for leaf in leaves:
+            leaf.grad = None
+        out = call(*leaves)
+        if not grad:
+            grad.append(torch.randn(out.shape, generator=seeded, device=out.device,
+                                    dtype=out.dtype))
+        out.backward(grad[0])
+        return (out.detach(), *(leaf.grad for leaf in leaves))
+    return forward_and_backward
+
+
+def same_answer(answer: tuple, expected: tuple) -> bool:
+    """Whether a candidate's answer is the default options' (as close as its dtype's rounding
+    lets two kernels be, relative to the largest value: gradients may be large)."""
+    for got, want in zip(answer, expected):
+        tolerance = 1e-4 if want.dtype == torch.float32 else 2e-2
+        scale = max(1.0, float(want.abs().max()))
+        if got.shape != want.shape or not torch.allclose(
+                got.float(), want.float(), rtol=tolerance, atol=tolerance * scale):
+            return False
+    return len(answer) == len(expected)
+
+
+def time_candidates(run, candidates: list, pin, result: "Tuned", repeats: int, device) -> None:
+    """Run and time ``run`` with each of ``candidates`` pinned (``pin(options)``), the first
+    one's answer the expected one, into ``result``'s times and failures."""
+    expected = None
+    for options in candidates:
+        pin(options)
+        try:
+            answer = run()
+        except Exception as error:  # noqa: BLE001 - a candidate that fails is a row
+            result.times.append((options, None))
+            result.failed[str(options)] = f"failed: {type(error).__name__}"
+            continue
+        if expected is None:
+            expected = answer
+        elif not same_answer(answer, expected):
+            result.times.append((options, None))
+            result.failed[str(options)] = "a different answer"
+            continue
+        result.times.append((options, median_ms(run, repeats, device)))
+    # the first options timed ran on a GPU not yet warm (clocks, caches): they run again last
+    # and keep the faster of their two times
+    own, first_ms = result.times[0] if result.times else ({}, None)
+    if first_ms is not None and len(result.times) > 1:
+        pin(own)
+        result.times[0] = (own, min(first_ms, median_ms(run, repeats, device)))
 
 
 @dataclass
@@ -109,19 +183,48 @@ class Tuned:
         return "\n".join(lines)
 
 
+# A candidate replaces flexspec's own options only where it is faster by more than this
+# fraction: one call's time moves by a few percent between runs, and a pinned option that only
+# won by noise costs a compile and may lose later.
+MARGIN = 0.03
+
+
+def fastest(times: list) -> dict:
+    """The options to pin from ``(options, ms or None)`` rows, the first of which is
+    flexspec's own (``{}``): the fastest candidate where it beats the own options by more
+    than :data:`MARGIN`, else ``{}``."""
+    timed = [(options, ms) for options, ms in times if ms is not None]
+    if not timed:
+        return {}
+    best, best_ms = min(timed, key=lambda entry: entry[1])
+    own = dict((str(options), ms) for options, ms in timed).get("{}")
+    return best if own is None or best_ms < own * (1 - MARGIN) else {}
+
+
+# On CUDA each timed round runs the call back to back for about this many milliseconds: a
+# call of a few microseconds timed alone measures its launch more than its kernel.
+ROUND_MS = 2.0
+
+
 def median_ms(run, repeats: int, device) -> float:
-    """The median time of ``run()`` in ms over ``repeats`` runs (device events on CUDA)."""
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
+    """The median time of one ``run()`` in ms over ``repeats`` rounds: on CUDA, device events
+    around rounds of back-to-back runs of about :data:`ROUND_MS` (the GPU queue kept full, as
+    in a model), elsewhere the host's clock around single runs."""
+    if device.type != "cuda":
+        times = []
+        for _ in range(repeats):
             started = time.perf_counter()
             run()
             times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
+        return statistics.median(times)
+
+    def round_ms(count: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(count):
+            run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / count
+    count = max(1, min(100, math.ceil(ROUND_MS / max(round_ms(1), 1e-3))))
+    return statistics.median(round_ms(count) for _ in range(repeats))

@@ -6,6 +6,7 @@ reports them."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import pickle
 
@@ -17,15 +18,24 @@ from flexspec.runtime.tuning import KernelOptions, checked_options, default_cand
 from flexspec.testing import Shape
 
 
+class Recorded(list):
+    """The kernel options of each call, and the purposes of the entries they ran in."""
+
+    def __init__(self):
+        super().__init__()
+        self.purposes = set()
+
+
 @pytest.fixture
 def recorded(eager_kernels, monkeypatch):
     """The kernel options each flex call passes to FlexAttention (eager, see eager_kernels)."""
     from flexspec.runtime import compiled
-    seen = []
+    seen = Recorded()
     entry = compiled.compiled_entry
 
-    def recording(lowered):
-        run = entry(lowered)
+    def recording(lowered, purpose="call"):
+        run = entry(lowered, purpose)
+        seen.purposes.add(purpose)
 
         def record(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, lse):
             seen.append(dict(kernel_options or {}))
@@ -61,9 +71,10 @@ def test_tuning_pins_the_fastest_candidate_that_gives_the_same_answer(recorded, 
     q, k, v = qkv()
     fake = {"{}": 5.0, "{'num_warps': 4}": 3.0, "{'num_warps': 8}": 1.0,
             "{'BLOCK_N': 32}": 2.0}
-    from flexspec.runtime import attention
-    monkeypatch.setattr(attention, "median_ms", lambda run, repeats, device: fake[
-        str(recorded[-1] if recorded else {})])
+    from flexspec.runtime import tuning
+    # a fake clock: each option set its own time, read off the options of the run it times
+    monkeypatch.setattr(tuning, "median_ms", lambda run, repeats, device: (
+        run(), fake[str(recorded[-1])])[1])
     from flexspec.runtime import flexattention
     real_run = flexattention.FlexAttentionBackend.run
 
@@ -84,6 +95,10 @@ def test_tuning_pins_the_fastest_candidate_that_gives_the_same_answer(recorded, 
     assert [ms for _, ms in result.times] == [5.0, 3.0, None, None]
     assert result.signature == "cpu:float32:B1:H2:KV2:Q130:K130:D16:forward"
     assert attn.tuned == {result.signature: {"num_warps": 4}}
+    # each option set compiled in an entry of its own: the default entry holds no candidate's
+    # graphs, whose guards its later calls would check
+    assert recorded.purposes == {"call", "call with {'num_warps': 4}",
+                                 "call with {'num_warps': 8}", "call with {'BLOCK_N': 32}"}
     assert "best {'num_warps': 4}" in str(result) and "a different answer" in str(result)
     recorded.clear()
     with torch.no_grad():
@@ -93,6 +108,64 @@ def test_tuning_pins_the_fastest_candidate_that_gives_the_same_answer(recorded, 
         other = Shape(1, 2, 2, 140, 140, 16).qkv(1)
         attn(*other)
         assert recorded[-1] == {}
+
+
+def test_tuning_the_backward_times_gradients_and_pins_for_calls_that_need_them(monkeypatch):
+    """backward=True: the answer compared is the output and the gradients of q, k and v (a
+    candidate whose dq alone is wrong is left out), the signature is the backward one, and
+    only calls that need gradients run with what it pinned. torch's CPU FlexAttention has no
+    backward, so the flex backend is let take gradients here and runs the dense reference,
+    recording the options it was given (tests/test_gpu.py tunes the real kernels)."""
+    from flexspec.runtime import flexattention, tuning
+    from flexspec.runtime.backends import flex
+    real_why_not = flex.FlexBackend.why_not
+    monkeypatch.setattr(flex.FlexBackend, "why_not", lambda self, request, spec: real_why_not(
+        self, dataclasses.replace(request, grads=False), spec))
+    attn = flexspec.compile("causal & window(20)", backend="flex")
+    recorded = []
+
+    class WrongDq(torch.autograd.Function):  # the output is right, its gradient to q is not
+        @staticmethod
+        def forward(ctx, out):
+            return out.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 3
+
+    def reference_run(self, plan, q, k, v, *args):
+        options = dict(plan.request.kernel_options)
+        recorded.append(options)
+        out = attn.reference(q, k, v)
+        return WrongDq.apply(out) if options.get("bwd_num_warps") == 8 else out
+    monkeypatch.setattr(flexattention.FlexAttentionBackend, "run", reference_run)
+    fake = {"{}": 5.0, "{'bwd_num_warps': 4}": 2.0, "{'bwd_num_warps': 8}": 1.0}
+    monkeypatch.setattr(tuning, "median_ms", lambda run, repeats, device: (
+        run(), fake[str(recorded[-1])])[1])
+    q, k, v = qkv()
+    result = attn.tune(q, k, v, backward=True, repeats=1,
+                       candidates=[{"bwd_num_warps": 4}, {"bwd_num_warps": 8}])
+    assert result.failed == {"{'bwd_num_warps': 8}": "a different answer"}
+    assert result.best == {"bwd_num_warps": 4}
+    assert result.signature == "cpu:float32:B1:H2:KV2:Q130:K130:D16:backward"
+    assert q.grad is None and not q.requires_grad  # tune worked on copies
+    with torch.no_grad():
+        attn(q, k, v)
+    assert recorded[-1] == {}
+    attn(q.clone().requires_grad_(), k, v)
+    assert recorded[-1] == {"bwd_num_warps": 4}
+
+
+def test_backward_candidates_tune_the_backward_kernels_alone():
+    from flexspec.runtime.contract import Request
+    request = Request(device_type="cuda", capability=(9, 0), dtype=torch.bfloat16, batch=4,
+                      heads=16, kv_heads=16, q_len=8192, kv_len=8192, head_dim=128,
+                      v_head_dim=128, grads=True, table_grads=False)
+    candidates = default_candidates(request)
+    assert signature(request).endswith(":backward") and len(candidates) == 9
+    assert all(name.startswith("bwd_") for options in candidates for name in options)
+    # the dk/dv tile and the dq tile are each other's transpose
+    assert all(options["bwd_BLOCK_M1"] == options["bwd_BLOCK_N2"] for options in candidates)
 
 
 def test_a_tuned_table_travels_through_json_compile_and_copies(recorded):
@@ -146,3 +219,30 @@ def test_default_candidates_fit_the_kernel_a_call_runs_on():
     import dataclasses
     longer = dataclasses.replace(request, q_len=8192, kv_len=8192)
     assert all("BLOCK_M" in options for options in default_candidates(longer))
+
+
+def test_a_candidate_replaces_the_own_options_only_beyond_the_timing_noise():
+    from flexspec.runtime.tuning import MARGIN, fastest
+    own, candidate = {}, {"num_warps": 4}
+    just_inside = 10.0 * (1 - MARGIN) + 0.01
+    assert fastest([(own, 10.0), (candidate, just_inside)]) == {}
+    assert fastest([(own, 10.0), (candidate, 10.0 * (1 - MARGIN) - 0.01)]) == candidate
+    assert fastest([(own, None), (candidate, 12.0)]) == candidate  # the own options failed
+    assert fastest([(own, None), (candidate, None)]) == {}
+
+
+def test_the_own_options_are_timed_again_last_and_keep_their_faster_time(monkeypatch):
+    """The first options timed ran on a cold GPU: timed again after the candidates, their
+    faster time is the one compared (here it keeps a candidate that only beat the cold run
+    from being pinned)."""
+    from flexspec.runtime import tuning
+    pinned = []
+    clock = {"{}": [5.0, 2.0], "{'num_warps': 4}": [3.0]}
+    monkeypatch.setattr(tuning, "median_ms",
+                        lambda run, repeats, device: clock[str(pinned[-1])].pop(0))
+    result = tuning.Tuned("sig", {})
+    tuning.time_candidates(lambda: (torch.ones(2),), [{}, {"num_warps": 4}], pinned.append,
+                           result, 1, torch.device("cpu"))
+    assert result.times == [({}, 2.0), ({"num_warps": 4}, 3.0)]
+    assert pinned == [{}, {"num_warps": 4}, {}]
+    assert tuning.fastest(result.times) == {}
