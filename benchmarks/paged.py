@@ -17,12 +17,19 @@ length:
 * ``in place, call``: ``attn.paged(..., read="in_place")``, which makes its read and runs it;
 * ``gather``: ``attn.paged(..., read="gather")`` (a copy of every sequence per call).
 
-Outputs are checked against the contiguous call. Times are medians of
+With ``--mixed CHUNK``, one row per spec and batch instead: a mixed batch (issue 27, item 2) of
+one request's prefill chunk of CHUNK new tokens and the other ``B - 1`` requests' decoded
+tokens, in one in-place call (``q`` padded to CHUNK rows, each row's own ``q_offset``), against
+the sum of its parts run alone in place (the chunk as a batch of one, the decoded tokens as a
+batch of ``B - 1``); the target is at most 1.1x.
+
+Outputs are checked against the contiguous call (the mixed batch: against its parts). Times are medians of
 ``triton.testing.do_bench`` (on the CPU: of ``--repeats`` calls). The last lines printed are the
 table (markdown).
 
     python benchmarks/paged.py                              # B 8 and 64, 4K-32K, pages 16-128
     python benchmarks/paged.py --caches 4096 --batches 8 --pages 64
+    python benchmarks/paged.py --mixed 512 --caches 4096 --batches 8 --pages 64
     python benchmarks/paged.py --device cpu --caches 512 --batches 2 --pages 32 --heads 4 \\
         --kv-heads 2 --dim 16 --dtype float32                # a smoke run on the CPU
 """
@@ -122,16 +129,64 @@ def row(text: str, batch: int, length: int, page: int, args, device) -> dict:
     return result
 
 
+def mixed_row(text: str, batch: int, length: int, page: int, chunk: int, args,
+              device) -> dict:
+    """A mixed batch (slot 0's request: ``chunk`` new tokens; the others: one each) in one
+    in-place call, against its two parts run alone."""
+    generator = torch.Generator().manual_seed(0)
+    cache, slots, _, _ = filled_cache(batch, length, page, args, device, generator)
+    dtype = getattr(torch, args.dtype)
+    q = torch.randn(batch, args.heads, chunk, args.dim, generator=generator).to(device, dtype)
+    counts = torch.ones(batch, dtype=torch.long, device=device)
+    counts[0] = chunk
+    offset = cache.lengths[slots] - counts  # the new tokens are the last of each sequence
+    bindings = {}
+    if "doc" in text:
+        # a decoded token's padding rows stand past the capacity: its ids reach them too
+        ids = (torch.arange(cache.capacity + chunk) * DOCUMENTS // length).clamp(max=DOCUMENTS)
+        bindings["doc_ids"] = ids.to(device).expand(batch, -1).contiguous()
+    attn = flexspec.compile(text)
+    result = {"spec": text, "B": batch, "cache": length, "page": page, "chunk": chunk}
+
+    def part(rows, queries):
+        picked = {name: value[rows] for name, value in bindings.items()}
+        return lambda: attn.paged(queries, cache, slots[rows], q_offset=offset[rows],
+                                  read="in_place", **picked)
+    mixed = lambda: attn.paged(q, cache, slots, q_offset=offset, read="in_place",  # noqa: E731
+                               **bindings)
+    prefill, decoded = part(slice(0, 1), q[:1]), part(slice(1, None), q[1:, :, :1])
+    with torch.no_grad():
+        together, first, rest = mixed(), prefill(), decoded()
+        close = (torch.allclose(together[:1].float(), first.float(), atol=2e-2, rtol=2e-2)
+                 and torch.allclose(together[1:, :, :1].float(), rest.float(), atol=2e-2,
+                                    rtol=2e-2))
+        # each made once: the mixed call and its parts as a step runs them, reads made once
+        reads = [attn.paged_read(queries, cache, slots[rows], q_offset=offset[rows],
+                                 **{name: value[rows] for name, value in bindings.items()})
+                 for rows, queries in ((slice(None), q), (slice(0, 1), q[:1]),
+                                       (slice(1, None), q[1:, :, :1]))]
+        result["mixed"] = timed(lambda: reads[0](q), device, args.repeats) if close \
+            else "wrong"
+        result["chunk alone"] = timed(lambda: reads[1](q[:1]), device, args.repeats)
+        result["decoded alone"] = timed(lambda: reads[2](q[1:, :, :1]), device, args.repeats)
+    if close:
+        result["mixed / parts"] = result["mixed"] / (result["chunk alone"]
+                                                     + result["decoded alone"])
+    return result
+
+
+MIXED_COLUMNS = ["spec", "B", "cache", "page", "chunk", "mixed", "chunk alone",
+                 "decoded alone", "mixed / parts"]
 COLUMNS = ["spec", "B", "cache", "page", "contiguous", "in place, layer", "making the read",
            "in place, call", "gather", "in place, layer / contiguous",
            "in place, call / contiguous"]
 
 
-def table(rows: list) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+def table(rows: list, columns=COLUMNS) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for found in rows:
         cells = []
-        for name in COLUMNS:
+        for name in columns:
             value = found.get(name, "-")
             cells.append(f"{value:.3f}" if isinstance(value, float) else str(value))
         lines.append("| " + " | ".join(cells) + " |")
@@ -150,6 +205,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls off CUDA")
+    parser.add_argument("--mixed", type=int, default=0, metavar="CHUNK",
+                        help="time a mixed batch with a prefill chunk of CHUNK tokens instead")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     rows = []
@@ -161,7 +218,10 @@ def main(argv=None) -> int:
             for length in args.caches:
                 for page in args.pages:
                     try:
-                        found = row(text, batch, length, page, args, device)
+                        found = (mixed_row(text, batch, length, page, args.mixed, args,
+                                           device)
+                                 if args.mixed else row(text, batch, length, page, args,
+                                                        device))
                     except Exception as err:  # noqa: BLE001 - a failed row is a table cell
                         found = {"spec": text, "B": batch, "cache": length, "page": page,
                                  "contiguous": f"fails: {type(err).__name__}: "
@@ -169,7 +229,7 @@ def main(argv=None) -> int:
                     print(found, flush=True)
                     rows.append(found)
     print()
-    print(table(rows))
+    print(table(rows, MIXED_COLUMNS if args.mixed else COLUMNS))
     return 0
 
 
