@@ -19,13 +19,13 @@ length:
 
 With ``--mixed CHUNK``, one row per spec and batch instead: a mixed batch (issue 27, item 2) of
 one request's prefill chunk of CHUNK new tokens and the other ``B - 1`` requests' decoded
-tokens, in one in-place call (``q`` padded to CHUNK rows, each row's own ``q_offset``), against
-the sum of its parts run alone in place (the chunk as a batch of one, the decoded tokens as a
-batch of ``B - 1``); the target is at most 1.1x.
+tokens, read in place as one call (``attn.paged_read(..., new_tokens=...)``: ``q`` padded to
+CHUNK rows), against the sum of its parts read alone (the chunk as a batch of one, the decoded
+tokens as a batch of ``B - 1``); the target is at most 1.1x.
 
-Outputs are checked against the contiguous call (the mixed batch: against its parts). Times are medians of
-``triton.testing.do_bench`` (on the CPU: of ``--repeats`` calls). The last lines printed are the
-table (markdown).
+Outputs are checked against the contiguous call (the mixed batch: against its parts). Times
+are medians of ``triton.testing.do_bench`` (on the CPU: of ``--repeats`` calls). The last lines
+printed are the table (markdown).
 
     python benchmarks/paged.py                              # B 8 and 64, 4K-32K, pages 16-128
     python benchmarks/paged.py --caches 4096 --batches 8 --pages 64
@@ -132,43 +132,37 @@ def row(text: str, batch: int, length: int, page: int, args, device) -> dict:
 def mixed_row(text: str, batch: int, length: int, page: int, chunk: int, args,
               device) -> dict:
     """A mixed batch (slot 0's request: ``chunk`` new tokens; the others: one each) in one
-    in-place call, against its two parts run alone."""
+    in-place read (``new_tokens``: the decoded tokens run apart from the chunk), against its
+    two parts run alone."""
     generator = torch.Generator().manual_seed(0)
     cache, slots, _, _ = filled_cache(batch, length, page, args, device, generator)
     dtype = getattr(torch, args.dtype)
     q = torch.randn(batch, args.heads, chunk, args.dim, generator=generator).to(device, dtype)
-    counts = torch.ones(batch, dtype=torch.long, device=device)
-    counts[0] = chunk
-    offset = cache.lengths[slots] - counts  # the new tokens are the last of each sequence
+    counts = [chunk] + [1] * (batch - 1)
     bindings = {}
     if "doc" in text:
-        # a decoded token's padding rows stand past the capacity: its ids reach them too
-        ids = (torch.arange(cache.capacity + chunk) * DOCUMENTS // length).clamp(max=DOCUMENTS)
+        ids = (torch.arange(cache.capacity) * DOCUMENTS // length).clamp(max=DOCUMENTS)
         bindings["doc_ids"] = ids.to(device).expand(batch, -1).contiguous()
     attn = flexspec.compile(text)
     result = {"spec": text, "B": batch, "cache": length, "page": page, "chunk": chunk}
+    offset = cache.lengths[slots] - torch.tensor(counts, device=device)
 
-    def part(rows, queries):
+    def alone(rows, queries):
         picked = {name: value[rows] for name, value in bindings.items()}
-        return lambda: attn.paged(queries, cache, slots[rows], q_offset=offset[rows],
-                                  read="in_place", **picked)
-    mixed = lambda: attn.paged(q, cache, slots, q_offset=offset, read="in_place",  # noqa: E731
-                               **bindings)
-    prefill, decoded = part(slice(0, 1), q[:1]), part(slice(1, None), q[1:, :, :1])
+        return attn.paged_read(queries, cache, slots[rows], q_offset=offset[rows], **picked)
     with torch.no_grad():
-        together, first, rest = mixed(), prefill(), decoded()
-        close = (torch.allclose(together[:1].float(), first.float(), atol=2e-2, rtol=2e-2)
-                 and torch.allclose(together[1:, :, :1].float(), rest.float(), atol=2e-2,
-                                    rtol=2e-2))
-        # each made once: the mixed call and its parts as a step runs them, reads made once
-        reads = [attn.paged_read(queries, cache, slots[rows], q_offset=offset[rows],
-                                 **{name: value[rows] for name, value in bindings.items()})
-                 for rows, queries in ((slice(None), q), (slice(0, 1), q[:1]),
-                                       (slice(1, None), q[1:, :, :1]))]
-        result["mixed"] = timed(lambda: reads[0](q), device, args.repeats) if close \
-            else "wrong"
-        result["chunk alone"] = timed(lambda: reads[1](q[:1]), device, args.repeats)
-        result["decoded alone"] = timed(lambda: reads[2](q[1:, :, :1]), device, args.repeats)
+        # each read made once, as a model step makes it for all its layers
+        mixed = attn.paged_read(q, cache, slots, new_tokens=counts, **bindings)
+        chunk_q, decoded_q = q[:1], q[1:, :, :1]
+        chunk_read, decoded_read = alone(slice(0, 1), chunk_q), alone(slice(1, None), decoded_q)
+        together = mixed(q)
+        close = (torch.allclose(together[:1].float(), chunk_read(chunk_q).float(), atol=2e-2,
+                                rtol=2e-2)
+                 and torch.allclose(together[1:, :, :1].float(),
+                                    decoded_read(decoded_q).float(), atol=2e-2, rtol=2e-2))
+        result["mixed"] = timed(lambda: mixed(q), device, args.repeats) if close else "wrong"
+        result["chunk alone"] = timed(lambda: chunk_read(chunk_q), device, args.repeats)
+        result["decoded alone"] = timed(lambda: decoded_read(decoded_q), device, args.repeats)
     if close:
         result["mixed / parts"] = result["mixed"] / (result["chunk alone"]
                                                      + result["decoded alone"])

@@ -885,3 +885,38 @@ def test_tuning_the_backward_pins_backward_tiles_that_give_reference_gradients()
     want = torch.autograd.grad(attn.reference(*doubles), doubles, grad.double())
     for g, w in zip(got, want):
         assert _relative_error(g, w) < 5e-3
+
+
+@pytest.mark.parametrize("text", ["causal & doc", "causal + alibi"])
+def test_a_mixed_batch_read_in_place_matches_each_request_alone(text):
+    """A mixed batch on CUDA (attn.paged(..., new_tokens=...)): a prefill chunk of 200 tokens
+    (the main kernel), one of 3, and two decoded tokens (the decoding kernel), slots in any
+    order, bf16; each request's rows equal the float64 reference over its own keys and the
+    padding rows are zero."""
+    torch._dynamo.reset()
+    attn = flexspec.compile(text)
+    heads, kv_heads, dim, page, max_pages = 8, 2, 64, 64, 12
+    cache = flexspec.PagedKVCache(pages=5 * max_pages, page_size=page, kv_heads=kv_heads,
+                                  head_dim=dim, slots=5, max_pages=max_pages,
+                                  dtype=torch.bfloat16, device="cuda")
+    slots, lengths, counts = [4, 0, 2, 1], [700, 333, 90, 650], [1, 200, 1, 3]
+    generator = torch.Generator().manual_seed(5)
+    sequences = [[torch.randn(1, kv_heads, n, dim, generator=generator).to("cuda", torch.bfloat16)
+                  for _ in range(2)] for n in lengths]
+    for slot, (k, v) in zip(slots, sequences):
+        cache.append(torch.tensor([slot], device="cuda"), k, v)
+    q = torch.randn(4, heads, max(counts), dim, generator=generator).to("cuda", torch.bfloat16)
+    extra = {}
+    if "doc" in text:
+        extra["doc_ids"] = (torch.arange(cache.capacity, device="cuda") // 70).expand(
+            4, -1).contiguous()
+    with torch.no_grad():
+        out = attn.paged(q, cache, torch.tensor(slots, device="cuda"), new_tokens=counts,
+                         **extra)
+    for row, (n, count, (k, v)) in enumerate(zip(lengths, counts, sequences)):
+        alone = {name: value[row:row + 1, :n] for name, value in extra.items()}
+        ref = attn.reference(q[row:row + 1, :, :count].double(), k.double(), v.double(),
+                             q_offset=n - count, **alone)
+        assert _relative_error(out[row:row + 1, :, :count], ref) < TOLERANCE[torch.bfloat16]
+        assert not out[row, :, count:].any()
+    torch._dynamo.reset()

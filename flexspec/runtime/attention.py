@@ -32,7 +32,9 @@ from flexspec.runtime.jagged import is_jagged, jagged_call, packed_spec
 from flexspec.runtime.tuning import (KernelOptions, Tuned, answer_of, checked_options,
                                      default_candidates, fastest, signature, time_candidates)
 from flexspec.runtime.lookups import check_lookups
+from flexspec.runtime import mixed
 from flexspec.runtime.masks import BLOCK_MASK_MODES, BlockMaskMode, BlockMasks, mask_extent
+from flexspec.runtime.mixed import MixedRead
 from flexspec.runtime.paged_call import (QUERY_BLOCK, PagedRead, check_pages, checked_read,
                                          pool_read, reads_in_place)
 from flexspec.runtime.plan import PlanCache, make_mask_plan
@@ -314,7 +316,7 @@ class Attention:
                            step=step)
 
     def paged(self, q, cache, slots, *, scale=None, q_offset=None, return_lse: bool = False,
-              read: str = "auto", **bindings):
+              read: str = "auto", new_tokens=None, **bindings):
         """Attention of ``q`` ``(B, Hq, Q_LEN, D)`` over the sequences ``slots`` (``[B]``, in
         any order) of a :class:`~flexspec.runtime.paged.PagedKVCache`: row ``b`` of q reads the
         keys of slot ``slots[b]``, at logical positions ``0 .. length - 1`` (KV_LEN is the
@@ -327,12 +329,24 @@ class Attention:
         the sequences laid out contiguously (any backend, a backward pass), ``"auto"`` (the
         default) in place where :func:`~flexspec.runtime.paged_call.reads_in_place` says so
         (CUDA, no gradient, pages of a multiple of 16 positions, heads of 16 dimensions or more,
-        the ``auto`` or ``flex`` backend), else gathered."""
+        the ``auto`` or ``flex`` backend), else gathered.
+
+        A mixed batch (prefill chunks and decoded tokens of many requests) gives
+        ``new_tokens``, a list of each row's count of real queries (q padded to the longest):
+        ``q_offset`` then defaults to ``length - new_tokens``, the rows of one new token run
+        apart from the others (:mod:`flexspec.runtime.mixed`), and the padding rows' outputs
+        are zero."""
         from flexspec.runtime.paged import PagedKVCache
         if not isinstance(cache, PagedKVCache):
             raise BindingTypeError(f"cache must be a flexspec.PagedKVCache, got "
                                    f"{type(cache).__name__}")
         read = checked_read(read)
+        if new_tokens is not None:
+            split = self._mixed(q, cache, slots, new_tokens, q_offset, bindings)
+            results = [self.paged(part.queries(q), cache, part.slots, scale=scale,
+                                  q_offset=part.q_offset, return_lse=return_lse, read=read,
+                                  **part.bindings) for part in split.parts]
+            return mixed.assemble(q, split, results, return_lse)
         if read == "auto":
             read = "in_place" if reads_in_place(q, cache, self.backend) else "gather"
         if read == "in_place":
@@ -346,20 +360,37 @@ class Attention:
                            kv_lengths=lengths, return_lse=return_lse)
 
     def paged_read(self, q, cache, slots, *, scale=None, q_offset=None, return_lse: bool = False,
-                   **bindings) -> PagedRead:
+                   new_tokens=None, **bindings) -> PagedRead | MixedRead:
         """The in-place read :meth:`paged` makes (``read="in_place"``), prepared once for
         queries shaped like ``q``: ``read(q)`` runs a call of that shape over the pages as
         they are now, and ``read(q, other)`` the same over another cache of that geometry whose
         pages were taken by the same operations (a model's other layers). What the call derives
         from the page tables (the block mask, the mods) is made here, once per model step
-        instead of once per layer (see :class:`~flexspec.runtime.paged_call.PagedRead`)."""
+        instead of once per layer (see :class:`~flexspec.runtime.paged_call.PagedRead`).
+        With ``new_tokens`` (a mixed batch, see :meth:`paged`), a
+        :class:`~flexspec.runtime.mixed.MixedRead` of its parts."""
         from flexspec.runtime.paged import PagedKVCache
         if not isinstance(cache, PagedKVCache):
             raise BindingTypeError(f"cache must be a flexspec.PagedKVCache, got "
                                    f"{type(cache).__name__}")
         check_pages(cache)
+        if new_tokens is not None:
+            split = self._mixed(q, cache, slots, new_tokens, q_offset, bindings)
+            reads = [self.paged_read(part.queries(q), cache, part.slots, scale=scale,
+                                     q_offset=part.q_offset, return_lse=return_lse,
+                                     **part.bindings) for part in split.parts]
+            return MixedRead(split, reads, return_lse)
         return pool_read(self._paged_sibling(cache.page_size), q, cache, slots, scale=scale,
                          q_offset=q_offset, return_lse=return_lse, bindings=bindings)
+
+    def _mixed(self, q, cache, slots, new_tokens, q_offset, bindings: dict) -> mixed.Mixed:
+        """The parts a mixed batch runs as (:func:`flexspec.runtime.mixed.split`)."""
+        if not isinstance(q, torch.Tensor) or q.dim() != 4:
+            raise BindingError(f"attn.paged: q must be [B, Hq, Q_LEN, D], got "
+                               f"{list(q.shape) if isinstance(q, torch.Tensor) else q!r}")
+        counts = mixed.checked_counts(new_tokens, q.shape[0], q.shape[2])
+        return mixed.split(q, cache, cache._slots(slots), counts, q_offset, bindings,
+                           mixed.batch_bindings(self.ir.bindings()))
 
     def _paged_sibling(self, page_size: int) -> "Attention":
         """This spec with key blocks of ``page_size`` (made on the first in-place read of a

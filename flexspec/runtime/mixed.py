@@ -1,0 +1,148 @@
+"""Mixed batches over a paged KV cache: prefill chunks and decoded tokens of many requests in one
+``attn.paged`` call, run as calls of their own kind.
+
+``q`` is padded to the longest request's new tokens (``[B, Hq, Q_LEN, D]``) and ``new_tokens``
+says, on the host, how many of each row's queries are real. Padded into one call, a decoded
+token would cost a whole query tile (a 128-row block over all its keys, on the main kernel
+rather than the decoding one), and a short chunk's padding rows would stand past the tokens its
+sequence holds (past the capacity, for a full one). So the rows with the same count of new
+tokens run together, unpadded: the decoded tokens as a batch of ``Q_LEN`` 1 (FlexAttention's
+decoding kernel on CUDA), each chunk length as a batch of its own, and the outputs are put
+back in the rows of q, the padding rows zero. Each part is an ordinary paged call (in place or
+gathered): a mixed batch costs the sum of its parts, plus a copy of q and of the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flexspec import ir
+from flexspec.errors import BindingError, BindingTypeError
+
+
+@dataclass(frozen=True)
+class Part:
+    """The rows of a mixed batch that run together: their indices in the batch (on the
+    queries' device), how many query rows they keep (``q_len``), and their slots, offsets and
+    bindings."""
+
+    rows: torch.Tensor
+    q_len: int
+    slots: torch.Tensor
+    q_offset: object
+    bindings: dict
+
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        return q.index_select(0, self.rows)[:, :, :self.q_len]
+
+
+def checked_counts(new_tokens, batch: int, q_len: int) -> list:
+    """``new_tokens`` as a list of ints, one per row, each in ``1..q_len``, or an error that
+    says what is wrong."""
+    if isinstance(new_tokens, torch.Tensor):
+        if new_tokens.device.type != "cpu":
+            raise BindingTypeError("new_tokens is read on the host: give it as a list of ints "
+                                   "(or a CPU tensor), not a tensor on "
+                                   f"{new_tokens.device.type}, whose read would wait for the "
+                                   "device")
+        new_tokens = new_tokens.tolist()
+    if not isinstance(new_tokens, (list, tuple)) or not all(
+            isinstance(n, int) and not isinstance(n, bool) for n in new_tokens):
+        raise BindingTypeError(f"new_tokens must be a list of ints (the new tokens of each row "
+                               f"of q), got {new_tokens!r}")
+    if len(new_tokens) != batch:
+        raise BindingError(f"new_tokens has {len(new_tokens)} entries, q has {batch} rows: "
+                           "give one count per row")
+    wrong = [n for n in new_tokens if not 1 <= n <= q_len]
+    if wrong:
+        raise BindingError(f"new_tokens must lie in 1..{q_len} (q's Q_LEN, the longest "
+                           f"request's new tokens), got {wrong[0]}")
+    return list(new_tokens)
+
+
+def batch_bindings(spec_tensors) -> dict:
+    """The bindings indexed by the batch (declared ``[B, ...]``): name -> declared dimensions
+    (a value given with fewer leaves its batch dimension out, and is broadcast)."""
+    return {tensor.name: len(tensor.shape) for tensor in spec_tensors
+            if tensor.shape and isinstance(tensor.shape[0], ir.Var)
+            and tensor.shape[0].name == "B"}
+
+
+@dataclass(frozen=True)
+class Mixed:
+    """A mixed batch split into its :class:`Part` s, and which query rows are real (``[B,
+    Q_LEN]`` bool on q's device: row ``b``'s first ``new_tokens[b]``)."""
+
+    parts: list
+    real: torch.Tensor
+
+
+def split(q, cache, slots, new_tokens: list, q_offset, bindings: dict,
+          by_batch: dict) -> Mixed:
+    """A mixed batch's parts: the rows of each count of new tokens together, fewest first (the
+    decoded tokens, one each, on the decoding kernel)."""
+    device = q.device
+    counts = torch.tensor(new_tokens, device=cache.device)
+    if q_offset is None:
+        q_offset = cache.lengths[slots.long()] - counts  # the new tokens are the last ones
+    real = torch.arange(q.shape[2], device=device) < counts.to(device)[:, None]
+    found = []
+    for count in sorted(set(new_tokens)):
+        rows = [row for row, n in enumerate(new_tokens) if n == count]
+        index = torch.tensor(rows, device=device)
+        picked = {name: _rows_of(value, index, len(new_tokens))
+                  if isinstance(value, torch.Tensor) and value.dim() == by_batch.get(name)
+                  else value for name, value in bindings.items()}
+        found.append(Part(index, count, slots.index_select(0, index.to(slots.device)),
+                          _rows_of(q_offset, index, len(new_tokens)), picked))
+    return Mixed(found, real)
+
+
+def _rows_of(value, index: torch.Tensor, batch: int):
+    """The rows ``index`` of a per-row value (a tensor with a row per batch row); anything else
+    (an int, a batch dimension of 1, broadcast) as it is."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch \
+            and batch > 1:
+        return value.index_select(0, index.to(value.device))
+    return value
+
+
+def assemble(q: torch.Tensor, mixed: Mixed, results: list, return_lse: bool):
+    """The outputs of the parts put back in the rows of q (``[B, Hq, Q_LEN, Dv]``, zero in the
+    padding rows; with ``return_lse``, the log-sum-exp too, ``-inf`` there)."""
+    outs = [result[0] if return_lse else result for result in results]
+    batch, heads, q_len = q.shape[:3]
+    out = outs[0].new_zeros(batch, heads, q_len, outs[0].shape[-1])
+    lse = None
+    if return_lse:
+        lse = results[0][1].new_zeros(batch, heads, q_len)
+    for part, part_out, result in zip(mixed.parts, outs, results):
+        out[part.rows, :, :part.q_len] = part_out
+        if return_lse:
+            lse[part.rows, :, :part.q_len] = result[1]
+    if return_lse:
+        return out, lse.masked_fill(~mixed.real[:, None, :], float("-inf"))
+    return out
+
+
+class MixedRead:
+    """A mixed batch's in-place read made once per model step (``attn.paged_read(...,
+    new_tokens=...)``): the reads of its parts, made once; ``read(q)`` and ``read(q, cache)``
+    split q, run them and put the outputs back, as :class:`~flexspec.runtime.paged_call.
+    PagedRead` does for one part."""
+
+    def __init__(self, mixed: Mixed, reads: list, return_lse: bool):
+        self._mixed, self._reads, self._return_lse = mixed, reads, return_lse
+
+    def __call__(self, q, cache=None):
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 \
+                or q.shape[:3] != self._mixed.real.shape[:1] + (q.shape[1],) + \
+                self._mixed.real.shape[1:]:
+            raise BindingError(f"a MixedRead runs queries [B, Hq, Q_LEN, D] of the shape it was "
+                               f"made for, got "
+                               f"{list(q.shape) if isinstance(q, torch.Tensor) else q!r}")
+        results = [read(part.queries(q), cache)
+                   for part, read in zip(self._mixed.parts, self._reads)]
+        return assemble(q, self._mixed, results, self._return_lse)
