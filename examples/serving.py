@@ -2,11 +2,12 @@
 request alone.
 
 A tiny randomly initialised decoder (2 layers, grouped-query attention, any flexspec spec as its
-attention) serves requests that arrive and finish at random: each step, new requests run their
-prompt (prefill) into free slots of a ``flexspec.PagedKVCache``, every running request decodes
-one token (one batched call per layer over their slots, in whatever order the slots are), and
-finished requests give their pages back. Greedy decoding. At the end every request's tokens
-are compared with the same request run alone over contiguous keys and values.
+attention) serves requests that arrive and finish at random. Each step is one mixed batch: the
+prompts of new requests (prefill, into free slots of a ``flexspec.PagedKVCache``) and the next
+token of every running request, padded to the longest prompt, in whatever order the slots
+are; ``new_tokens`` tells the cache and ``attn.paged`` how many of each row's tokens are real.
+Finished requests give their pages back. Greedy decoding. At the end every request's tokens are
+compared with the same request run alone over contiguous keys and values.
 
     python examples/serving.py                       # causal, 12 requests
     python examples/serving.py --spec "causal & (window(24) | sink(4))" --requests 20
@@ -93,31 +94,31 @@ def serve(model: TinyDecoder, requests: list, slots: int, seed: int) -> dict:
     last: dict = {}  # request -> its latest token
     step = 0
 
-    def attend_over(slot_ids):
+    def attend_over(slot_ids, counts):
         def attend(layer, q, k, v):
-            caches[layer].append(slot_ids, k, v)
-            return model.attn.paged(q, caches[layer], slot_ids)
+            caches[layer].append(slot_ids, k, v, new_tokens=counts)
+            return model.attn.paged(q, caches[layer], slot_ids, new_tokens=counts)
         return attend
 
     while waiting or running:
-        # arrivals: prefill each new request into a free slot
+        # arrivals: a new request takes a free slot and prefills its prompt in this step
+        arriving = []
         while waiting and requests[waiting[0]][0] <= step and free:
             request = waiting.pop(0)
-            slot = free.pop()
-            running[request] = slot
-            prompt = torch.tensor([requests[request][1]])
-            logits = model(prompt, attend_over(torch.tensor([slot])))
-            last[request] = int(logits[0, -1].argmax())
-            made[request].append(last[request])
-        # one decoding step for every running request that wants more, in one batch
-        wanting = [r for r in running if len(made[r]) < requests[r][2]]
-        rng.shuffle(wanting)
-        if wanting:
-            slot_ids = torch.tensor([running[r] for r in wanting])
-            tokens = torch.tensor([[last[r]] for r in wanting])
-            logits = model(tokens, attend_over(slot_ids))
-            for row, request in enumerate(wanting):
-                last[request] = int(logits[row, -1].argmax())
+            running[request] = free.pop()
+            arriving.append(request)
+        # every running request that wants more decodes its latest token
+        wanting = [r for r in running if r not in arriving and len(made[r]) < requests[r][2]]
+        batch = arriving + wanting
+        rng.shuffle(batch)
+        if batch:
+            rows = [requests[r][1] if r in arriving else [last[r]] for r in batch]
+            counts = [len(row) for row in rows]
+            tokens = torch.tensor([row + [0] * (max(counts) - len(row)) for row in rows])
+            slot_ids = torch.tensor([running[r] for r in batch])
+            logits = model(tokens, attend_over(slot_ids, counts))
+            for row, request in enumerate(batch):  # each row's last real token
+                last[request] = int(logits[row, counts[row] - 1].argmax())
                 made[request].append(last[request])
         # departures
         for request in [r for r in running if len(made[r]) >= requests[r][2]]:

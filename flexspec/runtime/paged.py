@@ -31,6 +31,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexspec.errors import BindingError, BindingTypeError
+from flexspec.runtime.mixed import checked_counts
 
 
 def _widened(table: torch.Tensor, width: int) -> torch.Tensor:
@@ -151,10 +152,25 @@ class PagedKVCache:
 
     # ---- keys and values
     def append(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
-               check: bool = True) -> None:
+               check: bool = True, new_tokens=None) -> None:
         """Write ``keys`` and ``values`` (``[n, kv_heads, T, D]``) after the last position of
-        each of ``slots`` (distinct), reserving pages for them."""
+        each of ``slots`` (distinct), reserving pages for them. A mixed batch gives
+        ``new_tokens`` (a list of ints, as ``attn.paged`` takes it): each row's first
+        ``new_tokens[b]`` keys are written, the rest are padding."""
         slots = self._slots(slots)
+        if new_tokens is not None:
+            if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (keys, values)):
+                raise BindingError("PagedKVCache.append: keys and values must be tensors "
+                                   "[n slots, kv_heads, new tokens, head_dim]")
+            counts = checked_counts(new_tokens, slots.shape[0], keys.shape[2])
+            for count in sorted(set(counts)):  # the rows of each count at once
+                index = torch.tensor([row for row, n in enumerate(counts) if n == count],
+                                     device=self.device)
+                self.append(slots.index_select(0, index),
+                            keys.index_select(0, index.to(keys.device))[:, :, :count],
+                            values.index_select(0, index.to(values.device))[:, :, :count],
+                            check=check)
+            return
         for name, given, pool in (("keys", keys, self.keys), ("values", values, self.values)):
             if not isinstance(given, torch.Tensor):
                 raise BindingTypeError(f"PagedKVCache.append: {name} must be a torch.Tensor")

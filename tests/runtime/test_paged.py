@@ -605,3 +605,27 @@ def test_a_mixed_batch_read_in_place_equals_each_request_alone():
         torch.testing.assert_close(mixed[row:row + 1, :, :added].double(), want,
                                    rtol=1e-4, atol=1e-4)
     torch._dynamo.reset()
+
+
+def test_a_mixed_append_writes_each_row_s_real_tokens_only():
+    """append(..., new_tokens=counts): row b's first counts[b] keys and values are written
+    after its slot's last position, its padding is not."""
+    paged = cache(pages=12, page_size=4, slots=4, max_pages=4)
+    generator = torch.Generator().manual_seed(2)
+    first = [torch.randn(2, KV_HEADS, 3, DIM, generator=generator) for _ in range(2)]
+    paged.append(torch.tensor([2, 0]), *first)
+    new = [torch.randn(3, KV_HEADS, 5, DIM, generator=generator) for _ in range(2)]
+    paged.append(torch.tensor([0, 3, 2]), *new, new_tokens=[5, 2, 1])
+    assert paged.lengths.tolist() == [8, 0, 4, 2]
+    keys, values = paged.gathered(torch.tensor([0, 3, 2]))
+    for row, (before, count) in enumerate(((first[0][1], 5), (None, 2), (first[0][0], 1))):
+        held = 0 if before is None else 3
+        if before is not None:
+            torch.testing.assert_close(keys[row, :, :held], before)
+        torch.testing.assert_close(keys[row, :, held:held + count], new[0][row, :, :count])
+        torch.testing.assert_close(values[row, :, held:held + count], new[1][row, :, :count])
+    check_books(paged)
+    with pytest.raises(flexspec.BindingError, match="new_tokens must lie in 1..5"):
+        paged.append(torch.tensor([1]), new[0][:1], new[1][:1], new_tokens=[6])
+    with pytest.raises(flexspec.BindingError, match="keys and values must be tensors"):
+        paged.append(torch.tensor([1]), new[0][:1], "values", new_tokens=[1])
