@@ -66,6 +66,8 @@ MODULES: dict[str, list[str]] = {
     "integrations/transformers": ["tests/integrations/test_transformers.py"],
     "lang/checker": ["tests/lang/test_checker.py"],
     "parallel/balance": ["tests/parallel/test_balance.py"],
+    "runtime/tuning": ["tests/runtime/test_tuning.py"],
+    "runtime/mixed": ["tests/runtime/test_mixed.py"],
 }
 
 # Linked into each work folder: the package, its tests and the data files flexspec reads from the

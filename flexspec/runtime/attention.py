@@ -265,11 +265,10 @@ class Attention:
         each answer against the own options' answer, and pin the fastest for the call's
         signature (:attr:`tuned`; flexspec's own unless one is faster by more than the timing's
         noise, :data:`flexspec.runtime.tuning.MARGIN`): later calls of that signature run with
-        it. ``backward=True``
-        times the forward and the backward together (the gradients of q, k and v are part of
-        the answer) and pins for calls that need gradients. Only the ``flex`` backend takes
-        tuned options (FLASH's compile failures would be taken for the spec's). Each candidate
-        compiles its kernels (seconds)."""
+        it. ``backward=True`` times the forward and the backward together (the gradients of q,
+        k and v are part of the answer) and pins for calls that need gradients. Only the
+        ``flex`` backend takes tuned options (FLASH's compile failures would be taken for the
+        spec's). Each candidate compiles its kernels (seconds)."""
         started = time.perf_counter()
         if is_jagged(q):
             raise BindingError("tune times dense q, k, v: give it one padded batch of the "
@@ -333,9 +332,9 @@ class Attention:
 
         A mixed batch (prefill chunks and decoded tokens of many requests) gives
         ``new_tokens``, a list of each row's count of real queries (q padded to the longest):
-        ``q_offset`` then defaults to ``length - new_tokens``, the rows of one new token run
-        apart from the others (:mod:`flexspec.runtime.mixed`), and the padding rows' outputs
-        are zero."""
+        ``q_offset`` then defaults to ``length - new_tokens``, the rows of each count of new
+        tokens run as a call of their own, unpadded (:mod:`flexspec.runtime.mixed`), and the
+        padding rows' outputs are zero."""
         from flexspec.runtime.paged import PagedKVCache
         if not isinstance(cache, PagedKVCache):
             raise BindingTypeError(f"cache must be a flexspec.PagedKVCache, got "

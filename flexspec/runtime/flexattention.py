@@ -170,8 +170,8 @@ class FlexAttentionBackend(Backend):
         if plan.request.kernel_options:  # given to compile, or tuned: over flexspec's own
             options = {**(options or {}), **dict(plan.request.kernel_options)}
         # options of their own compile in an entry of their own: tune's candidates would
-        # otherwise leave their graphs in the default entry, whose every later call then checks
-        # their guards (host time that doubled a decode call after tuning)
+        # otherwise leave their graphs in the default entry, whose every later call would then
+        # check their guards too (host time, docs/performance.md "Tuning kernel options")
         purpose = ("call" if not plan.request.kernel_options
                    else f"call with {dict(plan.request.kernel_options)}")
         call = FlexCall(lowered=lowered, entry=compiled.compiled_entry(lowered, purpose),

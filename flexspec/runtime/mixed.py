@@ -9,7 +9,9 @@ sequence holds (past the capacity, for a full one). So the rows with the same co
 tokens run together, unpadded: the decoded tokens as a batch of ``Q_LEN`` 1 (FlexAttention's
 decoding kernel on CUDA), each chunk length as a batch of its own, and the outputs are put
 back in the rows of q, the padding rows zero. Each part is an ordinary paged call (in place or
-gathered): a mixed batch costs the sum of its parts, plus a copy of q and of the output.
+gathered): a mixed batch costs the sum of its parts, plus a copy of q and of the output. The
+split builds small index tensors from ``new_tokens`` on every call: make a step's read
+(``attn.paged_read(..., new_tokens=...)``) outside a captured CUDA graph and run it inside.
 """
 
 from __future__ import annotations
@@ -137,9 +139,9 @@ class MixedRead:
         self._mixed, self._reads, self._return_lse = mixed, reads, return_lse
 
     def __call__(self, q, cache=None):
+        real = self._mixed.real
         if not isinstance(q, torch.Tensor) or q.dim() != 4 \
-                or q.shape[:3] != self._mixed.real.shape[:1] + (q.shape[1],) + \
-                self._mixed.real.shape[1:]:
+                or (q.shape[0], q.shape[2]) != tuple(real.shape):
             raise BindingError(f"a MixedRead runs queries [B, Hq, Q_LEN, D] of the shape it was "
                                f"made for, got "
                                f"{list(q.shape) if isinstance(q, torch.Tensor) else q!r}")
