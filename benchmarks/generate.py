@@ -14,8 +14,11 @@ tokens (no end-of-sequence stop). Three ways of running it:
 
 The time per token is ``(t(64 tokens) - t(1 token)) / 63``, each ``t`` the median of three timed
 ``generate()`` calls after a warm one, so the prompt's prefill cancels. ``same as sdpa`` counts the
-rows whose tokens equal sdpa's (bf16: a row may differ where two logits nearly tie). The last
-lines printed are the table (markdown).
+rows whose tokens equal sdpa's (bf16: a row may differ where two logits nearly tie). ``graphs
+recorded`` counts the CUDA graphs that CUDA graph trees recorded during the timed long calls,
+per call (``static+compiled`` only): one a step means the graph takes an int that moves every
+step, and each call records again what a replay would run. The last lines printed are the
+table (markdown).
 
     python benchmarks/generate.py
     python benchmarks/generate.py --models mistral --modes dynamic --tokens 16
@@ -92,6 +95,27 @@ def generate(built, ids, mask, tokens: int) -> tuple:
     return (time.perf_counter() - started) * 1e3, out
 
 
+class Recordings:
+    """Counts the graphs CUDA graph trees record while it is entered."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        from torch._inductor import cudagraph_trees
+        self._manager = cudagraph_trees.CUDAGraphTreeManager
+        self._record = record = self._manager.record_function
+
+        def counted(manager, *args, **kwargs):
+            self.count += 1
+            return record(manager, *args, **kwargs)
+        self._manager.record_function = counted
+        return self
+
+    def __exit__(self, *exc):
+        self._manager.record_function = self._record
+
+
 def measure(kind, implementation, mode, ids, mask, tokens, device) -> dict:
     row = {"model": kind, "mode": mode, "attention": implementation}
     try:
@@ -99,7 +123,9 @@ def measure(kind, implementation, mode, ids, mask, tokens, device) -> dict:
         configure(built, mode)
         generate(built, ids, mask, tokens)  # compiles what it compiles
         generate(built, ids, mask, 1)
-        long = [generate(built, ids, mask, tokens) for _ in range(REPEATS)]
+        with Recordings() as recorded:
+            long = [generate(built, ids, mask, tokens) for _ in range(REPEATS)]
+        row["graphs recorded"] = recorded.count / REPEATS
         short = [generate(built, ids, mask, 1)[0] for _ in range(REPEATS)]
         row["ms/token"] = (statistics.median(t for t, _ in long) - statistics.median(short)) \
             / (tokens - 1)
@@ -132,7 +158,8 @@ def main(argv=None) -> int:
             for implementation in args.attention:
                 rows.append(measure(kind, implementation, mode, ids, mask, args.tokens, device))
                 print({k: v for k, v in rows[-1].items() if k != "tokens"}, flush=True)
-    print("\n| model | mode | attention | ms/token | / sdpa | same as sdpa |\n|---|---|---|---|---|---|")
+    print("\n| model | mode | attention | ms/token | / sdpa | same as sdpa | graphs recorded |\n"
+          "|---|---|---|---|---|---|---|")
     for row in rows:
         base = next((r for r in rows if r["model"] == row["model"] and r["mode"] == row["mode"]
                      and r["attention"] == "sdpa"), None)
@@ -142,7 +169,10 @@ def main(argv=None) -> int:
             ratio = f"{ms / base['ms/token']:.2f}x"
             same = f"{int((row['tokens'] == base['tokens']).all(-1).sum())}/{BATCH}"
         cell = f"{ms:.3f}" if isinstance(ms, float) else ms
-        print(f"| {row['model']} | {row['mode']} | {row['attention']} | {cell} | {ratio} | {same} |")
+        graphs = (f"{row['graphs recorded']:.1f}" if row["mode"] == "static+compiled"
+                  and "graphs recorded" in row else "-")
+        print(f"| {row['model']} | {row['mode']} | {row['attention']} | {cell} | {ratio} | {same} "
+              f"| {graphs} |")
     return 0
 
 
