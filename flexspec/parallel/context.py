@@ -10,8 +10,10 @@ flexspec call at its absolute position (``q_offset``), so each rank's block mask
 rows only. The sequence is padded inside to a multiple of ``ranks x 128``; padded keys are
 masked (``kv_lengths``) and padded rows dropped by :meth:`ContextParallel.unshard`.
 
-Bindings that decide the structure (``doc_ids``) are given whole when the plan is made: they
-choose the balance, and the keys of every rank read them. The balance's work per query block
+Bindings that decide the structure (``doc_ids``) are whole when the plan is made: they
+choose the balance, and the keys of every rank read them. A rank may give its contiguous chunk
+of them instead (:meth:`ContextParallel.from_chunks`), and of any input split that way
+(:meth:`ContextParallel.shard_chunk`): the chunks are all-gathered first. The balance's work per query block
 is measured by each rank for a share of the rows and gathered, so no rank builds the block mask
 of the whole sequence.
 """
@@ -76,6 +78,25 @@ class ContextParallel:
         self._restore = _rows(torch.argsort(gathered))
         self.rows = _rows(self.blocks)
         self._runs = _runs(self.blocks.tolist())
+
+    @classmethod
+    def from_chunks(cls, attn, seq_len: int, *, group=None, balance: str = "flexspec",
+                    documents: list | None = None, batch: int | None = None,
+                    **chunks) -> "ContextParallel":
+        """The plan made from each rank's contiguous chunk of each binding, as a data loader
+        splits a sequence (see :func:`gather_chunks`: rank ``r`` holds positions ``r * c``
+        onwards, ``c = ceil(seq_len / ranks)``, along the binding's last dimension): the
+        chunks are all-gathered into the whole bindings, then the plan is made from those."""
+        whole = {name: gather_chunks(chunk, seq_len, group, name) for name, chunk in
+                 chunks.items()}
+        return cls(attn, seq_len, group=group, balance=balance, documents=documents,
+                   batch=batch, **whole)
+
+    def shard_chunk(self, chunk, dim: int = 2):
+        """This rank's rows (as :meth:`shard` gives them) from every rank's contiguous chunk
+        of a tensor along ``dim`` (:func:`gather_chunks`; autograd flows back to each rank's
+        chunk): for inputs a data loader split in order, such as the tokens."""
+        return self.shard(gather_chunks(chunk, self.seq_len, self.group, "the chunk", dim), dim)
 
     def _work(self, batch: int | None) -> torch.Tensor:
         """The work of every query block (:func:`balance.block_work`), each rank measuring a
@@ -163,6 +184,35 @@ class ContextParallel:
             local += rows
         out = torch.cat(outs, dim=2)
         return (out, torch.cat(lses, dim=2)) if return_lse else out
+
+
+def gather_chunks(chunk, seq_len: int, group=None, name: str = "the chunk", dim: int = -1):
+    """The whole sequence (``seq_len`` positions along ``dim``) from every rank's contiguous
+    chunk of it: rank ``r`` of ``R`` holds positions ``r * c`` to ``min((r + 1) * c, seq_len)``,
+    ``c = ceil(seq_len / R)`` (the last ranks fewer, or none). Gathered with torch's
+    autograd-aware all-gather, so gradients flow back to each rank's chunk."""
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        raise BindingError("context parallelism needs torch.distributed initialised "
+                           "(torch.distributed.init_process_group) on every rank")
+    if not isinstance(chunk, torch.Tensor):
+        raise BindingTypeError(f"{name} must be a tensor, got {type(chunk).__name__}")
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    size = -(-seq_len // ranks)
+    first = min(rank * size, seq_len)
+    held = min(size, seq_len - first)
+    dim = dim % chunk.dim()
+    if chunk.shape[dim] != held:
+        raise BindingError(f"{name}: rank {rank} of {ranks} holds {held} of the {seq_len} "
+                           f"positions along dim {dim}, from position {first} (chunks of "
+                           f"{size} in rank order), got {chunk.shape[dim]}")
+    if held < size:
+        pad = list(chunk.shape)
+        pad[dim] = size - held
+        chunk = torch.cat([chunk, chunk.new_zeros(pad)], dim=dim)
+    parts = _all_gather(chunk.contiguous().unsqueeze(0), 0,
+                        group if group is not None else dist.group.WORLD)
+    return parts.movedim(0, dim).flatten(dim, dim + 1).narrow(dim, 0, seq_len)
 
 
 def _described(value) -> str:

@@ -77,6 +77,38 @@ def _spawn(world, tmp_path, cases, backend):
              join=True)
 
 
+def _check_chunks(rank, world, path):
+    """Each rank gives its contiguous chunk of doc_ids and of q: the plan and the shards equal
+    those made from the whole tensors, and q's chunk gets the gradient of its positions."""
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        attn = flexspec.compile("causal & doc", backend="reference")
+        length = 515  # chunks of 258 and 257: not a multiple of anything here
+        q, _, _, weight, doc_ids = _inputs(length)
+        size = -(-length // world)
+        mine = slice(rank * size, min((rank + 1) * size, length))
+        whole = ContextParallel(attn, length, doc_ids=doc_ids)
+        chunked = ContextParallel.from_chunks(attn, length, doc_ids=doc_ids[:, mine])
+        assert torch.equal(chunked.blocks, whole.blocks)
+        assert torch.equal(chunked.bindings["doc_ids"], whole.bindings["doc_ids"])
+        chunk = q[:, :, mine].clone().requires_grad_()
+        shard = chunked.shard_chunk(chunk)
+        assert torch.equal(shard.detach(), whole.shard(q))
+        (shard * chunked.shard(weight)).sum().backward()
+        # every position is some rank's row once: the gradient of a chunk is its weights
+        torch.testing.assert_close(chunk.grad, weight[:, :, mine])
+        with pytest.raises(flexspec.BindingError, match=f"rank {rank} of 2 holds "
+                                                        f"{mine.stop - mine.start} of the 515 "
+                                                        "positions along dim 1"):
+            ContextParallel.from_chunks(attn, length, doc_ids=doc_ids)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_plan_and_shard_from_their_chunks(tmp_path):
+    mp.spawn(_check_chunks, args=(2, str(tmp_path / "rendezvous")), nprocs=2, join=True)
+
+
 def test_two_ranks_equal_one_process(tmp_path):
     _spawn(2, tmp_path, CASES, "reference")
 
