@@ -246,3 +246,108 @@ def test_the_own_options_are_timed_again_last_and_keep_their_faster_time(monkeyp
     assert result.times == [({}, 2.0), ({"num_warps": 4}, 3.0)]
     assert pinned == [{}, {"num_warps": 4}, {}]
     assert tuning.fastest(result.times) == {}
+
+
+def test_candidates_are_timed_with_the_repeats_and_device_asked_for(monkeypatch):
+    """A candidate that fails does not end the search; the own options failing leave them
+    out of the re-timing; every timing gets the repeats and the device tune was given."""
+    from flexspec.runtime import tuning
+    pinned, asked = [], []
+
+    def clock(run, repeats, device):
+        asked.append((repeats, device))
+        return {"{'num_warps': 8}": 1.0, "{'num_warps': 4}": 2.0}[str(pinned[-1])]
+
+    def run():
+        if pinned[-1] in ({}, {"num_stages": 9}):
+            raise RuntimeError("no kernel")
+        return (torch.ones(2),)
+    monkeypatch.setattr(tuning, "median_ms", clock)
+    result = tuning.Tuned("sig", {})
+    cpu = torch.device("cpu")
+    tuning.time_candidates(run, [{}, {"num_stages": 9}, {"num_warps": 4}, {"num_warps": 8}],
+                           pinned.append, result, 7, cpu)
+    assert result.times == [({}, None), ({"num_stages": 9}, None), ({"num_warps": 4}, 2.0),
+                            ({"num_warps": 8}, 1.0)]
+    assert pinned == [{}, {"num_stages": 9}, {"num_warps": 4}, {"num_warps": 8}]
+    assert asked == [(7, cpu), (7, cpu)]
+    assert tuning.fastest(result.times) == {"num_warps": 8}
+    # the own options alone: timed once
+    alone, pinned[:] = tuning.Tuned("sig", {}), []
+    monkeypatch.setattr(tuning, "median_ms", lambda run, repeats, device: 3.0)
+    tuning.time_candidates(lambda: (torch.ones(2),), [{}], pinned.append, alone, 1, cpu)
+    assert pinned == [{}] and alone.times == [({}, 3.0)]
+
+
+def test_a_candidate_at_exactly_the_margin_does_not_replace_the_own_options():
+    from flexspec.runtime.tuning import MARGIN, fastest
+    assert fastest([({}, 10.0), ({"num_warps": 4}, 10.0 * (1 - MARGIN))]) == {}
+
+
+def test_answers_are_the_same_within_their_dtype_s_rounding_and_scale():
+    from flexspec.runtime.tuning import same_answer
+    want = torch.linspace(-1, 1, 64)
+    assert same_answer((want + 5e-5,), (want,))
+    assert not same_answer((want + 5e-3,), (want,))  # float32: 1e-4
+    half = want.bfloat16()
+    assert same_answer((half + 0.01,), (half,))
+    assert not same_answer((half + 0.1,), (half,))  # bfloat16: 2e-2
+    # gradients may be large: the tolerance grows with the largest value...
+    large = want * 1000
+    assert same_answer((large + 0.05,), (large,))
+    assert not same_answer((large + 0.5,), (large,))
+    # ...and relative error counts where values are large
+    ramp = torch.cat([torch.zeros(1), torch.full((3,), 1e6)])
+    assert not same_answer((ramp * 1.001,), (ramp,))
+    assert not same_answer((want.view(8, 8),), (want,))  # another shape
+    assert not same_answer((want,), (want, want))  # a gradient missing
+
+
+def test_the_backward_answer_keeps_one_output_gradient_of_the_output_s_dtype():
+    """answer_of(backward=True): the output and the gradients of q, k and v, the same random
+    output gradient on every run and for every candidate (seeded), of the output's dtype."""
+    from flexspec.runtime.tuning import answer_of
+    q, k, v = (torch.randn(1, 2, 3, 4, dtype=torch.float64) for _ in range(3))
+
+    def call(q, k, v):
+        return q * k.sum() + v
+    first = answer_of(call, q, k, v, backward=True)
+    one, two = first(), first()
+    other = answer_of(call, q, k, v, backward=True)()
+    for a, b, c in zip(one, two, other):
+        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, c)
+    out, dq, dk, dv = one
+    assert dv.dtype == torch.float64 and not torch.equal(dv, torch.ones_like(dv))
+    torch.testing.assert_close(dq, dv * k.sum())
+    forward = answer_of(call, q, k, v, backward=False)()
+    assert len(forward) == 1 and not forward[0].requires_grad
+
+
+def test_a_tuning_result_reads_as_a_table_of_its_candidates():
+    from flexspec.runtime.tuning import Tuned
+    result = Tuned("cuda:bfloat16:B1", {"num_warps": 4},
+                   times=[({}, 1.5), ({"num_warps": 4}, 1.0), ({"BLOCK_N": 32}, None),
+                          ({"num_stages": 9}, None)],
+                   failed={"{'BLOCK_N': 32}": "a different answer"}, seconds=2.04)
+    assert str(result) == ("tuned cuda:bfloat16:B1 in 2.0 s: best {'num_warps': 4}\n"
+                           "  default: 1.5000 ms\n"
+                           "  {'num_warps': 4}: 1.0000 ms\n"
+                           "  {'BLOCK_N': 32}: a different answer\n"
+                           "  {'num_stages': 9}: failed")
+    assert str(Tuned("s", {}, seconds=0.0)) == "tuned s in 0.0 s: best default"
+
+
+def test_explain_says_where_a_call_s_options_come_from():
+    from flexspec.runtime.contract import Request
+    request = Request(device_type="cpu", capability=None, dtype=torch.float32, batch=1,
+                      heads=2, kv_heads=2, q_len=130, kv_len=130, head_dim=16, v_head_dim=16,
+                      grads=False, table_grads=False)
+    key = signature(request)
+    assert KernelOptions().source(request) is None
+    assert KernelOptions({"num_warps": 4}).source(request) == "given to compile"
+    assert KernelOptions(None, {key: {}}).source(request) == "tuned for this call's signature"
+    assert KernelOptions({"num_warps": 4}, {key: {}}).source(request) == (
+        "tuned for this call's signature over those given to compile")
+    assert KernelOptions({"num_warps": 4}, {key: {"num_warps": 8}}).for_request(request) == (
+        ("num_warps", 8),)
