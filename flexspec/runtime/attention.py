@@ -388,7 +388,7 @@ class Attention:
             raise BindingError(f"attn.paged: q must be [B, Hq, Q_LEN, D], got "
                                f"{list(q.shape) if isinstance(q, torch.Tensor) else q!r}")
         counts = mixed.checked_counts(new_tokens, q.shape[0], q.shape[2])
-        return mixed.split(q, cache, cache._slots(slots), counts, q_offset, bindings,
+        return mixed.split(q, cache._slots(slots), counts, q_offset, bindings,
                            mixed.batch_bindings(self.ir.bindings()))
 
     def _paged_sibling(self, page_size: int) -> "Attention":

@@ -81,15 +81,13 @@ class Mixed:
     real: torch.Tensor
 
 
-def split(q, cache, slots, new_tokens: list, q_offset, bindings: dict,
-          by_batch: dict) -> Mixed:
+def split(q, slots, new_tokens: list, q_offset, bindings: dict, by_batch: dict) -> Mixed:
     """A mixed batch's parts: the rows of each count of new tokens together, fewest first (the
     decoded tokens, one each, on the decoding kernel)."""
     device = q.device
-    counts = torch.tensor(new_tokens, device=cache.device)
-    if q_offset is None:
-        q_offset = cache.lengths[slots.long()] - counts  # the new tokens are the last ones
-    real = torch.arange(q.shape[2], device=device) < counts.to(device)[:, None]
+    # q_offset left to each part's call, whose default (length - its Q_LEN) is length - count
+    real = torch.arange(q.shape[2], device=device) < torch.tensor(new_tokens,
+                                                                  device=device)[:, None]
     found = []
     for count in sorted(set(new_tokens)):
         rows = [row for row, n in enumerate(new_tokens) if n == count]

@@ -15,7 +15,7 @@ from flexspec.testing import Shape, bindings, spec_texts
 
 from test_paged import DIM, KV_HEADS, filled  # noqa: E402 - tests/runtime is on the path
 
-HEADS = 4
+HEADS = 6  # not DIM: an output's last dimension is not its heads'
 
 
 def row_bindings(attn, extra: dict, row: int, batch: int) -> dict:
@@ -156,9 +156,49 @@ def test_bad_counts_are_refused_with_what_to_do():
     for counts, message in cases:
         with pytest.raises(flexspec.BindingError, match=message):
             attn.paged(q, paged, slots, new_tokens=counts)
-    if torch.cuda.is_available():  # pragma: no cover - the GPU's
-        with pytest.raises(flexspec.BindingError, match="read on the host"):
-            attn.paged(q, paged, slots, new_tokens=torch.ones(2, dtype=torch.long,
-                                                              device="cuda"))
     # a CPU tensor of counts is read as a list
     attn.paged(q, paged, slots, new_tokens=torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("offsets", ["tensor", "int"])
+def test_a_mixed_batch_places_its_rows_at_the_offsets_given(eager_kernels, offsets):
+    """q_offset given with new_tokens places each row there (not at the end of its
+    sequence): a tensor of one offset per row, or one int for every row."""
+    attn = flexspec.compile("causal & window(9) + alibi")
+    lengths, order, counts = [30, 21, 40], [3, 0, 1], [2, 1, 4]
+    paged, keys, values = filled(lengths, order, seed=6, page_size=16, max_pages=3)
+    q = torch.randn(3, HEADS, 4, DIM)
+    placed = [12, 20, 7] if offsets == "tensor" else [15, 15, 15]
+    given = torch.tensor(placed) if offsets == "tensor" else 15
+    with torch.no_grad():
+        got = attn.paged(q, paged, torch.tensor(order), new_tokens=counts, q_offset=given,
+                         read="in_place")
+        read = attn.paged_read(q, paged, torch.tensor(order), new_tokens=counts,
+                               q_offset=given, return_lse=True)
+        out, lse = read(q)
+    torch.testing.assert_close(out, got)
+    for row, (length, count, at) in enumerate(zip(lengths, counts, placed)):
+        want = attn.reference(q[row:row + 1, :, :count], keys[row:row + 1], values[row:row + 1],
+                              q_offset=at, kv_lengths=torch.tensor([length]))
+        torch.testing.assert_close(got[row:row + 1, :, :count], want, rtol=1e-4, atol=1e-4)
+    assert lse.shape == (3, HEADS, 4) and torch.isinf(lse[1, :, 1:]).all()
+    with pytest.raises(flexspec.BindingError, match=r"a MixedRead runs queries \[B, Hq, Q_LEN, "
+                                                    r"D\] of the shape it was made for, got "
+                                                    r"\[3, 6, 3, 4\]"):
+        read(q[:, :, :3])
+    with pytest.raises(flexspec.BindingError, match="got 'q'"):
+        read("q")
+
+
+def test_counts_on_a_device_are_refused_as_a_host_read():
+    attn = flexspec.compile("causal")
+    paged, _, _ = filled([5, 6], [0, 1], seed=0, page_size=16, max_pages=3)
+    q, slots = torch.randn(2, HEADS, 3, DIM), torch.tensor([0, 1])
+    with pytest.raises(flexspec.BindingError, match="new_tokens is read on the host: give it as "
+                                                    r"a list of ints \(or a CPU tensor\), not a "
+                                                    "tensor on meta, whose read would wait for "
+                                                    "the device"):
+        attn.paged(q, paged, slots, new_tokens=torch.ones(2, dtype=torch.long, device="meta"))
+    with pytest.raises(flexspec.BindingError, match="new_tokens has 1 entries, q has 2 rows: "
+                                                    "give one count per row"):
+        attn.paged(q, paged, slots, new_tokens=[1])
