@@ -193,12 +193,14 @@ def test_bad_options_are_refused_with_what_to_do():
     with pytest.raises(flexspec.BindingError, match="'BACKEND' is flexspec's to set: pick the "
                                                     "kernel with compile"):
         flexspec.compile("causal", kernel_options={"BACKEND": "FLASH"})
-    with pytest.raises(flexspec.BindingError, match="must be a dict of FlexAttention kernel"):
+    with pytest.raises(flexspec.BindingError, match=r"^kernel_options must be a dict of "
+                                                    r"FlexAttention kernel options \(name -> "
+                                                    r"value\), got list$"):
         flexspec.compile("causal", kernel_options=[("num_warps", 4)])
     with pytest.raises(flexspec.BindingError, match="option 'num_warps' must be an int, a bool "
                                                     "or a str, got 4.5"):
         checked_options({"num_warps": 4.5})
-    with pytest.raises(flexspec.BindingError, match="tuned must be a dict"):
+    with pytest.raises(flexspec.BindingError, match="tuned must be a dict .* got list$"):
         KernelOptions(None, ["x"])
     with pytest.raises(flexspec.BindingError, match=r"tuned\['k'\]: option names are strings"):
         KernelOptions(None, {"k": {1: 2}})
@@ -236,13 +238,17 @@ def test_the_own_options_are_timed_again_last_and_keep_their_faster_time(monkeyp
     faster time is the one compared (here it keeps a candidate that only beat the cold run
     from being pinned)."""
     from flexspec.runtime import tuning
-    pinned = []
+    pinned, asked = [], []
     clock = {"{}": [5.0, 2.0], "{'num_warps': 4}": [3.0]}
-    monkeypatch.setattr(tuning, "median_ms",
-                        lambda run, repeats, device: clock[str(pinned[-1])].pop(0))
+
+    def timed(run, repeats, device):
+        asked.append((repeats, device))
+        return clock[str(pinned[-1])].pop(0)
+    monkeypatch.setattr(tuning, "median_ms", timed)
     result = tuning.Tuned("sig", {})
     tuning.time_candidates(lambda: (torch.ones(2),), [{}, {"num_warps": 4}], pinned.append,
-                           result, 1, torch.device("cpu"))
+                           result, 5, torch.device("cpu"))
+    assert asked == [(5, torch.device("cpu"))] * 3
     assert result.times == [({}, 2.0), ({"num_warps": 4}, 3.0)]
     assert pinned == [{}, {"num_warps": 4}, {}]
     assert tuning.fastest(result.times) == {}
