@@ -202,3 +202,21 @@ def test_counts_on_a_device_are_refused_as_a_host_read():
     with pytest.raises(flexspec.BindingError, match="new_tokens has 1 entries, q has 2 rows: "
                                                     "give one count per row"):
         attn.paged(q, paged, slots, new_tokens=[1])
+
+
+def test_only_bindings_of_the_batch_are_cut_to_a_part_s_rows():
+    """A binding declared [H] is not a row per request, even where H equals B: every part
+    gets it whole; doc_ids [B, KV_LEN] is cut to each part's rows."""
+    attn = flexspec.compile("causal & doc + head_bias")
+    lengths, order, counts = [20, 9, 33, 14, 25, 40], [5, 0, 2, 7, 1, 3], [1, 2, 1, 3, 2, 1]
+    paged, keys, values = filled(lengths, order, seed=8, page_size=16, max_pages=3)
+    q = torch.randn(6, HEADS, 3, DIM)  # B = H = 6
+    bias = torch.linspace(-1, 1, HEADS)
+    ids = torch.stack([torch.arange(paged.capacity) // (5 + row) for row in range(6)])
+    got = attn.paged(q, paged, torch.tensor(order), new_tokens=counts, bias=bias, doc_ids=ids)
+    for row, (length, count) in enumerate(zip(lengths, counts)):
+        want = attn.reference(q[row:row + 1, :, :count], keys[row:row + 1],
+                              values[row:row + 1], q_offset=length - count,
+                              kv_lengths=torch.tensor([length]), bias=bias,
+                              doc_ids=ids[row:row + 1])
+        torch.testing.assert_close(got[row:row + 1, :, :count], want, rtol=1e-4, atol=1e-4)
