@@ -142,6 +142,10 @@ def test_a_mixed_batch_returns_the_log_sum_exp_of_each_request(eager_kernels):
                                  kv_lengths=torch.tensor([length]), return_lse=True)
         torch.testing.assert_close(lse[row:row + 1, :, :count], want, rtol=1e-4, atol=1e-4)
         assert torch.isinf(lse[row, :, count:]).all()
+    with torch.no_grad():  # one part: every row decodes a token
+        _, alone = attn.paged(q[:, :, :1], paged, torch.tensor(order), new_tokens=[1, 1],
+                              return_lse=True, read="in_place")
+    torch.testing.assert_close(alone[:1], lse[:1, :, :1])
 
 
 def test_bad_counts_are_refused_with_what_to_do():
