@@ -357,3 +357,34 @@ def test_explain_says_where_a_call_s_options_come_from():
         "tuned for this call's signature over those given to compile")
     assert KernelOptions({"num_warps": 4}, {key: {"num_warps": 8}}).for_request(request) == (
         ("num_warps", 8),)
+
+
+def _power_of_two(n) -> bool:
+    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
+@pytest.mark.parametrize("q_len, grads", [(1, False), (8192, False), (8192, True)])
+def test_default_candidates_are_distinct_options_the_kernels_take(q_len, grads):
+    """Tiles are powers of two from 16 to 128 (the backward's dk/dv key tile a multiple of its
+    query tile, its dq query tile a multiple of its key tile, as FlexAttention's backward
+    requires), splits powers of two, stages 1-4 and warps 2, 4 or 8; no candidate twice."""
+    from flexspec.runtime.contract import Request
+    request = Request(device_type="cuda", capability=(9, 0), dtype=torch.bfloat16, batch=4,
+                      heads=16, kv_heads=16, q_len=q_len, kv_len=8192, head_dim=128,
+                      v_head_dim=128, grads=grads, table_grads=False)
+    candidates = default_candidates(request)
+    assert len({str(sorted(c.items())) for c in candidates}) == len(candidates) >= 9
+    for options in candidates:
+        for name, value in options.items():
+            bare = name.removeprefix("bwd_")
+            if bare.startswith("BLOCK_"):
+                assert _power_of_two(value) and 16 <= value <= 128, options
+            elif bare == "SPLIT_KV":
+                assert _power_of_two(value), options
+            elif bare == "num_stages":
+                assert 1 <= value <= 4, options
+            else:
+                assert bare == "num_warps" and value in (2, 4, 8), options
+        if grads:
+            assert options["bwd_BLOCK_N1"] % options["bwd_BLOCK_M1"] == 0
+            assert options["bwd_BLOCK_M2"] % options["bwd_BLOCK_N2"] == 0
