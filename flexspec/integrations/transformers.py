@@ -28,8 +28,9 @@ every attention layer through flexspec. What a layer asks for becomes part of it
 Inside ``torch.compile(model.forward)`` (with or without ``mode="reduce-overhead"``) the mask
 function is traced with the model and an inference call of a layer is one operator
 (``flexspec::transformers_attention``) in the model's graph, so a decode step is one graph
-with no break (under ``mode="reduce-overhead"``, CUDA graphs capture the pieces between the
-operators, which run between the replays). A call that needs a gradient, the spec's own bindings
+with no break (under ``mode="reduce-overhead"``, the operator is captured in the step's CUDA
+graph; a call whose offsets are ints that move every step, which ``generate()`` did not
+prepare, runs between the replays instead). A call that needs a gradient, the spec's own bindings
 or packed documents runs outside the graph instead (a graph break per layer).
 
 What flexspec cannot do raises :class:`flexspec.SpecError` with the reason: attention dropout in
