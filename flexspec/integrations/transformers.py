@@ -122,7 +122,8 @@ def register(name: str = "flexspec", spec: str = "causal", library=None,
         raise SpecError("flexspec.integrations.transformers needs transformers: "
                         "pip install 'flexspec[transformers]'") from err
     if not isinstance(name, str) or not name:
-        raise SpecError(f"the attention implementation's name must be a non-empty str, got {name!r}")
+        raise SpecError(f"the attention implementation's name must be a non-empty str, got "
+                        f"{name!r}")
     base = flexspec.parse(spec, library=library) if isinstance(spec, str) else spec
     layers = _Layers(base, library, compile_options, name)
     _REGISTERED[name] = layers
