@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import flexspec
 from flexspec.testing import Shape, bindings, spec_texts
 
-from test_paged import DIM, KV_HEADS, filled  # noqa: E402 - tests/runtime is on the path
+from test_paged import DIM, KV_HEADS, filled  # pytest puts tests/runtime on sys.path
 
 HEADS = 6  # not DIM: an output's last dimension is not its heads'
 
