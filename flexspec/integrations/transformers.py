@@ -155,15 +155,15 @@ def placement(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
     if attention_mask.dim() != 2:
         raise SpecError("flexspec takes the 2-D attention_mask (1 for a token, 0 for "
                         f"padding), got one of shape {list(attention_mask.shape)}")
-    prepared = None
-    if not _inside_graph() and isinstance(q_offset, int):
+    traced, prepared = _inside_graph(), None
+    if not traced and isinstance(q_offset, int):
         # a fill, not a copy from the host: nothing waits for it
         prepared = torch.full((), q_offset - kv_offset, dtype=torch.long,
                               device=attention_mask.device)
     mask = attention_mask.bool()
     # no padding: a host read, as transformers makes one too (inside a graph, which must not
     # read, the padding stays, all valid)
-    if not _inside_graph() and bool(mask.all()):
+    if not traced and bool(mask.all()):
         return Placement(q_offset, kv_offset, None, True, prepared)
     missing = kv_length + kv_offset - mask.shape[-1]
     if missing > 0:  # a static cache longer than the tokens seen: its tail is empty

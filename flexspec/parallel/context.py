@@ -13,9 +13,9 @@ masked (``kv_lengths``) and padded rows dropped by :meth:`ContextParallel.unshar
 Bindings that decide the structure (``doc_ids``) are whole when the plan is made: they
 choose the balance, and the keys of every rank read them. A rank may give its contiguous chunk
 of them instead (:meth:`ContextParallel.from_chunks`), and of any input split that way
-(:meth:`ContextParallel.shard_chunk`): the chunks are all-gathered first. The balance's work per query block
-is measured by each rank for a share of the rows and gathered, so no rank builds the block mask
-of the whole sequence.
+(:meth:`ContextParallel.shard_chunk`): the chunks are all-gathered first. The balance's work
+per query block is measured by each rank for a share of the rows and gathered, so no rank
+builds the block mask of the whole sequence.
 """
 
 from __future__ import annotations
@@ -39,10 +39,7 @@ class ContextParallel:
 
     def __init__(self, attn, seq_len: int, *, group=None, balance: str = "flexspec",
                  documents: list | None = None, batch: int | None = None, **bindings):
-        import torch.distributed as dist
-        if not dist.is_available() or not dist.is_initialized():
-            raise BindingError("context parallelism needs torch.distributed initialised "
-                               "(torch.distributed.init_process_group) on every rank")
+        dist = _distributed()
         if balance not in balancers.BALANCERS:
             raise BindingError(f"balance must be one of {', '.join(balancers.BALANCERS)}, "
                                f"got {balance!r}")
@@ -138,21 +135,14 @@ class ContextParallel:
         if not isinstance(tensor, torch.Tensor) or tensor.shape[dim] != self.seq_len:
             raise BindingError(f"shard takes a tensor of the whole sequence ({self.seq_len} "
                                f"positions) along dim {dim}, got {_described(tensor)}")
-        if self.padded != self.seq_len:
-            pad = list(tensor.shape)
-            pad[dim] = self.padded - self.seq_len
-            tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=dim)
+        tensor = _zero_padded(tensor, dim, self.padded)
         return tensor.index_select(dim, self.rows.to(tensor.device))
 
     def gather(self, shard, dim: int = 2):
         """The whole padded sequence along ``dim`` from every rank's ``shard``, in sequence
         order (autograd flows back to each rank's shard)."""
-        import torch.distributed as dist
-        group = self.group if self.group is not None else dist.group.WORLD
-        # one new leading dimension, rank after rank: the collective gathers along dim 0 only
-        parts = _all_gather(shard.contiguous().unsqueeze(0), 0, group)
         dim = dim % shard.dim()
-        laid = parts.movedim(0, dim).flatten(dim, dim + 1)
+        laid = _rank_after_rank(shard, dim, self.group)
         return laid.index_select(dim, self._restore.to(shard.device))
 
     def unshard(self, shard, dim: int = 2):
@@ -191,10 +181,7 @@ def gather_chunks(chunk, seq_len: int, group=None, name: str = "the chunk", dim:
     chunk of it: rank ``r`` of ``R`` holds positions ``r * c`` to ``min((r + 1) * c, seq_len)``,
     ``c = ceil(seq_len / R)`` (the last ranks fewer, or none). Gathered with torch's
     autograd-aware all-gather, so gradients flow back to each rank's chunk."""
-    import torch.distributed as dist
-    if not dist.is_available() or not dist.is_initialized():
-        raise BindingError("context parallelism needs torch.distributed initialised "
-                           "(torch.distributed.init_process_group) on every rank")
+    dist = _distributed()
     if not isinstance(chunk, torch.Tensor):
         raise BindingTypeError(f"{name} must be a tensor, got {type(chunk).__name__}")
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -206,13 +193,36 @@ def gather_chunks(chunk, seq_len: int, group=None, name: str = "the chunk", dim:
         raise BindingError(f"{name}: rank {rank} of {ranks} holds {held} of the {seq_len} "
                            f"positions along dim {dim}, from position {first} (chunks of "
                            f"{size} in rank order), got {chunk.shape[dim]}")
-    if held < size:
-        pad = list(chunk.shape)
-        pad[dim] = size - held
-        chunk = torch.cat([chunk, chunk.new_zeros(pad)], dim=dim)
-    parts = _all_gather(chunk.contiguous().unsqueeze(0), 0,
+    return _rank_after_rank(_zero_padded(chunk, dim, size), dim, group).narrow(dim, 0, seq_len)
+
+
+def _distributed():
+    """``torch.distributed``, or an error where no process group is initialised."""
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        raise BindingError("context parallelism needs torch.distributed initialised "
+                           "(torch.distributed.init_process_group) on every rank")
+    return dist
+
+
+def _zero_padded(tensor, dim: int, size: int):
+    """``tensor`` padded with zeros along ``dim`` to ``size``."""
+    missing = size - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    pad = list(tensor.shape)
+    pad[dim] = missing
+    return torch.cat([tensor, tensor.new_zeros(pad)], dim=dim)
+
+
+def _rank_after_rank(tensor, dim: int, group):
+    """Every rank's ``tensor`` laid end to end along ``dim`` (``dim`` non-negative), rank after
+    rank, by torch's autograd-aware all-gather."""
+    import torch.distributed as dist
+    # one new leading dimension: the collective gathers along dim 0 only
+    parts = _all_gather(tensor.contiguous().unsqueeze(0), 0,
                         group if group is not None else dist.group.WORLD)
-    return parts.movedim(0, dim).flatten(dim, dim + 1).narrow(dim, 0, seq_len)
+    return parts.movedim(0, dim).flatten(dim, dim + 1)
 
 
 def _described(value) -> str:

@@ -64,6 +64,13 @@ def checked_counts(new_tokens, batch: int, q_len: int) -> list:
     return list(new_tokens)
 
 
+def rows_by_count(new_tokens: list) -> list:
+    """``(count, rows)`` for each count of new tokens, fewest first: the rows that run (or are
+    appended) together."""
+    return [(count, [row for row, n in enumerate(new_tokens) if n == count])
+            for count in sorted(set(new_tokens))]
+
+
 def batch_bindings(spec_tensors) -> dict:
     """The bindings indexed by the batch (declared ``[B, ...]``): name -> declared dimensions
     (a value given with fewer leaves its batch dimension out, and is broadcast)."""
@@ -89,8 +96,7 @@ def split(q, slots, new_tokens: list, q_offset, bindings: dict, by_batch: dict) 
     real = torch.arange(q.shape[2], device=device) < torch.tensor(new_tokens,
                                                                   device=device)[:, None]
     found = []
-    for count in sorted(set(new_tokens)):
-        rows = [row for row, n in enumerate(new_tokens) if n == count]
+    for count, rows in rows_by_count(new_tokens):
         index = torch.tensor(rows, device=device)
         picked = {name: _rows_of(value, index, len(new_tokens))
                   if isinstance(value, torch.Tensor) and value.dim() == by_batch.get(name)

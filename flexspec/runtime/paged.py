@@ -31,7 +31,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexspec.errors import BindingError, BindingTypeError
-from flexspec.runtime.mixed import checked_counts
+from flexspec.runtime.mixed import checked_counts, rows_by_count
 
 
 def _widened(table: torch.Tensor, width: int) -> torch.Tensor:
@@ -163,9 +163,8 @@ class PagedKVCache:
                 raise BindingError("PagedKVCache.append: keys and values must be tensors "
                                    "[n slots, kv_heads, new tokens, head_dim]")
             counts = checked_counts(new_tokens, slots.shape[0], keys.shape[2])
-            for count in sorted(set(counts)):  # the rows of each count at once
-                index = torch.tensor([row for row, n in enumerate(counts) if n == count],
-                                     device=self.device)
+            for count, rows in rows_by_count(counts):
+                index = torch.tensor(rows, device=self.device)
                 self.append(slots.index_select(0, index),
                             keys.index_select(0, index.to(keys.device))[:, :, :count],
                             values.index_select(0, index.to(values.device))[:, :, :count],
