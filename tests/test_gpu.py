@@ -920,3 +920,38 @@ def test_a_mixed_batch_read_in_place_matches_each_request_alone(text):
         assert _relative_error(out[row:row + 1, :, :count], ref) < TOLERANCE[torch.bfloat16]
         assert not out[row, :, count:].any()
     torch._dynamo.reset()
+
+
+def test_decoded_reads_stay_on_the_decoding_kernel_after_chunks_of_another_cache():
+    """Mixed batches read chunks (the main kernel) and decoded tokens (the decoding kernel) of
+    caches of two capacities, in turn. Compiled in one entry, the chunks' rows and batch became
+    dynamic in the decoding graph, and the decoded read of the second cache ran on the main
+    kernel, 17x slower (docs/performance.md, nineteenth session): each decoded read that
+    compiles must compile the decoding template, and every read equals the reference."""
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    attn = flexspec.compile("causal")
+    generator = torch.Generator().manual_seed(3)
+    for max_pages in (4, 20):
+        cache = flexspec.PagedKVCache(pages=4 * max_pages, page_size=64, kv_heads=2,
+                                      head_dim=64, slots=4, max_pages=max_pages,
+                                      dtype=torch.bfloat16, device="cuda")
+        length = max_pages * 64 - 10
+        sequences = [[torch.randn(1, 2, length, 64, generator=generator).to(
+            "cuda", torch.bfloat16) for _ in range(2)] for _ in range(4)]
+        for slot, (k, v) in enumerate(sequences):
+            cache.append(torch.tensor([slot], device="cuda"), k, v)
+        for rows, count in ((slice(1, 4), 1), (slice(0, 1), 200), (slice(1, 4), 1)):
+            slots = torch.arange(4, device="cuda")[rows]
+            q = torch.randn(slots.shape[0], 8, count, 64, generator=generator).to(
+                "cuda", torch.bfloat16)
+            with torch.no_grad():
+                out, code = run_and_get_code(lambda: attn.paged(q, cache, slots))
+            if code and count == 1:
+                assert any("SPLIT_KV" in source for source in code), (max_pages, count)
+            for row, slot in enumerate(slots.tolist()):
+                k, v = sequences[slot]
+                ref = attn.reference(q[row:row + 1].double(), k.double(), v.double(),
+                                     q_offset=length - count)
+                assert _relative_error(out[row:row + 1], ref) < TOLERANCE[torch.bfloat16]
+    torch._dynamo.reset()

@@ -142,7 +142,11 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
         options["FORCE_USE_FLEX_ATTENTION"] = True
     if cache.page_size < WIDEST_KEY_TILE:
         options["BLOCK_N"] = cache.page_size  # a key tile may not span two pages
-    entry = compiled.compiled_entry(lower(sibling.ir), "paged")
+    # decoding reads compile apart from the main kernel's: once one entry had seen a chunk's
+    # rows and batch, dynamo made them dynamic in the decoding graph too, and a decoded read
+    # of a second cache ran 17x slower (docs/performance.md, nineteenth session)
+    entry = compiled.compiled_entry(lower(sibling.ir),
+                                    "paged decoding" if decoding else "paged")
     pool_keys, pool_values = cache.keys.unsqueeze(0), cache.values.unsqueeze(0)
     args = (q, pool_keys, pool_values, score_mod, block_mask, scale,
             heads != cache.keys.shape[0], options or None, compiled.lse_request(return_lse))
