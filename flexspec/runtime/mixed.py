@@ -37,7 +37,8 @@ class Part:
     bindings: dict
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
-        return q.index_select(0, self.rows)[:, :, :self.q_len]
+        # cut the rows first: the decoded tokens' part copies one row of each, not q's length
+        return q[:, :, :self.q_len].index_select(0, self.rows)
 
 
 def checked_counts(new_tokens, batch: int, q_len: int) -> list:
