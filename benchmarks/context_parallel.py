@@ -12,16 +12,19 @@ barrier, so it is the slowest rank's time):
 * ``torch CP``: torch's own context parallelism for FlexAttention (the ``_ContextParallel``
   module style and ``_context_parallel_shard``, as torch's tests and torchtitan call them) with
   its default balancer, head-tail, and with none. Torch needs the length to be a multiple of
-  ranks x 128 (x 2 for head-tail); other lengths print ``refused``.
+  ranks x 128 (x 2 for head-tail); other lengths print ``not supported``.
 
 Columns: the step time, the speed-up over the same implementation on 1 GPU, the busiest
 rank's share of the key tiles over the mean rank's (from the spec's block structure,
-:mod:`flexspec.parallel.balance`), the time to make the plan (flexspec: ``ContextParallel``;
-torch: the whole sequence's block mask and the shards), and the largest error of the output
+:mod:`flexspec.parallel.balance`), the time to make the plan once compiled (flexspec:
+``ContextParallel``; hand-written: the block mask; torch: the shards of q, k, v and the block
+mask, whose whole-sequence mask is the hand-written one), and the largest error of the output
 and of q's gradient against flexspec's call on one GPU (relative to the largest value).
 
     torchrun --standalone --nproc-per-node 2 benchmarks/context_parallel.py
     torchrun --standalone --nproc-per-node 2 benchmarks/context_parallel.py --lengths 131072
+    torchrun --standalone --nproc-per-node 2 benchmarks/context_parallel.py --device cpu \
+        --lengths 4096 8000 --heads 1 --dim 16     # gloo, float32: checks the script, not times
 """
 
 from __future__ import annotations
@@ -129,6 +132,8 @@ def plain_rows(length, q, k, v, grad, doc_ids, repeats):
 
     make_mask = torch.compile(create_block_mask, dynamic=False, fullgraph=True)
     attend = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    make_mask(document_mask, None, None, length, length, device=DEVICE)  # compiles
+    synchronize()
     start = time.perf_counter()
     mask = make_mask(document_mask, None, None, length, length, device=DEVICE)
     synchronize()
@@ -151,6 +156,7 @@ def flexspec_cp_rows(length, q, k, v, grad, doc_ids, reference, reference_dq, re
     attn = flexspec.compile(SPEC)
     rows = []
     for balancer in ("flexspec", "head_tail", "none"):
+        ContextParallel(attn, length, balance=balancer, doc_ids=doc_ids)  # compiles
         synchronize()
         dist.barrier()
         start = time.perf_counter()

@@ -924,10 +924,11 @@ def test_a_mixed_batch_read_in_place_matches_each_request_alone(text):
 
 def test_decoded_reads_stay_on_the_decoding_kernel_after_chunks_of_another_cache():
     """Mixed batches read chunks (the main kernel) and decoded tokens (the decoding kernel) of
-    caches of two capacities, in turn. Compiled in one entry, the chunks' rows and batch became
-    dynamic in the decoding graph, and the decoded read of the second cache ran on the main
-    kernel, 17x slower (docs/performance.md, nineteenth session): each decoded read that
-    compiles must compile the decoding template, and every read equals the reference."""
+    caches of two capacities, in turn. Compiled in one entry, the decoded read of the second
+    cache (that entry's third graph, after a chunk's rows and batch) ran 17x slower, at the
+    main kernel's time for its size (docs/performance.md, nineteenth session): each decoded
+    read that compiles must compile the decoding template, and every read equals the
+    reference."""
     from torch._inductor.utils import run_and_get_code
     torch._dynamo.reset()
     attn = flexspec.compile("causal")
