@@ -956,3 +956,41 @@ def test_decoded_reads_stay_on_the_decoding_kernel_after_chunks_of_another_cache
                                      q_offset=length - count)
                 assert _relative_error(out[row:row + 1], ref) < TOLERANCE[torch.bfloat16]
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("text", ["causal + alibi", "causal & doc"])
+def test_a_pool_of_two_to_the_31_elements_decodes_on_the_decoding_kernel(text):
+    """A pool of 2**31 key elements (8 KV heads of 128 dimensions, 2M positions), which inductor
+    indexes in int64 and the decoding kernel does not compile for: read one group of KV heads
+    at a time, each call compiles the decoding template, and each decoded row equals the
+    float64 reference over its own sequence (alibi: each head its own slope)."""
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    attn = flexspec.compile(text)
+    kv_heads, dim, page = 8, 128, 64
+    cache = flexspec.PagedKVCache(pages=2**31 // (kv_heads * dim * page), page_size=page,
+                                  kv_heads=kv_heads, head_dim=dim, slots=3, max_pages=40,
+                                  dtype=torch.bfloat16, device="cuda")
+    generator = torch.Generator().manual_seed(9)
+    lengths = [2000, 1500, 2500]
+    sequences = [[torch.randn(1, kv_heads, n, dim, generator=generator).to(
+        "cuda", torch.bfloat16) for _ in range(2)] for n in lengths]
+    for slot, (k, v) in enumerate(sequences):
+        cache.append(torch.tensor([slot], device="cuda"), k, v)
+    q = torch.randn(3, 32, 1, dim, generator=generator).to("cuda", torch.bfloat16)
+    extra = {}
+    if "doc" in text:
+        extra["doc_ids"] = (torch.arange(cache.capacity, device="cuda") // 700).expand(
+            3, -1).contiguous()
+    with torch.no_grad():
+        read = attn.paged_read(q, cache, torch.arange(3, device="cuda"), **extra)
+        out, code = run_and_get_code(lambda: read(q))
+    assert len(read._groups) == 2  # 4 KV heads a call: 2**30 elements
+    assert any("SPLIT_KV" in source for source in code)  # the decoding template
+    for row, (n, (k, v)) in enumerate(zip(lengths, sequences)):
+        alone = {name: value[row:row + 1, :n] for name, value in extra.items()}
+        ref = attn.reference(q[row:row + 1].double(), k.double(), v.double(), q_offset=n - 1,
+                             **alone)
+        assert _relative_error(out[row:row + 1], ref) < TOLERANCE[torch.bfloat16]
+    del cache
+    torch._dynamo.reset()

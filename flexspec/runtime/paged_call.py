@@ -49,14 +49,17 @@ def reads_in_place(q, cache, backend: str) -> bool:
 class PagedRead:
     """An in-place read of a paged cache prepared once (see :func:`pool_read`): the block mask
     mapped to the pages as they were when it was made, the mods, the compiled entry. Calling
-    it, ``read(q)`` or ``read(q, cache)``, launches the kernel alone, so the layers of a model
-    step share one preparation: ``cache`` may be any cache of the same geometry whose pages
-    were taken by the same operations (one cache per layer, appended together)."""
+    it, ``read(q)`` or ``read(q, cache)``, launches the kernel alone (a kernel per group of KV
+    heads where the pool is too wide for one), so the layers of a model step share one
+    preparation: ``cache`` may be any cache of the same geometry whose pages were taken by the
+    same operations (one cache per layer, appended together)."""
 
-    def __init__(self, entry, args: tuple, cache, signature: tuple, text: str):
-        self._entry, self._args, self._cache = entry, args, cache
-        self._signature, self._text, self._warm = signature, text, False
-        self._returns_lse = args[-1] is not None  # the entry's last argument: the lse request
+    def __init__(self, entry, groups: list, tail: tuple, cache, signature: tuple, text: str,
+                 decoding: bool):
+        self._entry, self._groups, self._tail, self._cache = entry, groups, tail, cache
+        self._signature, self._text, self._decoding = signature, text, decoding
+        self._warm = False
+        self._returns_lse = tail[-1] is not None  # the entry's last argument: the lse request
 
     def __call__(self, q, cache=None):
         cache = self._cache if cache is None else cache
@@ -70,10 +73,22 @@ class PagedRead:
         if cache is not self._cache and _geometry(cache) != _geometry(self._cache):
             raise BindingError(f"a PagedRead reads caches of the geometry it was made for "
                                f"{_geometry(self._cache)}, got {_geometry(cache)}")
-        args = (q, cache.keys.unsqueeze(0), cache.values.unsqueeze(0)) + self._args[3:]
+        outs = [self._run(group.arguments(q, cache) + self._tail, q)
+                for group in self._groups]
+        self._warm = True
+        if len(outs) == 1:
+            return outs[0]
+        if self._returns_lse:
+            return (torch.cat([out for out, _ in outs], dim=1),
+                    torch.cat([lse for _, lse in outs], dim=1))
+        return torch.cat(outs, dim=1)
+
+    def _run(self, args: tuple, q):
         if self._warm:
             out = call_compiled(self._entry, *args)
         else:
+            if self._decoding:  # each group's views are new tensors
+                compiled.mark_batch_static(*args[:3])
             try:
                 out = compiled.run_compiled(self._entry, *args)
             except compiled.CompileLimitError:
@@ -83,7 +98,6 @@ class PagedRead:
                     f"attn.paged: FlexAttention could not compile its read of the pool for "
                     f"'{self._text}' on {q.device.type} ({compiled.first_line(err)}); "
                     "read='gather' runs it on the sequences copied out of their pages") from err
-            self._warm = True
         return compiled.split_lse(out) if self._returns_lse else out
 
 
@@ -126,10 +140,16 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
     placed = dict(q_len=q_len, kv_len=cache.capacity, batch=batch, heads=heads,
                   device=q.device, q_offset=q_offset, kv_lengths=lengths)
     logical, score_mod = sibling.logical_read(**placed, **bindings)
+    kv_heads = cache.keys.shape[0]
+    parts = 1
     # the decoding kernel does not compile for a pool inductor indexes in int64
-    # (flexspec.workarounds: flex-decoding-wide-indices): such reads run on the main kernel
-    wide = wide_keys(cache.keys.shape[0] * cache.keys.shape[1], dim, v_dim)
-    decoding = q.device.type == "cuda" and q_len < DECODE_ROWS and not wide
+    # (flexspec.workarounds: flex-decoding-wide-indices): such a read runs as one call per
+    # group of KV heads whose slice of the pool is narrower, where the mask is the same for
+    # every head, else on the main kernel
+    wide = wide_keys(kv_heads * cache.keys.shape[1], dim, v_dim)
+    if wide and q_len < DECODE_ROWS and logical.kv_num_blocks.shape[1] == 1:
+        parts = head_parts(kv_heads, cache.keys.shape[1], dim, v_dim) or 1
+    decoding = q.device.type == "cuda" and q_len < DECODE_ROWS and (not wide or parts > 1)
     if decoding:
         # FlexAttention's decoding kernel splits a row's tiles among its splits by the pool's
         # length when any tile is listed full: the pages of a row would land in a few splits
@@ -138,7 +158,7 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
     if score_mod is not None and "kv" in ir.free_vars(sibling.ir.score):
         score_mod = cache.score_mod(score_mod)
     options = dict(DECODING_OPTIONS) if decoding else {}
-    if wide and q_len < DECODE_ROWS:
+    if not decoding and q_len < DECODE_ROWS:
         options["FORCE_USE_FLEX_ATTENTION"] = True
     if cache.page_size < WIDEST_KEY_TILE:
         options["BLOCK_N"] = cache.page_size  # a key tile may not span two pages
@@ -147,13 +167,54 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
     # of a second cache ran 17x slower (docs/performance.md, nineteenth session)
     entry = compiled.compiled_entry(lower(sibling.ir),
                                     "paged decoding" if decoding else "paged")
-    pool_keys, pool_values = cache.keys.unsqueeze(0), cache.values.unsqueeze(0)
-    args = (q, pool_keys, pool_values, score_mod, block_mask, scale,
-            heads != cache.keys.shape[0], options or None, compiled.lse_request(return_lse))
-    compiled.mark_lengths_dynamic(entry, *args[:5])
+    tail = (block_mask, scale, heads != kv_heads, options or None,
+            compiled.lse_request(return_lse))
+    reads_h = score_mod is not None and "h" in ir.free_vars(sibling.ir.score)
+    q_group, kv_group = heads // parts, kv_heads // parts
+    groups = [HeadGroup(slice(p * q_group, (p + 1) * q_group) if parts > 1 else None,
+                        slice(p * kv_group, (p + 1) * kv_group) if parts > 1 else None,
+                        heads_from(score_mod, p * q_group, q.device) if reads_h and p else
+                        score_mod) for p in range(parts)]
+    first = groups[0].arguments(q, cache)
+    compiled.mark_lengths_dynamic(entry, *first[:3], score_mod, block_mask)
     if decoding:
-        compiled.mark_batch_static(q, pool_keys, pool_values)
-    return PagedRead(entry, args, cache, _signature(q), str(sibling.spec))
+        compiled.mark_batch_static(*first[:3])
+    return PagedRead(entry, groups, tail, cache, _signature(q), str(sibling.spec), decoding)
+
+
+def head_parts(kv_heads: int, positions: int, dim: int, v_dim: int) -> int | None:
+    """The fewest groups of KV heads (a divisor of ``kv_heads``) whose slices of a pool of
+    ``positions`` are not indexed in int64 (:func:`wide_keys`), or None where one head's is."""
+    for parts in range(2, kv_heads + 1):
+        if kv_heads % parts == 0 and not wide_keys(kv_heads // parts * positions, dim, v_dim):
+            return parts
+    return None
+
+
+def heads_from(score_mod, first: int, device):
+    """``score_mod`` for a group of heads from ``first`` on: it is called with the group's own
+    head numbers (0 ..). The offset is a tensor, so every group's call takes one graph."""
+    offset = torch.tensor(first, device=device)
+
+    def grouped_score(score, b, h, q_idx, kv_idx):
+        return score_mod(score, b, h + offset, q_idx, kv_idx)
+    return grouped_score
+
+
+class HeadGroup:
+    """The query heads, KV heads (slices, or None for all) and score_mod of one call of a
+    read."""
+
+    def __init__(self, q_heads, kv_heads, score_mod):
+        self.q_heads, self.kv_heads, self.score_mod = q_heads, kv_heads, score_mod
+
+    def arguments(self, q, cache) -> tuple:
+        """q, keys and values of this group (the pool with a leading batch of one), and the
+        score_mod."""
+        keys, values = cache.keys, cache.values
+        if self.kv_heads is not None:
+            q, keys, values = q[:, self.q_heads], keys[self.kv_heads], values[self.kv_heads]
+        return q, keys.unsqueeze(0), values.unsqueeze(0), self.score_mod
 
 
 def check_pages(cache) -> None:

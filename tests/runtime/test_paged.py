@@ -629,3 +629,47 @@ def test_a_mixed_append_writes_each_row_s_real_tokens_only():
         paged.append(torch.tensor([1]), new[0][:1], new[1][:1], new_tokens=[6])
     with pytest.raises(flexspec.BindingError, match="keys and values must be tensors"):
         paged.append(torch.tensor([1]), new[0][:1], "values", new_tokens=[1])
+
+
+@pytest.mark.parametrize("text", ["causal + alibi", "causal & doc",
+                                  "sliding_window(9) + softcap(5)"])
+def test_a_pool_too_wide_for_one_decoding_call_is_read_a_group_of_kv_heads_at_a_time(
+        eager_kernels, monkeypatch, text):
+    """A pool inductor would index in int64 (here: any pool wider than one KV head's) is read in
+    one call per group of KV heads, each with its query heads, which the decoding kernel
+    compiles for; a score that reads the head (alibi's slopes) sees each head's own number.
+    Each row, and its log-sum-exp, equals the float64 reference over its own sequence."""
+    from flexspec.runtime import paged_call
+    slots, lengths, rows = [3, 0, 4], [40, 23, 31], 3
+    paged, keys, values = filled(lengths, slots, seed=7, page_size=16, max_pages=3)
+    one_head = paged.keys.shape[1] * DIM
+    monkeypatch.setattr(paged_call, "wide_keys",
+                        lambda positions, dim, v_dim: positions * max(dim, v_dim) > one_head)
+    attn = flexspec.compile(text)
+    q = torch.randn(3, 4, rows, DIM, generator=torch.Generator().manual_seed(8))
+    extra = {}
+    if "doc" in text:
+        extra["doc_ids"] = (torch.arange(paged.capacity) // 10).expand(3, -1).contiguous()
+    with torch.no_grad():
+        read = attn.paged_read(q, paged, torch.tensor(slots), return_lse=True, **extra)
+        out, lse = read(q)
+    assert len(read._groups) == KV_HEADS
+    for row, length in enumerate(lengths):
+        alone = {name: value[row:row + 1, :length] for name, value in extra.items()}
+        expected, expected_lse = attn.reference(
+            q[row:row + 1].double(), keys[row:row + 1, :, :length].double(),
+            values[row:row + 1, :, :length].double(), q_offset=length - rows,
+            return_lse=True, **alone)
+        torch.testing.assert_close(out[row:row + 1].double(), expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(lse[row:row + 1].double(), expected_lse, rtol=1e-4,
+                                   atol=1e-4)
+
+
+def test_the_fewest_groups_of_kv_heads_whose_pool_slices_are_narrow():
+    from flexspec.runtime.flexattention import WIDE_INDEX_ELEMENTS
+    from flexspec.runtime.paged_call import head_parts
+    positions = WIDE_INDEX_ELEMENTS // 128 // 8  # 8 heads of 128 dims: exactly wide
+    assert head_parts(8, positions, 128, 128) == 2
+    assert head_parts(8, positions, 64, 128) == 2  # the wider of the two head sizes counts
+    assert head_parts(8, 3 * positions, 128, 128) == 4  # 3 is no divisor of 8
+    assert head_parts(6, 9 * positions, 128, 128) is None  # one head's slice is wide
