@@ -1,6 +1,7 @@
 """Attention over a paged KV cache read in place: one compiled FlexAttention call over the whole
-pool (``keys.unsqueeze(0)``, every batch row reading it), through a block mask mapped from the
-sequences' logical positions to the pages that hold them and a ``score_mod`` that sees logical
+pool (``keys.unsqueeze(0)``, every batch row reading it; a call per group of KV heads where the
+pool is too wide for the decoding kernel), through a block mask mapped from the sequences'
+logical positions to the pages that hold them and a ``score_mod`` that sees logical
 positions (:meth:`PagedKVCache.block_mask <flexspec.runtime.paged.PagedKVCache.block_mask>`,
 :meth:`~flexspec.runtime.paged.PagedKVCache.score_mod`). Nothing is copied; the call reads
 the pages its sequences hold and no other.
