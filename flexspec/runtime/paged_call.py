@@ -13,6 +13,8 @@ no query-side tables, so there is no backward pass (``attn.paged(..., read="gath
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from flexspec import ir
@@ -174,8 +176,8 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
     q_group, kv_group = heads // parts, kv_heads // parts
     groups = [HeadGroup(slice(p * q_group, (p + 1) * q_group) if parts > 1 else None,
                         slice(p * kv_group, (p + 1) * kv_group) if parts > 1 else None,
-                        heads_from(score_mod, p * q_group, q.device) if reads_h and p else
-                        score_mod) for p in range(parts)]
+                        heads_from(score_mod, p * q_group, q.device)
+                        if reads_h and parts > 1 else score_mod) for p in range(parts)]
     first = groups[0].arguments(q, cache)
     compiled.mark_lengths_dynamic(entry, *first[:3], score_mod, block_mask)
     if decoding:
@@ -202,12 +204,14 @@ def heads_from(score_mod, first: int, device):
     return grouped_score
 
 
+@dataclass(frozen=True)
 class HeadGroup:
     """The query heads, KV heads (slices, or None for all) and score_mod of one call of a
     read."""
 
-    def __init__(self, q_heads, kv_heads, score_mod):
-        self.q_heads, self.kv_heads, self.score_mod = q_heads, kv_heads, score_mod
+    q_heads: slice | None
+    kv_heads: slice | None
+    score_mod: object
 
     def arguments(self, q, cache) -> tuple:
         """q, keys and values of this group (the pool with a leading batch of one), and the
