@@ -196,8 +196,9 @@ _TABLE = (
         "int64 indices ('Ternary expression with dynamic condition has inconsistent types "
         "int64 and int32'), with int64 counts too; hand-written FlexAttention fails alike",
         "such calls run on FlexAttention's main kernel (FORCE_USE_FLEX_ATTENTION), several "
-        "times slower than the decoding kernel; a paged read of such a pool runs one decoding "
-        "call per group of KV heads whose slice of the pool is narrower (runtime/paged_call)",
+        "times slower than the decoding kernel; a plain decode call runs as a call per run of "
+        "batch rows whose keys are narrower (Attention.__call__), and a paged read of such a "
+        "pool as one per group of KV heads (runtime/paged_call), each on the decoding kernel",
         "tests/runtime/test_plan.py::test_calls_of_few_rows_on_cuda_run_on_the_decoding_kernel"),
     Workaround(
         "flex-decoding-full-blocks", "torch (inductor)", "torch 2.11.0+cu130 and 2.13",

@@ -27,6 +27,7 @@ from flexspec.runtime.calls import Calls
 from flexspec.runtime.checks import as_device, check_qkv, given_sizes
 from flexspec.runtime.contract import InputPlan
 from flexspec.runtime.explanation import Explanation, explain_plan
+from flexspec.runtime.flexattention import wide_decode_chunks
 from flexspec.runtime.identity import meta
 from flexspec.runtime.jagged import is_jagged, jagged_call, packed_spec
 from flexspec.runtime.tuning import (KernelOptions, Tuned, answer_of, checked_options,
@@ -247,8 +248,36 @@ class Attention:
                                    "it takes no q_offset, kv_lengths or step")
             return jagged_call(self._jagged(), q, k, v, scale=scale, return_lse=return_lse,
                                bindings=bindings)
+        if step is None and self.backend in ("auto", "flex"):
+            chunks = wide_decode_chunks(q, k, v)
+            if chunks is not None:
+                return self._in_runs_of_rows(chunks, q, k, v, scale, q_offset, kv_lengths,
+                                             return_lse, bindings)
         return self._calls(q, k, v, scale=scale, bindings=bindings, q_offset=q_offset,
                            kv_lengths=kv_lengths, return_lse=return_lse, step=step)
+
+    def _in_runs_of_rows(self, chunks: list, q, k, v, scale, q_offset, kv_lengths,
+                         return_lse: bool, bindings: dict):
+        """A decode call whose keys are too wide for FlexAttention's decoding kernel, as a call
+        per run of batch rows (``chunks``, :func:`~flexspec.runtime.flexattention.
+        wide_decode_chunks`) with the rows' own offsets, lengths and bindings (views, no copy),
+        the outputs put together (flexspec.workarounds: flex-decoding-wide-indices)."""
+        batch = q.shape[0]
+        by_batch = mixed.batch_bindings(self.ir.bindings())
+        results = []
+        for start, stop in chunks:
+            rows = {name: mixed.rows_between(value, start, stop, batch)
+                    if isinstance(value, torch.Tensor) and value.dim() == by_batch.get(name)
+                    else value for name, value in bindings.items()}
+            results.append(self._calls(
+                q[start:stop], k[start:stop], v[start:stop], scale=scale, bindings=rows,
+                q_offset=mixed.rows_between(q_offset, start, stop, batch),
+                kv_lengths=mixed.rows_between(kv_lengths, start, stop, batch),
+                return_lse=return_lse, step=None))
+        if return_lse:
+            return (torch.cat([out for out, _ in results]),
+                    torch.cat([lse for _, lse in results]))
+        return torch.cat(results)
 
     def _jagged(self) -> "Attention":
         """This spec rewritten for jagged batches (made on the first jagged call)."""

@@ -119,6 +119,28 @@ def wide_keys(positions: int, head_dim: int, v_head_dim: int) -> bool:
     return positions * max(head_dim, v_head_dim) >= WIDE_INDEX_ELEMENTS
 
 
+def wide_decode_chunks(q, k, v) -> list | None:
+    """``(start, stop)`` of the runs of batch rows a decode call (fewer than
+    :data:`DECODE_ROWS` rows, no gradients) runs as, one call each, where its keys are so wide
+    that the decoding kernel does not compile for them (:func:`wide_indices`) and a run's are
+    narrower (runs of equal length, the last one shorter where they do not divide the batch);
+    None for any other call."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)) \
+            or q.shape[2] >= DECODE_ROWS or q.shape[0] != k.shape[0] or q.shape[0] < 2:
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    batch, width = q.shape[0], k.shape[1] * k.shape[2] * max(k.shape[3], v.shape[3])
+    if batch * width < WIDE_INDEX_ELEMENTS:
+        return None
+    rows = (WIDE_INDEX_ELEMENTS - 1) // width  # the most rows whose keys are narrow
+    if rows < 1:
+        return None
+    parts = -(-batch // rows)
+    size = -(-batch // parts)
+    return [(start, min(start + size, batch)) for start in range(0, batch, size)]
+
+
 def varying_score(call: FlexCall, plan: Plan, values: dict):
     """The score_mod of a call whose score reads its bindings: the last call's when its values
     are the very same tensors (the closure reads them at launch, so changes in place count;

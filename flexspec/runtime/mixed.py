@@ -107,6 +107,15 @@ def split(q, slots, new_tokens: list, q_offset, bindings: dict, by_batch: dict) 
     return Mixed(found, real)
 
 
+def rows_between(value, start: int, stop: int, batch: int):
+    """Rows ``start`` to ``stop`` of a per-row value (a tensor with a row per batch row), as a
+    view; anything else (an int, a batch dimension of 1, broadcast) as it is."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch \
+            and batch > 1:
+        return value[start:stop]
+    return value
+
+
 def _rows_of(value, index: torch.Tensor, batch: int):
     """The rows ``index`` of a per-row value (a tensor with a row per batch row); anything else
     (an int, a batch dimension of 1, broadcast) as it is."""

@@ -798,6 +798,60 @@ def test_flex_forces_the_main_kernel_for_few_rows_over_keys_indexed_in_int64():
         assert flex.kernel_options(dataclasses.replace(wide, device_type=device)) is None
 
 
+def test_a_decode_call_over_keys_too_wide_runs_as_runs_of_batch_rows():
+    """The batch rows of a decode call whose keys would be indexed in int64 are cut into runs
+    whose keys are not (the decoding kernel compiles for those): as few runs as that takes, of
+    equal length but the last, and none for other calls."""
+    from flexspec.runtime.flexattention import WIDE_INDEX_ELEMENTS, wide_decode_chunks
+
+    def meta(batch, q_len=1, kv_len=2**18, heads=16, dim=128, v_dim=128, grad=False):
+        q = torch.empty(batch, heads, q_len, dim, device="meta", requires_grad=grad)
+        k = torch.empty(batch, heads, kv_len, dim, device="meta")
+        return q, k, torch.empty(batch, heads, kv_len, v_dim, device="meta")
+    assert 4 * 16 * 2**18 * 128 == WIDE_INDEX_ELEMENTS  # 4 rows: wide; 3 rows: not
+    assert wide_decode_chunks(*meta(4)) == [(0, 2), (2, 4)]
+    assert wide_decode_chunks(*meta(3)) is None
+    assert wide_decode_chunks(*meta(7)) == [(0, 3), (3, 6), (6, 7)]
+    assert wide_decode_chunks(*meta(64, kv_len=2**15, heads=8)) == [(0, 32), (32, 64)]
+    assert wide_decode_chunks(*meta(2, v_dim=256)) == [(0, 1), (1, 2)]  # the wider head size
+    assert wide_decode_chunks(*meta(4, q_len=128)) is None  # the main kernel's rows
+    assert wide_decode_chunks(*meta(4, grad=True)) is None  # a backward
+    assert wide_decode_chunks(*meta(1, kv_len=2**22)) is None  # one row is wide: no cut
+
+
+@pytest.mark.parametrize("text", ["causal & doc", "causal + alibi", "sliding_window(7)"])
+def test_decode_calls_cut_into_runs_of_rows_equal_the_reference(monkeypatch, text):
+    """With the width at which keys count as too wide lowered to two batch rows' keys, a decode
+    call of five rows runs as three calls (rows 0-1, 2-3, 4), each with its rows' offsets,
+    lengths and doc_ids: the outputs and log-sum-exps equal the float64 reference of the whole
+    call."""
+    from flexspec.runtime import flexattention
+    batch, heads, kv_heads, kv_len, dim = 5, 4, 2, 40, 8
+    monkeypatch.setattr(flexattention, "WIDE_INDEX_ELEMENTS", 3 * kv_heads * kv_len * dim)
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(batch, heads, 2, dim, generator=generator)
+    k, v = (torch.randn(batch, kv_heads, kv_len, dim, generator=generator) for _ in range(2))
+    lengths = torch.tensor([40, 33, 20, 38, 9])
+    offsets = lengths - 2
+    extra = {}
+    if "doc" in text:
+        extra["doc_ids"] = torch.randint(0, 3, (batch, kv_len), generator=generator).sort().values
+    attn = flexspec.compile(text)
+    seen = []
+    calls = attn._calls
+
+    def spy(q, *args, **kwargs):
+        seen.append(q.shape[0])
+        return calls(q, *args, **kwargs)
+    monkeypatch.setattr(attn, "_calls", spy)
+    out, lse = attn(q, k, v, q_offset=offsets, kv_lengths=lengths, return_lse=True, **extra)
+    assert seen == [2, 2, 1]
+    want, want_lse = attn.reference(q.double(), k.double(), v.double(), q_offset=offsets,
+                                    kv_lengths=lengths, return_lse=True, **extra)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
 def test_flex_gives_xpu_small_tiles_and_table_gradients_one_stage_above_64_dimensions():
     flex = REGISTRY["flex"]
     small = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 32, "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 32,
