@@ -994,3 +994,36 @@ def test_a_pool_of_two_to_the_31_elements_decodes_on_the_decoding_kernel(text):
         assert _relative_error(out[row:row + 1], ref) < TOLERANCE[torch.bfloat16]
     del cache
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("text", ["causal & doc", "causal + alibi"])
+def test_a_decode_call_over_keys_of_two_to_the_31_elements_runs_on_the_decoding_kernel(text):
+    """B=64, 8 KV heads, 32K keys, D=128: keys of 2**31 elements, which the decoding kernel
+    does not compile for. The call runs as two calls of 32 rows, each compiling the decoding
+    template, and rows of both runs equal the float64 reference (with their own offsets,
+    lengths and doc_ids)."""
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    attn = flexspec.compile(text, backend="flex")
+    batch, kv_heads, kv_len, dim = 64, 8, 32768, 128
+    generator = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(batch, 32, 1, dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    k, v = (torch.randn(batch, kv_heads, kv_len, dim, device="cuda", dtype=torch.bfloat16,
+                        generator=generator) for _ in range(2))
+    lengths = torch.randint(1000, kv_len + 1, (batch,), device="cuda", generator=generator)
+    extra = {}
+    if "doc" in text:
+        extra["doc_ids"] = (torch.arange(kv_len, device="cuda") // 3000).expand(
+            batch, -1).contiguous()
+    with torch.no_grad():
+        out, code = run_and_get_code(lambda: attn(q, k, v, q_offset=lengths - 1,
+                                                  kv_lengths=lengths, **extra))
+    assert any("SPLIT_KV" in source for source in code)  # the decoding template
+    for row in (0, 31, 32, 63):
+        n = int(lengths[row])
+        alone = {name: value[row:row + 1, :n] for name, value in extra.items()}
+        ref = attn.reference(q[row:row + 1].double(), k[row:row + 1, :, :n].double(),
+                             v[row:row + 1, :, :n].double(), q_offset=n - 1, **alone)
+        assert _relative_error(out[row:row + 1], ref) < TOLERANCE[torch.bfloat16], row
+    del k, v
+    torch._dynamo.reset()
