@@ -262,22 +262,28 @@ class Attention:
         per run of batch rows (``chunks``, :func:`~flexspec.runtime.flexattention.
         wide_decode_chunks`) with the rows' own offsets, lengths and bindings (views, no copy),
         the outputs put together (flexspec.workarounds: flex-decoding-wide-indices)."""
-        batch = q.shape[0]
-        by_batch = mixed.batch_bindings(self.ir.bindings())
         results = []
         for start, stop in chunks:
-            rows = {name: mixed.rows_between(value, start, stop, batch)
-                    if isinstance(value, torch.Tensor) and value.dim() == by_batch.get(name)
-                    else value for name, value in bindings.items()}
-            results.append(self._calls(
-                q[start:stop], k[start:stop], v[start:stop], scale=scale, bindings=rows,
-                q_offset=mixed.rows_between(q_offset, start, stop, batch),
-                kv_lengths=mixed.rows_between(kv_lengths, start, stop, batch),
-                return_lse=return_lse, step=None))
+            offset, lengths, rows = self._rows_of_call(start, stop, q.shape[0], q_offset,
+                                                       kv_lengths, bindings)
+            results.append(self._calls(q[start:stop], k[start:stop], v[start:stop], scale=scale,
+                                       bindings=rows, q_offset=offset, kv_lengths=lengths,
+                                       return_lse=return_lse, step=None))
         if return_lse:
             return (torch.cat([out for out, _ in results]),
                     torch.cat([lse for _, lse in results]))
         return torch.cat(results)
+
+    def _rows_of_call(self, start: int, stop: int, batch: int, q_offset, kv_lengths,
+                      bindings: dict) -> tuple:
+        """``(q_offset, kv_lengths, bindings)`` of batch rows ``start`` to ``stop`` of a call
+        (views of the per-row tensors; the others as they are)."""
+        by_batch = mixed.batch_bindings(self.ir.bindings())
+        rows = {name: mixed.rows_between(value, start, stop, batch)
+                if isinstance(value, torch.Tensor) and value.dim() == by_batch.get(name)
+                else value for name, value in bindings.items()}
+        return (mixed.rows_between(q_offset, start, stop, batch),
+                mixed.rows_between(kv_lengths, start, stop, batch), rows)
 
     def _jagged(self) -> "Attention":
         """This spec rewritten for jagged batches (made on the first jagged call)."""
@@ -442,7 +448,18 @@ class Attention:
         With ``target`` (a device type such as ``"cuda"``), the choice is the one a call on that
         device would make, planned from inputs on another (a laptop's CPU): ``capability`` is
         the target GPU's compute capability (``(9, 0)``: Hopper) and ``facts`` what is installed
-        there, by the names backends read (``{"fa4.installed": True}``)."""
+        there, by the names backends read (``{"fa4.installed": True}``). A decode call whose
+        keys are too wide for the decoding kernel, which runs as calls over runs of batch rows,
+        is explained by its first run's call."""
+        chunks = wide_decode_chunks(q, k, v) if self.backend in ("auto", "flex") else None
+        if chunks is not None:
+            start, stop = chunks[0]
+            offset, lengths, rows = self._rows_of_call(start, stop, q.shape[0], q_offset,
+                                                       kv_lengths, bindings)
+            first = self.explain(q[start:stop], k[start:stop], v[start:stop], scale=scale,
+                                 q_offset=offset, kv_lengths=lengths, return_lse=return_lse,
+                                 target=target, capability=capability, facts=facts, **rows)
+            return dataclasses.replace(first, runs=(q.shape[0], len(chunks), stop - start))
         # as a call does: only the keys its rows may see are read
         k, v, q_offset, keys = self._calls.placement.read_keys(q, k, v, q_offset, kv_lengths)
         calls = self._calls.unmasked_for(q, k, q_offset, kv_lengths) or self._calls

@@ -47,6 +47,7 @@ class Explanation:
     keys: tuple | None = None  # (start, end, cache length): the call reads only keys start:end
     kernel: str | None = None  # which of the backend's kernels runs the call, and why
     options: str | None = None  # the kernel options given or tuned, and where they come from
+    runs: tuple | None = None  # (batch rows, calls, rows a call): a wide decode call's runs
 
     def __str__(self) -> str:
         s = self.sizes
@@ -59,6 +60,10 @@ class Explanation:
             f"call:     B={s['B']} {heads} Q_LEN={s['Q_LEN']} KV_LEN={s['KV_LEN']} "
             f"D={self.head_dim} {str(self.dtype).replace('torch.', '')} on {self.device}"
             + (", with gradients" if self.grads else ""),
+            *([f"runs:     the call's {self.runs[0]} batch rows run as {self.runs[1]} calls of "
+               f"up to {self.runs[2]} rows (keys of 2**31 elements or more: the decoding kernel "
+               "compiles for narrower ones); the lines here are the first call's"]
+              if self.runs else []),
             *([f"keys:     only {self.keys[0]}:{self.keys[1]} of the {self.keys[2]} keys are read "
                "(the rows see no other key)"] if self.keys else []),
             f"density:  {self.density:.2%} of (q, kv) pairs visible; "

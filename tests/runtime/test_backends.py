@@ -850,6 +850,11 @@ def test_decode_calls_cut_into_runs_of_rows_equal_the_reference(monkeypatch, tex
                                     kv_lengths=lengths, return_lse=True, **extra)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    # explain says so, and explains the first run's call
+    monkeypatch.setattr(attn, "_calls", calls)
+    explained = attn.explain(q, k, v, q_offset=offsets, kv_lengths=lengths, **extra)
+    assert explained.runs == (5, 3, 2) and explained.sizes["B"] == 2
+    assert "runs:     the call's 5 batch rows run as 3 calls of up to 2 rows" in str(explained)
 
 
 def test_flex_gives_xpu_small_tiles_and_table_gradients_one_stage_above_64_dimensions():
