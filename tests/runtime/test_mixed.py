@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flexspec
+from flexspec.runtime import mixed
 from flexspec.testing import Shape, bindings, spec_texts
 
 from test_paged import DIM, KV_HEADS, filled  # pytest puts tests/runtime on sys.path
@@ -224,3 +225,17 @@ def test_only_bindings_of_the_batch_are_cut_to_a_part_s_rows():
                               kv_lengths=torch.tensor([length]), bias=bias,
                               doc_ids=ids[row:row + 1])
         torch.testing.assert_close(got[row:row + 1, :, :count], want, rtol=1e-4, atol=1e-4)
+
+
+def test_rows_between_cuts_per_row_values_and_leaves_the_rest():
+    """A value with a row per batch row gives the rows' view; an int, a 0-d tensor, a batch
+    dimension of one (broadcast) and a batch of one pass as they are."""
+    per_row = torch.arange(12).view(4, 3)
+    cut = mixed.rows_between(per_row, 1, 3, 4)
+    assert cut.tolist() == [[3, 4, 5], [6, 7, 8]] and cut.data_ptr() == per_row[1].data_ptr()
+    assert mixed.rows_between(7, 1, 3, 4) == 7
+    scalar, broadcast = torch.tensor(5), torch.arange(3).view(1, 3)
+    assert mixed.rows_between(scalar, 1, 3, 4) is scalar
+    assert mixed.rows_between(broadcast, 1, 3, 4) is broadcast
+    one = torch.arange(3).view(1, 3)
+    assert mixed.rows_between(one, 0, 1, 1) is one
