@@ -125,14 +125,17 @@ def wide_decode_chunks(q, k, v) -> list | None:
     that the decoding kernel does not compile for them (:func:`wide_indices`) and a run's are
     narrower (runs of equal length, the last one shorter where they do not divide the batch);
     None for any other call."""
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)) \
-            or q.shape[2] >= DECODE_ROWS or q.shape[0] != k.shape[0] or q.shape[0] < 2:
+    # cheap tests first: every call asks
+    if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4 \
+            or v.dim() != 4 or k.numel() * max(k.shape[3], v.shape[3]) < \
+            WIDE_INDEX_ELEMENTS * k.shape[3]:
+        return None
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[2] >= DECODE_ROWS \
+            or q.shape[0] != k.shape[0] or q.shape[0] < 2:
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return None
     batch, width = q.shape[0], k.shape[1] * k.shape[2] * max(k.shape[3], v.shape[3])
-    if batch * width < WIDE_INDEX_ELEMENTS:
-        return None
     rows = (WIDE_INDEX_ELEMENTS - 1) // width  # the most rows whose keys are narrow
     if rows < 1:
         return None
