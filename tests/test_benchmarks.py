@@ -178,3 +178,34 @@ def test_paged_benchmark_reads_the_pool_in_place_right_on_the_cpu(capsys):
         assert not any("wrong" in cell or "fails" in cell for cell in cells), cells
         assert all(float(cell) > 0 for cell in cells[4:]), cells
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_context_parallel_benchmark_runs_its_rows_on_one_cpu_process(monkeypatch, capsys):
+    """benchmarks/context_parallel.py with gloo and one process: every row runs (torch's own
+    rows refuse a length that is not a multiple of 128), and every implementation's output
+    equals flexspec's single call."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    torch._dynamo.reset()
+    spec = importlib.util.spec_from_file_location("benchmark_context_parallel",
+                                                  ROOT / "benchmarks" / "context_parallel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1"),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", ["context_parallel.py", "--device", "cpu", "--lengths",
+                                      "512", "500", "--heads", "1", "--dim", "16",
+                                      "--repeats", "1"])
+    module.main()
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("| 5")]
+    assert len(rows) == 14  # per length: 2 on one device, 3 flexspec CP, 2 torch CP
+    for cells in rows:
+        if cells[3] == "not supported":
+            assert cells[0] == "500" and cells[1] == "torch CP", cells
+        elif cells[7] != "-":
+            assert float(cells[7]) < 1e-5, cells  # the output's error against one device
+    torch._dynamo.reset()
