@@ -233,6 +233,8 @@ def test_rows_between_cuts_per_row_values_and_leaves_the_rest():
     per_row = torch.arange(12).view(4, 3)
     cut = mixed.rows_between(per_row, 1, 3, 4)
     assert cut.tolist() == [[3, 4, 5], [6, 7, 8]] and cut.data_ptr() == per_row[1].data_ptr()
+    assert mixed.rows_between(torch.arange(4), 1, 3, 4).tolist() == [1, 2]  # offsets, lengths
+    assert mixed.rows_between(torch.arange(2), 1, 2, 2).tolist() == [1]  # a batch of two
     assert mixed.rows_between(7, 1, 3, 4) == 7
     scalar, broadcast = torch.tensor(5), torch.arange(3).view(1, 3)
     assert mixed.rows_between(scalar, 1, 3, 4) is scalar
