@@ -248,11 +248,10 @@ class Attention:
                                    "it takes no q_offset, kv_lengths or step")
             return jagged_call(self._jagged(), q, k, v, scale=scale, return_lse=return_lse,
                                bindings=bindings)
-        if step is None and self.backend in ("auto", "flex"):
-            chunks = wide_decode_chunks(q, k, v)
-            if chunks is not None:
-                return self._in_runs_of_rows(chunks, q, k, v, scale, q_offset, kv_lengths,
-                                             return_lse, bindings)
+        chunks = self._decode_runs(q, k, v) if step is None else None
+        if chunks is not None:
+            return self._in_runs_of_rows(chunks, q, k, v, scale, q_offset, kv_lengths,
+                                         return_lse, bindings)
         return self._calls(q, k, v, scale=scale, bindings=bindings, q_offset=q_offset,
                            kv_lengths=kv_lengths, return_lse=return_lse, step=step)
 
@@ -274,14 +273,18 @@ class Attention:
                     torch.cat([lse for _, lse in results]))
         return torch.cat(results)
 
+    def _decode_runs(self, q, k, v) -> list | None:
+        """The runs of batch rows a decode call over keys too wide for the decoding kernel
+        runs as (:func:`~flexspec.runtime.flexattention.wide_decode_chunks`), on the backends
+        that run FlexAttention; None for any other call."""
+        return wide_decode_chunks(q, k, v) if self.backend in ("auto", "flex") else None
+
     def _rows_of_call(self, start: int, stop: int, batch: int, q_offset, kv_lengths,
                       bindings: dict) -> tuple:
         """``(q_offset, kv_lengths, bindings)`` of batch rows ``start`` to ``stop`` of a call
         (views of the per-row tensors; the others as they are)."""
-        by_batch = mixed.batch_bindings(self.ir.bindings())
-        rows = {name: mixed.rows_between(value, start, stop, batch)
-                if isinstance(value, torch.Tensor) and value.dim() == by_batch.get(name)
-                else value for name, value in bindings.items()}
+        rows = mixed.batch_rows_of(bindings, mixed.batch_bindings(self.ir.bindings()),
+                                   lambda value: mixed.rows_between(value, start, stop, batch))
         return (mixed.rows_between(q_offset, start, stop, batch),
                 mixed.rows_between(kv_lengths, start, stop, batch), rows)
 
@@ -451,7 +454,7 @@ class Attention:
         there, by the names backends read (``{"fa4.installed": True}``). A decode call whose
         keys are too wide for the decoding kernel, which runs as calls over runs of batch rows,
         is explained by its first run's call."""
-        chunks = wide_decode_chunks(q, k, v) if self.backend in ("auto", "flex") else None
+        chunks = self._decode_runs(q, k, v)
         if chunks is not None:
             start, stop = chunks[0]
             offset, lengths, rows = self._rows_of_call(start, stop, q.shape[0], q_offset,

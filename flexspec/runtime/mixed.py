@@ -99,30 +99,36 @@ def split(q, slots, new_tokens: list, q_offset, bindings: dict, by_batch: dict) 
     found = []
     for count, rows in rows_by_count(new_tokens):
         index = torch.tensor(rows, device=device)
-        picked = {name: _rows_of(value, index, len(new_tokens))
-                  if isinstance(value, torch.Tensor) and value.dim() == by_batch.get(name)
-                  else value for name, value in bindings.items()}
+        picked = batch_rows_of(bindings, by_batch,
+                               lambda value: _rows_of(value, index, len(new_tokens)))
         found.append(Part(index, count, slots.index_select(0, index.to(slots.device)),
                           _rows_of(q_offset, index, len(new_tokens)), picked))
     return Mixed(found, real)
 
 
+def batch_rows_of(bindings: dict, by_batch: dict, cut) -> dict:
+    """``bindings`` with those declared ``[B, ...]`` and given with their batch dimension
+    (``by_batch``, :func:`batch_bindings`) passed through ``cut``; the others as they are."""
+    return {name: cut(value) if isinstance(value, torch.Tensor)
+            and value.dim() == by_batch.get(name) else value for name, value in bindings.items()}
+
+
 def rows_between(value, start: int, stop: int, batch: int):
     """Rows ``start`` to ``stop`` of a per-row value (a tensor with a row per batch row), as a
     view; anything else (an int, a batch dimension of 1, broadcast) as it is."""
-    if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch \
-            and batch > 1:
-        return value[start:stop]
-    return value
+    return value[start:stop] if _per_row(value, batch) else value
 
 
 def _rows_of(value, index: torch.Tensor, batch: int):
     """The rows ``index`` of a per-row value (a tensor with a row per batch row); anything else
     (an int, a batch dimension of 1, broadcast) as it is."""
-    if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch \
-            and batch > 1:
-        return value.index_select(0, index.to(value.device))
-    return value
+    return value.index_select(0, index.to(value.device)) if _per_row(value, batch) else value
+
+
+def _per_row(value, batch: int) -> bool:
+    """Whether ``value`` has a row per batch row (of a batch of more than one)."""
+    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch \
+        and batch > 1
 
 
 def assemble(q: torch.Tensor, mixed: Mixed, results: list, return_lse: bool):

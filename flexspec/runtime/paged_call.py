@@ -178,10 +178,9 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
                         slice(p * kv_group, (p + 1) * kv_group) if parts > 1 else None,
                         heads_from(score_mod, p * q_group, q.device)
                         if reads_h and parts > 1 else score_mod) for p in range(parts)]
-    first = groups[0].arguments(q, cache)
-    compiled.mark_lengths_dynamic(entry, *first[:3], score_mod, block_mask)
-    if decoding:
-        compiled.mark_batch_static(*first[:3])
+    # the batch stays static where the first call compiles (PagedRead._run marks its views)
+    compiled.mark_lengths_dynamic(entry, *groups[0].arguments(q, cache)[:3], score_mod,
+                                  block_mask)
     return PagedRead(entry, groups, tail, cache, _signature(q), str(sibling.spec), decoding)
 
 
