@@ -222,7 +222,21 @@ def _rank_after_rank(tensor, dim: int, group):
     # one new leading dimension: the collective gathers along dim 0 only
     parts = _all_gather(tensor.contiguous().unsqueeze(0), 0,
                         group if group is not None else dist.group.WORLD)
-    return parts.movedim(0, dim).flatten(dim, dim + 1)
+    return _ContiguousGradient.apply(parts).movedim(0, dim).flatten(dim, dim + 1)
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose gradient is made contiguous: the gradient of the all-gather
+    above comes back through ``movedim`` as a strided view, and NCCL's reduce-scatter (the
+    all-gather's backward) takes contiguous tensors only."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, gradient):
+        return gradient.contiguous()
 
 
 def _described(value) -> str:

@@ -125,6 +125,37 @@ def test_two_ranks_on_the_compiled_kernels(tmp_path):
     _spawn(2, tmp_path, [("causal & doc", 520, "flexspec")], "auto")
 
 
+class _GradientAtTheGather(torch.autograd.Function):
+    """Stands for the all-gather's output: records the gradient its backward (a
+    reduce-scatter, which takes contiguous tensors only on NCCL) would be handed."""
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, gradient):
+        _GradientAtTheGather.seen.append(gradient.is_contiguous())
+        return gradient
+
+
+@pytest.mark.parametrize("dim", [0, 2, 3])
+def test_the_gradient_handed_back_to_the_all_gather_is_contiguous(monkeypatch, dim):
+    from flexspec.parallel import context
+
+    def two_ranks(tensor, gathered_dim, group):
+        return _GradientAtTheGather.apply(torch.cat([tensor, 2 * tensor], gathered_dim))
+
+    monkeypatch.setattr(context, "_all_gather", two_ranks)
+    _GradientAtTheGather.seen = []
+    shard = torch.randn(2, 3, 5, 4, requires_grad=True)
+    laid = context._rank_after_rank(shard, dim, group="two ranks")
+    assert laid.shape[dim] == 2 * shard.shape[dim]
+    (laid * torch.randn_like(laid)).sum().backward()
+    assert _GradientAtTheGather.seen == [True]
+
+
 def test_a_plan_needs_torch_distributed(tmp_path):
     if dist.is_initialized():
         pytest.skip("a process group is already initialised")
