@@ -101,7 +101,8 @@ def timed(step, repeats: int) -> float:
 
 
 def error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+    got, want = got.detach().float(), want.detach().float()
+    return float((got - want).abs().max() / want.abs().max())
 
 
 def leaves(*tensors):
