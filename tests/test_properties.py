@@ -208,6 +208,28 @@ def test_reference_rows_are_rows_of_the_reference(case, data):
 
 
 @FAST
+@given(cases(max_len=120, **ALL_KINDS), st.data())
+def test_rows_read_at_their_positions_are_rows_of_the_reference(case, data):
+    """Attention.at_rows (context parallelism's one call over scattered rows): rows in any
+    order, each at its own position, equal those rows of the whole call."""
+    spec = case.spec.ir
+    assume(spec.align == "start" or not ir.rewrites.reads_positions(spec))
+    assume("Q_LEN" not in ir.free_vars(spec.mask) | ir.free_vars(spec.score)
+           and all("Q_LEN" not in ir.free_vars(t) for t in spec.tensors()))
+    attn = case.attention()
+    q, k, v = case.shape.qkv(seed=0)
+    rows = torch.tensor(data.draw(st.lists(st.integers(0, case.shape.Q_LEN - 1), min_size=1,
+                                           max_size=40, unique=True)))
+    whole, whole_lse = attn.reference(q.double(), k.double(), v.double(), return_lse=True,
+                                      **case.bindings)
+    at_rows = attn.at_rows()
+    placed = {"context_q_position": rows} if "context_q_position" in at_rows.bindings else {}
+    out, lse = at_rows(q[:, :, rows], k, v, return_lse=True, **placed, **case.bindings)
+    torch.testing.assert_close(out.double(), whole[:, :, rows], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), whole_lse[:, :, rows], atol=1e-5, rtol=1e-5)
+
+
+@FAST
 @given(cases(**ALL_KINDS), st.sampled_from([(16, 16), (32, 64), (128, 128)]))
 def test_counted_visible_pairs_equal_the_reference_mask(case, block):
     attn = case.attention(block_size=block)

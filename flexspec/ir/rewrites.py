@@ -1,6 +1,6 @@
 """Rewrites of a whole spec's IR, each a pure ``AttentionIR -> AttentionIR`` function: where a
-call's queries stand (:func:`placed`), a call's scale (:func:`scaled`), a jagged batch laid end
-to end (:func:`packed`), and a mask or a score modifier joined to a spec (:func:`join_mask`,
+call's queries stand (:func:`placed`, or row by row: :func:`at_rows`), a call's scale
+(:func:`scaled`), a jagged batch laid end to end (:func:`packed`), and a mask or a score modifier joined to a spec (:func:`join_mask`,
 :func:`join_score`). Also the one rule for where
 the rows of an end-aligned spec stand by default (:func:`default_offset`).
 
@@ -54,6 +54,25 @@ def placed(spec: AttentionIR, offset: bool, lengths: bool) -> AttentionIR:
     # with the offset written into the IR, its q is the row number: aligned at the start (an
     # end-aligned IR would be shifted a second time by whoever places its rows)
     return AttentionIR(mask, score, "start" if offset else spec.align)
+
+
+# The absolute position of each query row of a call whose rows are not consecutive (see at_rows).
+ROW_POSITION = Tensor("context_q_position", (Var("Q_LEN"),), "int")
+
+
+@functools.lru_cache(maxsize=256)
+def at_rows(spec: AttentionIR) -> AttentionIR:
+    """``spec`` (aligned at the start) with query row ``i`` read at the absolute position
+    ``context_q_position[i]``: one call over rows that are not consecutive, such as the blocks
+    a context-parallel rank computes.
+
+    >>> from flexspec import parse
+    >>> print(at_rows(parse("causal & doc").ir).mask)
+    context_q_position[q] >= kv & doc_ids[b, context_q_position[q]] == doc_ids[b, kv]
+    """
+    position = {"q": Lookup(ROW_POSITION, (Var("q"),))}
+    return AttentionIR(_outside_tensors(spec.mask, position),
+                       _outside_tensors(spec.score, position), "start")
 
 
 # The tensors of a jagged batch laid end to end (see packed): per packed query row, its

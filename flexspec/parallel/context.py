@@ -5,9 +5,9 @@ Each rank holds the rows of its query blocks (blocks of 128 positions, chosen by
 :mod:`flexspec.parallel.balance` from the spec's block structure at the full length) of q, k
 and v. A call gathers every rank's keys and values with torch's autograd-aware all-gather
 (``torch.distributed._functional_collectives``: gradients flow back to each rank's shard),
-puts them in sequence order, and runs each run of consecutive local blocks as one ordinary
-flexspec call at its absolute position (``q_offset``), so each rank's block masks cover its own
-rows only. The sequence is padded inside to a multiple of ``ranks x 128``; padded keys are
+puts them in sequence order, and runs one flexspec call over the local rows with each row read
+at its absolute position (:meth:`~flexspec.runtime.attention.Attention.at_rows`), so each
+rank's block mask covers its own rows only, however scattered its blocks are. The sequence is padded inside to a multiple of ``ranks x 128``; padded keys are
 masked (``kv_lengths``) and padded rows dropped by :meth:`ContextParallel.unshard`.
 
 Bindings that decide the structure (``doc_ids``) are whole when the plan is made: they
@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from flexspec.errors import BindingError, BindingTypeError, SpecError
+from flexspec.ir.rewrites import ROW_POSITION
 from flexspec.parallel import balance as balancers
 
 BLOCK = 128
@@ -74,7 +75,7 @@ class ContextParallel:
         gathered = torch.cat(assignment)
         self._restore = _rows(torch.argsort(gathered))
         self.rows = _rows(self.blocks)
-        self._runs = _runs(self.blocks.tolist())
+        self._kept: dict = {}  # device tensors made once (see _positions)
 
     @classmethod
     def from_chunks(cls, attn, seq_len: int, *, group=None, balance: str = "flexspec",
@@ -161,19 +162,31 @@ class ContextParallel:
                                    f"{self.rows.shape[0]}, D) (ContextParallel.shard), got "
                                    f"{_described(tensor)}")
         keys, values = self.gather(k), self.gather(v)
-        lengths = torch.full((q.shape[0],), self.seq_len, device=q.device)
-        outs, lses, local = [], [], 0
-        for first, count in self._runs:
-            rows = count * BLOCK
-            result = self.attn(q[:, :, local:local + rows], keys, values, scale=scale,
-                               q_offset=first * BLOCK, kv_lengths=lengths,
-                               return_lse=return_lse, **self.bindings)
-            out, lse = result if return_lse else (result, None)
-            outs.append(out)
-            lses.append(lse)
-            local += rows
-        out = torch.cat(outs, dim=2)
-        return (out, torch.cat(lses, dim=2)) if return_lse else out
+        at_rows = self.attn.at_rows()
+        placed = {}
+        if self.padded != self.seq_len:
+            placed["kv_lengths"] = self._lengths(q.shape[0], q.device)
+        if ROW_POSITION.name in at_rows.bindings:  # a spec that reads no q takes none
+            placed[ROW_POSITION.name] = self._positions(q.device)
+        return at_rows(q, keys, values, scale=scale, return_lse=return_lse, **placed,
+                       **self.bindings)
+
+    def _positions(self, device) -> torch.Tensor:
+        """This rank's row positions on ``device``, one tensor kept per device (the block-mask
+        cache knows a binding by its identity)."""
+        kept = self._kept.get(("positions", device))
+        if kept is None:
+            kept = self._kept[("positions", device)] = self.rows.to(device)
+        return kept
+
+    def _lengths(self, batch: int, device) -> torch.Tensor:
+        """``seq_len`` per batch row (the padded keys masked), one tensor kept per batch size
+        and device, as :meth:`_positions`."""
+        kept = self._kept.get(("lengths", batch, device))
+        if kept is None:
+            kept = self._kept[("lengths", batch, device)] = torch.full(
+                (batch,), self.seq_len, device=device)
+        return kept
 
 
 def gather_chunks(chunk, seq_len: int, group=None, name: str = "the chunk", dim: int = -1):
@@ -256,14 +269,3 @@ def _all_gather(tensor, dim: int, group):
 def _rows(blocks: torch.Tensor) -> torch.Tensor:
     """The positions of ``blocks`` (block numbers), block after block."""
     return (blocks.view(-1, 1) * BLOCK + torch.arange(BLOCK)).reshape(-1)
-
-
-def _runs(blocks: list) -> list:
-    """``(first block, count)`` of each run of consecutive blocks in ``blocks`` (sorted)."""
-    runs = []
-    for block in blocks:
-        if runs and runs[-1][0] + runs[-1][1] == block:
-            runs[-1][1] += 1
-        else:
-            runs.append([block, 1])
-    return [tuple(run) for run in runs]

@@ -17,6 +17,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexspec import ir
+from flexspec.ir import rewrites
 from flexspec.errors import BindingError, BindingTypeError, SpecError, did_you_mean
 from flexspec.kernels.lower import lower
 from flexspec.kernels.reference import dense_mask, reference_attention
@@ -74,6 +75,7 @@ class Attention:
                             masks=self._masks, placement=self._placement, options=self._options)
         self._mask_plans = PlanCache()  # block_mask's
         self._packed: Attention | None = None  # the spec for jagged batches (see _jagged)
+        self._rows: Attention | None = None  # the spec read row by row (see at_rows)
         self._paged: dict = {}  # page size -> the spec with key blocks of it (see paged)
 
     # ---- copies: the spec and the options travel; plans and caches are made anew (they hold
@@ -295,6 +297,18 @@ class Attention:
                                      block_size=self.block_size, block_masks=self.block_masks,
                                      kernel_options=self.kernel_options, tuned=self.tuned)
         return self._packed
+
+    def at_rows(self) -> "Attention":
+        """This spec (aligned at the start) with query row ``i`` at the absolute position
+        given by the int tensor binding ``context_q_position[i]``
+        (:func:`flexspec.ir.rewrites.at_rows`), on the same backend and options; made once."""
+        if self._rows is None:
+            self._rows = Attention(Spec(self.spec.expr, rewrites.at_rows(self.ir),
+                                        self.spec.library),
+                                   backend=self.backend, block_size=self.block_size,
+                                   block_masks=self.block_masks,
+                                   kernel_options=self.kernel_options, tuned=self.tuned)
+        return self._rows
 
     def tune(self, q, k, v, *, backward: bool = False, candidates: list | None = None,
              repeats: int = 10, scale=None, q_offset=None, kv_lengths=None, **bindings) -> Tuned:

@@ -20,6 +20,7 @@ CASES = [  # (spec, length, balance)
     ("sliding_window(100) + alibi", 300, "head_tail"),
     ("prefix_lm(77)", 260, "none"),
     ("causal & doc", 513, "flexspec"),
+    ("softcap(20)", 300, "flexspec"),  # reads no position
 ]
 
 
