@@ -138,6 +138,26 @@ def test_contiguous_copies_only_strided_views():
     assert copy.is_contiguous() and torch.equal(copy, torch.tensor([0, 2, 4, 6, 8]))
 
 
+def test_the_same_unchanged_strided_view_gets_the_same_copy():
+    """A decode loop passes doc_ids[:, :length] anew at every step: the copy is kept by the
+    view's identity, so the block-mask cache (keyed by identity) recognises it."""
+    t = torch.arange(12).view(3, 4)
+    first = contiguous(t[:, :3])
+    assert contiguous(t[:, :3]) is first
+    assert contiguous(t[:, :2]) is not first  # another view
+    t[0, 0] = 100  # an in-place change is a new version: a new copy, with the new value
+    changed = contiguous(t[:, :3])
+    assert changed is not first and changed[0, 0] == 100 and first[0, 0] == 0
+
+
+def test_strided_views_that_need_their_graph_or_hide_their_changes_are_copied_every_time():
+    grad = torch.randn(4, 4, requires_grad=True)
+    assert contiguous(grad[:, :2]) is not contiguous(grad[:, :2])
+    with torch.inference_mode():
+        frozen = torch.arange(12).view(3, 4)
+        assert contiguous(frozen[:, :3]) is not contiguous(frozen[:, :3])
+
+
 def test_a_missing_leading_dimension_that_cannot_broadcast_is_named():
     attn = flexspec.compile("fixed4", library=BINDINGS, backend="reference")
     q = torch.zeros(1, 1, 16, 8)

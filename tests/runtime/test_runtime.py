@@ -399,6 +399,30 @@ def test_strided_bindings_run():
                                    rtol=1e-4, atol=1e-4)
 
 
+def test_a_strided_binding_given_again_finds_its_block_mask(monkeypatch):
+    """A decode loop's doc_ids[:, :length], passed anew at every call, is one binding to the
+    block-mask cache while it is unchanged: its mask is built once (it was rebuilt on every
+    call, 3.8 ms per call at B=64 on an H200), and again after an in-place change."""
+    from flexspec.runtime import masks
+    builds = []
+    build = masks.BlockMasks._build
+    monkeypatch.setattr(masks.BlockMasks, "_build",
+                        lambda self, *args, **kwargs: builds.append(1) or build(self, *args,
+                                                                                **kwargs))
+    q, k, v = Shape(1, 4, 4, 200, 200, 16).qkv(0)  # test_strided_bindings_run's compile
+    ids = torch.arange(400) // 130
+    doc = flexspec.compile("causal & doc")
+    with torch.no_grad():
+        for _ in range(3):
+            doc(q, k, v, doc_ids=ids[::2])
+        assert len(builds) == 1
+        ids[300:] = 7
+        out = doc(q, k, v, doc_ids=ids[::2])
+    assert len(builds) == 2
+    torch.testing.assert_close(out, doc.reference(q, k, v, doc_ids=ids[::2].contiguous()),
+                               rtol=1e-4, atol=1e-4)
+
+
 # ---- inference mode -----------------------------------------------------------------------------
 
 
