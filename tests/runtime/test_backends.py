@@ -590,25 +590,6 @@ def test_sdpa_decoding_steps_leave_cudnn_out(monkeypatch):
     assert asked and torch.nn.attention.SDPBackend.CUDNN_ATTENTION not in asked[0]
 
 
-@pytest.mark.parametrize("batch, kv_heads, q_len, device, expected", [
-    (8, 8, 1, "cuda", "sdpa"), (16, 8, 1, "cuda", "sdpa"),  # 0.25 and 0.49 ms, as flex
-    (32, 8, 1, "cuda", "flex"), (64, 8, 1, "cuda", "flex"),  # 1.62 vs 0.95, 3.20 vs 1.88
-    (64, 8, 17, "cuda", "sdpa"),  # not decoding: cuDNN's prefill
-    (64, 8, 1, "cpu", "sdpa")])
-def test_auto_decodes_many_batch_rows_and_kv_heads_on_flex(batch, kv_heads, q_len, device,
-                                                           expected):
-    """Decoding on the H200 (32K keys, 32 query heads): SDPA without cuDNN as fast as flex's
-    decoding kernel up to 128 (batch row, KV head) pairs, 1.7x slower from 256."""
-    request = dataclasses.replace(H200, batch=batch, heads=32, kv_heads=kv_heads, q_len=q_len,
-                                  kv_len=32768, facts=((INSTALLED, False),),
-                                  device_type=device,
-                                  capability=(9, 0) if device == "cuda" else None)
-    choice = choose("auto", request, ir("full"))
-    assert choice.backend == expected
-    if expected == "flex":
-        assert "(batch row, KV head) pairs" in dict(choice.rejected)["sdpa"]
-
-
 def test_return_lse_on_the_cpu_runs_on_the_reference():
     """Red-team 2026-12-02, item 4: at 128+ positions auto picked flex, whose CPU kernel has no
     log-sum-exp (a BackendError wrapping torch's 'return_lse is not supported yet')."""

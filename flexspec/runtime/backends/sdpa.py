@@ -32,10 +32,6 @@ SMALLEST_SCALE = 1.1754943508222875e-38
 # step: they run SDPA without cuDNN (flexspec.workarounds: cudnn-decode-plans).
 DECODING_ROWS = 16
 _NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-# From this many (batch row, KV head) pairs, a decoding call on SDPA without cuDNN ran slower
-# than on FlexAttention's decoding kernel (docs/performance.md, "SDPA or FlexAttention for
-# decoding"), so auto passes over SDPA there.
-DECODING_PAIRS_TO_FLEX = 256
 
 
 class SdpaBackend(Backend):
@@ -57,15 +53,6 @@ class SdpaBackend(Backend):
         if form.causal and request.q_len != request.kv_len:
             return (f"SDPA's is_causal equals `causal` only when Q_LEN == KV_LEN, got "
                     f"{request.q_len} and {request.kv_len}")
-        return None
-
-    def auto_veto(self, request, spec):
-        pairs = request.batch * request.kv_heads
-        if request.device_type == "cuda" and request.q_len <= DECODING_ROWS \
-                and pairs >= DECODING_PAIRS_TO_FLEX:
-            return (f"a decoding call over {pairs} (batch row, KV head) pairs ran slower on "
-                    f"SDPA without cuDNN than on FlexAttention's decoding kernel from "
-                    f"{DECODING_PAIRS_TO_FLEX} on (docs/performance.md)")
         return None
 
     def prepare(self, plan, values):
