@@ -590,6 +590,34 @@ def test_sdpa_decoding_steps_leave_cudnn_out(monkeypatch):
     assert asked and torch.nn.attention.SDPBackend.CUDNN_ATTENTION not in asked[0]
 
 
+@pytest.mark.parametrize("batch, kv_heads, calls", [(20, 8, [16, 4]), (16, 8, [16]),
+                                                    (5, 32, [4, 1]), (3, 256, [1, 1, 1])])
+def test_sdpa_decoding_runs_in_runs_of_batch_rows(monkeypatch, batch, kv_heads, calls):
+    """On the H200 one SDPA decoding call (no cuDNN) over more than 128 (batch row, KV head)
+    pairs ran up to 1.8x slower than the same rows in runs of 128 pairs: a decoding call on
+    CUDA runs as one SDPA call per run. Checked on the CPU with a tensor that says it is on
+    CUDA, against the reference."""
+    from flexspec.runtime.backends import sdpa
+
+    seen = []
+    attend = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention",
+                        lambda q, *args, **kwargs: seen.append(q.shape[0]) or attend(
+                            q, *args, **kwargs))
+
+    class FakeCuda(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    attn = flexspec.compile("full", backend="sdpa")
+    q, k, v = Shape(batch, 2 * kv_heads, kv_heads, 1, 20, 8).qkv(0)
+    with torch.no_grad():
+        out = attn(q.as_subclass(FakeCuda), k, v)
+    assert seen == calls
+    torch.testing.assert_close(out.as_subclass(torch.Tensor), attn.reference(q, k, v))
+
+
 def test_return_lse_on_the_cpu_runs_on_the_reference():
     """Red-team 2026-12-02, item 4: at 128+ positions auto picked flex, whose CPU kernel has no
     log-sum-exp (a BackendError wrapping torch's 'return_lse is not supported yet')."""

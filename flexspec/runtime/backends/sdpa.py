@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import math
 
+import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -32,6 +33,10 @@ SMALLEST_SCALE = 1.1754943508222875e-38
 # step: they run SDPA without cuDNN (flexspec.workarounds: cudnn-decode-plans).
 DECODING_ROWS = 16
 _NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# A decoding call on CUDA runs as SDPA calls over runs of batch rows of at most this many
+# (batch row, KV head) pairs: without cuDNN, one call over more ran up to 1.8x slower than the
+# same rows in runs (docs/performance.md, "SDPA decoding in runs of batch rows").
+DECODING_PAIRS = 128
 
 
 class SdpaBackend(Backend):
@@ -67,14 +72,28 @@ class SdpaBackend(Backend):
         causal, scale, gqa = form.causal, base * form.factor, plan.gqa
         decoding = plan.request.q_len <= DECODING_ROWS
 
-        def launch(q, k, v):
-            if decoding and q.is_cuda:
-                with sdpa_kernel(_NOT_CUDNN):
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                                          enable_gqa=gqa)
+        def attend(q, k, v):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
                                                   enable_gqa=gqa)
+
+        def launch(q, k, v):
+            if not (decoding and q.is_cuda):
+                return attend(q, k, v)
+            with sdpa_kernel(_NOT_CUDNN):
+                rows = decoding_rows(q, k)
+                if rows is None:
+                    return attend(q, k, v)
+                return torch.cat([attend(q[start:start + rows], k[start:start + rows],
+                                         v[start:start + rows])
+                                  for start in range(0, q.shape[0], rows)])
         return launch
+
+
+def decoding_rows(q, k) -> int | None:
+    """How many batch rows each SDPA call of a decoding call takes (:data:`DECODING_PAIRS`
+    (batch row, KV head) pairs), or None where one call takes them all."""
+    rows = max(1, DECODING_PAIRS // k.shape[1])
+    return rows if q.shape[0] > rows else None
 
 
 BACKEND = SdpaBackend()
