@@ -25,6 +25,11 @@ and of q's gradient against flexspec's call on one GPU (relative to the largest 
     torchrun --standalone --nproc-per-node 2 benchmarks/context_parallel.py --lengths 131072
     torchrun --standalone --nproc-per-node 2 benchmarks/context_parallel.py --device cpu \
         --lengths 4096 8000 --heads 1 --dim 16     # gloo, float32: checks the script, not times
+    python benchmarks/context_parallel.py --one-device 2 --lengths 131072
+
+``--one-device RANKS`` needs no torchrun and one GPU: each rank's attention (its rows against the
+whole keys) runs in turn, timed alone, for each balancer; the 1-device time over the slowest
+rank's is the speed-up the ranks could reach with free communication.
 """
 
 from __future__ import annotations
@@ -254,6 +259,90 @@ def torch_cp_rows(length, q, k, v, grad, mask, reference, reference_dq, repeats,
     return rows
 
 
+def local_timed(step, repeats: int) -> float:
+    """The median over ``repeats`` of ``step``'s time on this device alone (two warm-ups)."""
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(repeats):
+        synchronize()
+        start = time.perf_counter()
+        step()
+        synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def one_device_rows(length, ranks, q, k, v, grad, doc_ids, repeats) -> list:
+    """``--one-device``: each rank's attention of each balancer run in turn on this device,
+    without collectives (a rank's rows against the whole keys, as ``ContextParallel`` runs
+    them: :meth:`flexspec.runtime.attention.Attention.at_rows`). ``(balancer, slowest rank ms,
+    fastest rank ms, 1-device ms / slowest, max/mean work, largest output error)``."""
+    attn = flexspec.compile(SPEC)
+    leaf = leaves(q, k, v)
+
+    def whole_step():
+        for t in leaf:
+            t.grad = None
+        attn(*leaf, doc_ids=doc_ids).backward(grad)
+
+    single = local_timed(whole_step, repeats)
+    reference = attn(q, k, v, doc_ids=doc_ids).detach()
+    work = balance.block_work(attn.block_mask(length, length, device=DEVICE,
+                                              doc_ids=doc_ids)).cpu()
+    blocks, at_rows = length // BLOCK, attn.at_rows()
+    rows = [("1 device", single, single, None, None, None)]
+    for name, assignment in (("flexspec", balance.balanced(work, ranks)),
+                             ("head_tail", balance.head_tail(blocks, ranks)),
+                             ("none", balance.contiguous(blocks, ranks))):
+        times, worst = [], 0.0
+        for own in assignment:
+            positions = (own.view(-1, 1) * BLOCK + torch.arange(BLOCK)).reshape(-1).to(DEVICE)
+            mine = leaves(q[:, :, positions], k, v)
+            mine_grad = grad[:, :, positions]
+
+            def step():
+                for t in mine:
+                    t.grad = None
+                at_rows(*mine, context_q_position=positions, doc_ids=doc_ids).backward(mine_grad)
+
+            times.append(local_timed(step, repeats))
+            out = at_rows(*mine, context_q_position=positions, doc_ids=doc_ids)
+            worst = max(worst, error(out, reference[:, :, positions]))
+        rows.append((name, max(times), min(times), single / max(times),
+                     balance.imbalance(work, assignment), worst))
+    return rows
+
+
+def one_device_table(length: int, ranks: int, rows: list) -> None:
+    for name, slowest, fastest, bound, work, worst in rows:
+        print(f"| {length} | {name} | {slowest:.1f} | {fastest:.1f} | {cell(bound, '.2f')} "
+              f"| {cell(work, '.3f')} | {cell(worst, '.1e')} |")
+
+
+def one_device(args) -> None:
+    """The ``--one-device`` run (see :func:`one_device_rows`), no process group."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    ranks = args.one_device
+    print(f"{SPEC}, B=1, H={args.heads}, D={args.dim}, forward+backward, {ranks} ranks' "
+          f"attention in turn on one device (no collectives), torch {torch.__version__}, "
+          f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU'}")
+    print("| tokens | balancer | slowest rank ms | fastest rank ms | speed-up bound "
+          "| max/mean work | out error |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for length in args.lengths:
+        if length % (2 * ranks * BLOCK):
+            print(f"| {length} | not a multiple of 2 x {ranks} ranks x {BLOCK}: skipped "
+                  "| | | | | |")
+            continue
+        generator = torch.Generator(device=DEVICE).manual_seed(length)
+        q, k, v, grad = (torch.randn(1, args.heads, length, args.dim, device=DEVICE,
+                                     dtype=dtype, generator=generator) for _ in range(4))
+        one_device_table(length, ranks, one_device_rows(
+            length, ranks, q, k, v, grad, doc_ids_for(length, DEVICE), args.repeats))
+        sys.stdout.flush()
+
+
 def cell(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
@@ -286,9 +375,14 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--one-device", type=int, metavar="RANKS",
+                        help="run each of RANKS ranks' attention in turn on one device, "
+                             "without torchrun or collectives")
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
+    if args.one_device:
+        return one_device(args)
     rank = int(os.environ["LOCAL_RANK"])
     if DEVICE == "cuda":
         torch.cuda.set_device(rank)

@@ -209,3 +209,26 @@ def test_context_parallel_benchmark_runs_its_rows_on_one_cpu_process(monkeypatch
         elif cells[7] != "-":
             assert float(cells[7]) < 1e-5, cells  # the output's error against one device
     torch._dynamo.reset()
+
+
+def test_context_parallel_benchmark_runs_each_rank_in_turn_on_one_device(monkeypatch, capsys):
+    """benchmarks/context_parallel.py --one-device: no process group; each balancer's ranks
+    run in turn, their rows equal to the single call's, and a length that head-tail cannot
+    split is skipped with the reason."""
+    spec = importlib.util.spec_from_file_location("benchmark_context_parallel_one",
+                                                  ROOT / "benchmarks" / "context_parallel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["context_parallel.py", "--device", "cpu", "--one-device",
+                                      "2", "--lengths", "1024", "1000", "--heads", "1",
+                                      "--dim", "16", "--repeats", "1"])
+    module.main()
+    out = capsys.readouterr().out
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]]
+            for line in out.splitlines() if line.startswith("| 1024 |")]
+    assert [cells[1] for cells in rows] == ["1 device", "flexspec", "head_tail", "none"]
+    for cells in rows[1:]:
+        assert float(cells[6]) < 1e-5, cells  # each rank's rows against the single call
+        assert float(cells[2]) >= float(cells[3]) > 0, cells
+    assert float(rows[1][5]) <= float(rows[3][5])  # flexspec's balance beats contiguous
+    assert "| 1000 | not a multiple of 2 x 2 ranks x 128: skipped" in out
