@@ -229,6 +229,11 @@ def test_rows_read_at_their_positions_are_rows_of_the_reference(case, data):
     torch.testing.assert_close(lse.double(), whole_lse[:, :, rows], atol=1e-5, rtol=1e-5)
 
 
+def test_rows_at_their_positions_refuse_a_spec_aligned_at_the_end():
+    with pytest.raises(flexspec.SpecError, match="aligned at the start"):
+        flexspec.compile("causal_bottom_right").at_rows()
+
+
 @FAST
 @given(cases(**ALL_KINDS), st.sampled_from([(16, 16), (32, 64), (128, 128)]))
 def test_counted_visible_pairs_equal_the_reference_mask(case, block):

@@ -302,6 +302,10 @@ class Attention:
         """This spec (aligned at the start) with query row ``i`` at the absolute position
         given by the int tensor binding ``context_q_position[i]``
         (:func:`flexspec.ir.rewrites.at_rows`), on the same backend and options; made once."""
+        if self._placement.default_offset:
+            raise SpecError(f"'{self.spec}' aligns its queries at the end of the keys: give "
+                            "each row's position to a spec aligned at the start (causal "
+                            "instead of causal_bottom_right)")
         if self._rows is None:
             self._rows = Attention(Spec(self.spec.expr, rewrites.at_rows(self.ir),
                                         self.spec.library),
