@@ -168,7 +168,9 @@ _TABLE = (
         "cudnn-decode-plans", "torch (cuDNN SDPA)", "torch 2.11.0+cu130, H200",
         "cuDNN builds a new plan for every new key length: about 60 ms per step of a growing "
         "cache",
-        "SDPA calls of at most 16 query rows (decoding) run without cuDNN",
+        "SDPA calls of at most 16 query rows (decoding) run without cuDNN, over runs of batch "
+        "rows of 128 (batch row, KV head) pairs (FlashAttention's SDPA over more ran up to "
+        "1.8x slower)",
         "tests/runtime/test_backends.py::test_sdpa_decoding_steps_leave_cudnn_out"),
     Workaround(
         "compiled-call-new-generation", "torch (dynamo, CUDA graph trees)",
