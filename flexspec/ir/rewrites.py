@@ -1,7 +1,7 @@
 """Rewrites of a whole spec's IR, each a pure ``AttentionIR -> AttentionIR`` function: where a
 call's queries stand (:func:`placed`, or row by row: :func:`at_rows`), a call's scale
-(:func:`scaled`), a jagged batch laid end to end (:func:`packed`), and a mask or a score modifier joined to a spec (:func:`join_mask`,
-:func:`join_score`). Also the one rule for where
+(:func:`scaled`), a jagged batch laid end to end (:func:`packed`), and a mask or a score
+modifier joined to a spec (:func:`join_mask`, :func:`join_score`). Also the one rule for where
 the rows of an end-aligned spec stand by default (:func:`default_offset`).
 
 The tensors these rewrites introduce are read like any binding, so a new offset, length or scale

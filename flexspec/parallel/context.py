@@ -7,8 +7,9 @@ and v. A call gathers every rank's keys and values with torch's autograd-aware a
 (``torch.distributed._functional_collectives``: gradients flow back to each rank's shard),
 puts them in sequence order, and runs one flexspec call over the local rows with each row read
 at its absolute position (:meth:`~flexspec.runtime.attention.Attention.at_rows`), so each
-rank's block mask covers its own rows only, however scattered its blocks are. The sequence is padded inside to a multiple of ``ranks x 128``; padded keys are
-masked (``kv_lengths``) and padded rows dropped by :meth:`ContextParallel.unshard`.
+rank's block mask covers its own rows only, however scattered its blocks are. The sequence is
+padded inside to a multiple of ``ranks x 128``; padded keys are masked (``kv_lengths``) and
+padded rows dropped by :meth:`ContextParallel.unshard`.
 
 Bindings that decide the structure (``doc_ids``) are whole when the plan is made: they
 choose the balance, and the keys of every rank read them. A rank may give its contiguous chunk

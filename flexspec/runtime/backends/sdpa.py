@@ -35,7 +35,7 @@ DECODING_ROWS = 16
 _NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # A decoding call on CUDA runs as SDPA calls over runs of batch rows of at most this many
 # (batch row, KV head) pairs: without cuDNN, one call over more ran up to 1.8x slower than the
-# same rows in runs (docs/performance.md, "SDPA decoding in runs of batch rows").
+# same rows in runs (docs/performance.md, "large batches, SDPA in runs of batch rows").
 DECODING_PAIRS = 128
 
 
