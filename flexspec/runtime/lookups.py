@@ -5,8 +5,10 @@ they read (:func:`check_lookups`), and :class:`LookupCheck` skips values checked
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
+import threading
 
 from flexspec import ir, limits
 from flexspec.errors import BindingError
@@ -14,6 +16,9 @@ from flexspec.ir import tensor_key
 from flexspec.ir.intervals import lookup_ranges
 from flexspec.kernels.evaluate import evaluate, index_grid
 from flexspec.runtime.identity import identity
+
+# Sets of values a plan's lookups were checked on, kept (see LookupCheck).
+CHECKED_KEPT = 8
 
 
 def shapes_key(values: dict) -> tuple:
@@ -78,25 +83,43 @@ def _index_range(index: ir.Expr, dims: list, values: dict, device) -> tuple:
 
 class LookupCheck:
     """The lookups of one plan that interval analysis could not prove in range, checked by
-    value: on the values of a call unless they are the very tensors checked last (the only
-    state a plan changes after it is made)."""
+    value: on the values of a call unless they are tensors checked already, unchanged (the
+    last :data:`CHECKED_KEPT` sets of them: calls that take turns, such as the runs of batch
+    rows of a wide decode call, are each checked once, not on every call, each check a host
+    read)."""
 
     def __init__(self, spec: ir.AttentionIR, sizes: dict, values: dict):
         """Proves what it can and checks the rest on ``values`` (those of the call that makes
         the plan)."""
         self.spec, self.sizes = spec, sizes
         self.unproven = unproven_lookups(spec, tuple(sorted(sizes.items())), shapes_key(values))
+        self._lock = threading.Lock()
+        # identities of checked values -> the values, kept alive so that no other tensor takes
+        # their memory (and identity)
+        self._checked: collections.OrderedDict = collections.OrderedDict()
         check_lookups(spec, sizes, values, self.unproven)
-        self._checked = self._identity(values)
+        self._keep(values)
 
     def __bool__(self) -> bool:
         return bool(self.unproven)
 
     def check(self, values: dict) -> None:
         found = self._identity(values)
-        if found != self._checked or None in found:  # an inference tensor: always checked
-            check_lookups(self.spec, self.sizes, values, self.unproven)
-            self._checked = found
+        with self._lock:
+            if None not in found and found in self._checked:  # None: an inference tensor
+                self._checked.move_to_end(found)
+                return
+        check_lookups(self.spec, self.sizes, values, self.unproven)
+        self._keep(values)
+
+    def _keep(self, values: dict) -> None:
+        found = self._identity(values)
+        if None in found:
+            return
+        with self._lock:
+            self._checked[found] = [values[tensor_key(t)] for t, _, _ in self.unproven]
+            if len(self._checked) > CHECKED_KEPT:
+                self._checked.popitem(last=False)
 
     def _identity(self, values: dict) -> tuple:
         return tuple(identity(values[tensor_key(t)]) for t, _, _ in self.unproven)

@@ -335,6 +335,13 @@ def test_lookups_are_checked_again_only_when_their_tensors_change(monkeypatch):
     with pytest.raises(BindingError, match=r"'group' is indexed by group\[q\]"):
         plan.lookups.check(plan.values({"group": other}))
     assert len(checks) == 2
+    # values that take turns (the runs of batch rows of a wide decode call) are checked once
+    # each: every check is a host read
+    third = torch.zeros(8, dtype=torch.int64)
+    for _ in range(3):
+        plan.lookups.check(plan.values({"group": group}))
+        plan.lookups.check(plan.values({"group": third}))
+    assert len(checks) == 3
     # a kernel plan whose score reads no binding gathers values only for such lookups
     q, k, v = qkv(B=1, Hq=1, Hkv=1, Q_LEN=128, KV_LEN=128, Dv=8)
     group = torch.zeros(128, dtype=torch.int64)
