@@ -17,7 +17,6 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexspec import ir
-from flexspec.ir import rewrites
 from flexspec.errors import BindingError, BindingTypeError, SpecError, did_you_mean
 from flexspec.kernels.lower import lower
 from flexspec.kernels.reference import dense_mask, reference_attention
@@ -293,26 +292,25 @@ class Attention:
     def _jagged(self) -> "Attention":
         """This spec rewritten for jagged batches (made on the first jagged call)."""
         if self._packed is None:
-            self._packed = Attention(packed_spec(self.spec), backend=self.backend,
-                                     block_size=self.block_size, block_masks=self.block_masks,
-                                     kernel_options=self.kernel_options, tuned=self.tuned)
+            self._packed = self._like(packed_spec(self.spec))
         return self._packed
 
     def at_rows(self) -> "Attention":
-        """This spec (aligned at the start) with query row ``i`` at the absolute position
-        given by the int tensor binding ``context_q_position[i]``
-        (:func:`flexspec.ir.rewrites.at_rows`), on the same backend and options; made once."""
+        """This spec with query row ``i`` at the position ``context_q_position[i]``, an int
+        binding (:func:`flexspec.ir.rewrites.at_rows`); same backend and options; made once."""
         if self._placement.default_offset:
-            raise SpecError(f"'{self.spec}' aligns its queries at the end of the keys: give "
-                            "each row's position to a spec aligned at the start (causal "
-                            "instead of causal_bottom_right)")
+            raise SpecError(f"'{self.spec}' aligns its queries at the end of the keys: write it "
+                            "aligned at the start (causal, not causal_bottom_right)")
         if self._rows is None:
-            self._rows = Attention(Spec(self.spec.expr, rewrites.at_rows(self.ir),
-                                        self.spec.library),
-                                   backend=self.backend, block_size=self.block_size,
-                                   block_masks=self.block_masks,
-                                   kernel_options=self.kernel_options, tuned=self.tuned)
+            self._rows = self._like(Spec(self.spec.expr, ir.rewrites.at_rows(self.ir),
+                                         self.spec.library))
         return self._rows
+
+    def _like(self, spec: Spec) -> "Attention":
+        """``spec`` on this one's backend, block size, block masks and kernel options."""
+        return Attention(spec, backend=self.backend, block_size=self.block_size,
+                         block_masks=self.block_masks, kernel_options=self.kernel_options,
+                         tuned=self.tuned)
 
     def tune(self, q, k, v, *, backward: bool = False, candidates: list | None = None,
              repeats: int = 10, scale=None, q_offset=None, kv_lengths=None, **bindings) -> Tuned:
