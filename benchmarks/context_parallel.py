@@ -88,20 +88,25 @@ def doc_ids_for(length: int, device) -> torch.Tensor:
     return ids[None].to(device)
 
 
-def timed(step, repeats: int) -> float:
-    """The median over ``repeats`` of the slowest rank's time of ``step`` (two warm-ups)."""
+def timed(step, repeats: int, ranks: bool = True) -> float:
+    """The median over ``repeats`` of ``step``'s time (two warm-ups): with ``ranks``, the
+    slowest rank's, each step starting after a barrier; else this device's alone."""
     for _ in range(2):
         step()
     times = []
     for _ in range(repeats):
         synchronize()
-        dist.barrier()
+        if ranks:
+            dist.barrier()
         start = time.perf_counter()
         step()
         synchronize()
-        elapsed = torch.tensor(time.perf_counter() - start, device=DEVICE)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(elapsed.item() * 1e3)
+        elapsed = time.perf_counter() - start
+        if ranks:
+            slowest = torch.tensor(elapsed, device=DEVICE)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            elapsed = slowest.item()
+        times.append(elapsed * 1e3)
     return statistics.median(times)
 
 
@@ -259,20 +264,6 @@ def torch_cp_rows(length, q, k, v, grad, mask, reference, reference_dq, repeats,
     return rows
 
 
-def local_timed(step, repeats: int) -> float:
-    """The median over ``repeats`` of ``step``'s time on this device alone (two warm-ups)."""
-    for _ in range(2):
-        step()
-    times = []
-    for _ in range(repeats):
-        synchronize()
-        start = time.perf_counter()
-        step()
-        synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def one_device_rows(length, ranks, q, k, v, grad, doc_ids, repeats) -> list:
     """``--one-device``: each rank's attention of each balancer run in turn on this device,
     without collectives (a rank's rows against the whole keys, as ``ContextParallel`` runs
@@ -286,7 +277,7 @@ def one_device_rows(length, ranks, q, k, v, grad, doc_ids, repeats) -> list:
             t.grad = None
         attn(*leaf, doc_ids=doc_ids).backward(grad)
 
-    single = local_timed(whole_step, repeats)
+    single = timed(whole_step, repeats, ranks=False)
     reference = attn(q, k, v, doc_ids=doc_ids).detach()
     work = balance.block_work(attn.block_mask(length, length, device=DEVICE,
                                               doc_ids=doc_ids)).cpu()
@@ -306,7 +297,7 @@ def one_device_rows(length, ranks, q, k, v, grad, doc_ids, repeats) -> list:
                     t.grad = None
                 at_rows(*mine, context_q_position=positions, doc_ids=doc_ids).backward(mine_grad)
 
-            times.append(local_timed(step, repeats))
+            times.append(timed(step, repeats, ranks=False))
             out = at_rows(*mine, context_q_position=positions, doc_ids=doc_ids)
             worst = max(worst, error(out, reference[:, :, positions]))
         rows.append((name, max(times), min(times), single / max(times),

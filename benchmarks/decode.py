@@ -123,17 +123,24 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
+def decode_inputs(batch: int, length: int, device="cuda") -> tuple:
+    """``(q, k, v)``, bf16, seeded: one new token's queries (HEADS heads) and a cache of
+    ``length`` positions (KV_HEADS heads)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    k = torch.randn(batch, KV_HEADS, length, DIM, device=device, dtype=torch.bfloat16,
+                    generator=generator)
+    v = torch.randn_like(k)
+    q = torch.randn(batch, HEADS, 1, DIM, device=device, dtype=torch.bfloat16,
+                    generator=generator)
+    return q, k, v
+
+
 def run(caches, batches, device="cuda", specs=SPECS) -> list:
     rows = []
     for length in caches:
         for batch in batches:
-            generator = torch.Generator(device=device).manual_seed(0)
             total = length + STEPS + 1
-            k = torch.randn(batch, KV_HEADS, total, DIM, device=device, dtype=torch.bfloat16,
-                            generator=generator)
-            v = torch.randn_like(k)
-            q = torch.randn(batch, HEADS, 1, DIM, device=device, dtype=torch.bfloat16,
-                            generator=generator)
+            q, k, v = decode_inputs(batch, total, device)
             ids = (torch.arange(total, device=device) * DOCUMENTS // total).expand(batch, total)
             ids = ids.contiguous()
             for text in specs:

@@ -1,7 +1,8 @@
 """Benchmark: which kernel decodes `causal` fastest as the batch grows, on a GPU.
 
-One new token at the end of a cache (Hq=32, Hkv=8, D=128, bf16), for each cache length and
-batch size, a warm call's time (``triton.testing.do_bench`` median, ms) of:
+One new token at the end of a cache (``benchmarks/decode.py``'s shapes: Hq=32, Hkv=8, D=128,
+bf16), for each cache length and batch size, a warm call's time (``triton.testing.do_bench``
+median, ms) of:
 
 * ``flexspec auto``: ``flexspec.compile("causal")`` with ``q_offset`` (the token sees every
   key, so it runs unmasked; on SDPA that is without cuDNN, in runs of batch rows, see
@@ -30,18 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flexspec  # noqa: E402
+from decode import BANDWIDTH, DIM, KV_HEADS, bench, decode_inputs  # noqa: E402
 
-HEADS, KV_HEADS, DIM = 32, 8, 128
-BANDWIDTH = 4.3e12  # bytes per second, the H200's HBM3e
 NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 COLUMNS = ("flexspec auto", "flexspec flex", "SDPA one call", "cuDNN")
-
-
-def bench(fn) -> float:
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
 def calls(q, k, v, length: int) -> dict:
@@ -64,12 +60,7 @@ def calls(q, k, v, length: int) -> dict:
 def measure(length: int, batch: int) -> dict:
     # a fresh dynamo cache for each: a second batch size would make the batch dynamic
     torch._dynamo.reset()
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    k = torch.randn(batch, KV_HEADS, length, DIM, device="cuda", dtype=torch.bfloat16,
-                    generator=generator)
-    v = torch.randn_like(k)
-    q = torch.randn(batch, HEADS, 1, DIM, device="cuda", dtype=torch.bfloat16,
-                    generator=generator)
+    q, k, v = decode_inputs(batch, length)
     want = flexspec.compile("causal").reference(q[:1], k[:1], v[:1], q_offset=length - 1)
     row = {"cache": length, "batch": batch,
            "floor": 2 * batch * KV_HEADS * length * DIM * 2 / BANDWIDTH * 1e3}

@@ -35,8 +35,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from decode import (DIM, DOCUMENTS, HEADS, KV_HEADS, SPECS, hand_mask, hand_score,  # noqa: E402
-                    visible_keys)
+from decode import (DIM, DOCUMENTS, KV_HEADS, SPECS, decode_inputs, hand_mask,  # noqa: E402
+                    hand_score, visible_keys)
 import flexspec  # noqa: E402
 from flexspec.kernels.block_tables import as_partial  # noqa: E402
 
@@ -169,12 +169,7 @@ def main(argv=None) -> int:
     rows = []
     for length in args.caches:
         for batch in args.batches:
-            generator = torch.Generator(device="cuda").manual_seed(0)
-            k = torch.randn(batch, KV_HEADS, length, DIM, device="cuda", dtype=torch.bfloat16,
-                            generator=generator)
-            v = torch.randn_like(k)
-            q = torch.randn(batch, HEADS, 1, DIM, device="cuda", dtype=torch.bfloat16,
-                            generator=generator)
+            q, k, v = decode_inputs(batch, length)
             ids = (torch.arange(length, device="cuda") * DOCUMENTS // length)
             ids = ids.expand(batch, length).contiguous()
             for text in args.specs.split(";"):
