@@ -5,9 +5,6 @@ their shapes."""
 
 from __future__ import annotations
 
-import collections
-import threading
-
 import torch
 
 from flexspec import ir
@@ -16,15 +13,14 @@ from flexspec.ir import tensor_key
 from flexspec.ir.specialize import broadcast_dims, declared_shape, specialize_ir
 from flexspec.kernels.tensors import add_leading_dims, init_learnable, prepare
 from flexspec.runtime.capture import in_graph_memory
-from flexspec.runtime.identity import identity
+from flexspec.runtime.identity import KeptByIdentity, identity
 
 # Strided bindings copied into contiguous memory, kept by the identity of the tensor given: a
 # caller that passes the same unchanged view again (doc_ids[:, :length] at every decode step)
 # gets the same copy, so the block-mask cache, keyed by identity, finds its mask instead of
 # building it anew on every call.
 _CONTIGUOUS_KEPT = 8
-_contiguous_lock = threading.Lock()
-_contiguous_kept: collections.OrderedDict = collections.OrderedDict()
+_contiguous_kept = KeptByIdentity(_CONTIGUOUS_KEPT)
 
 
 def shape_text(tensor: ir.Tensor, sizes: dict) -> str:
@@ -136,19 +132,11 @@ def contiguous(value: torch.Tensor) -> torch.Tensor:
     seen = None if value.requires_grad or in_graph_memory(value.device) else identity(value)
     if seen is None:
         return value.contiguous()
-    with _contiguous_lock:
-        kept = _contiguous_kept.get(seen)
-        if kept is not None:
-            _contiguous_kept.move_to_end(seen)
-            return kept[1]
-    with torch.inference_mode(False):  # it serves calls in every mode
-        copy = value.contiguous()
-    with _contiguous_lock:
-        # the entry keeps value alive, so that no other tensor takes its memory (and identity)
-        _contiguous_kept[seen] = (value, copy)
-        if len(_contiguous_kept) > _CONTIGUOUS_KEPT:
-            _contiguous_kept.popitem(last=False)
-    return copy
+
+    def copy():
+        with torch.inference_mode(False):  # it serves calls in every mode
+            return value.contiguous()
+    return _contiguous_kept.get(seen, value, copy)
 
 
 _SIZE_ARGUMENTS = {"B": "batch", "H": "heads", "Q_LEN": "q_len", "KV_LEN": "kv_len"}

@@ -1,7 +1,11 @@
-"""What the runtime's caches see of a tensor: its identity (memory, layout, version) and what
-dynamo's guards see of an argument (:func:`meta`)."""
+"""What the runtime's caches see of a tensor: its identity (memory, layout, version), the
+bounded memo of results kept by it (:class:`KeptByIdentity`), and what dynamo's guards see of
+an argument (:func:`meta`)."""
 
 from __future__ import annotations
+
+import collections
+import threading
 
 import torch
 
@@ -18,6 +22,33 @@ def identity(value: torch.Tensor) -> tuple | None:
         return None
     return (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
             tuple(value.stride()), value._version)
+
+
+class KeptByIdentity:
+    """The last ``size`` results made from tensors, by a key holding the tensors' identities:
+    a caller that passes the same unchanged tensors again gets the same result. An entry keeps
+    its tensors alive, so that no other tensor takes their memory (and identity) while it
+    exists. Safe to share between threads."""
+
+    def __init__(self, size: int):
+        self._size = size
+        self._lock = threading.Lock()
+        self._kept: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key: tuple, tensors, make):
+        """The result kept under ``key``, else ``make()``, kept with ``tensors`` (what ``key``
+        identifies). Nothing is kept when ``make`` raises."""
+        with self._lock:
+            kept = self._kept.get(key)
+            if kept is not None:
+                self._kept.move_to_end(key)
+                return kept[1]
+        result = make()
+        with self._lock:
+            self._kept[key] = (tensors, result)
+            if len(self._kept) > self._size:
+                self._kept.popitem(last=False)
+        return result
 
 
 def version(value: torch.Tensor) -> int | None:

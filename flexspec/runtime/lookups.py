@@ -5,17 +5,15 @@ they read (:func:`check_lookups`), and :class:`LookupCheck` skips values checked
 
 from __future__ import annotations
 
-import collections
 import functools
 import math
-import threading
 
 from flexspec import ir, limits
 from flexspec.errors import BindingError
 from flexspec.ir import tensor_key
 from flexspec.ir.intervals import lookup_ranges
 from flexspec.kernels.evaluate import evaluate, index_grid
-from flexspec.runtime.identity import identity
+from flexspec.runtime.identity import KeptByIdentity, identity
 
 # Sets of values a plan's lookups were checked on, kept (see LookupCheck).
 CHECKED_KEPT = 8
@@ -93,33 +91,20 @@ class LookupCheck:
         the plan)."""
         self.spec, self.sizes = spec, sizes
         self.unproven = unproven_lookups(spec, tuple(sorted(sizes.items())), shapes_key(values))
-        self._lock = threading.Lock()
-        # identities of checked values -> the values, kept alive so that no other tensor takes
-        # their memory (and identity)
-        self._checked: collections.OrderedDict = collections.OrderedDict()
-        check_lookups(spec, sizes, values, self.unproven)
-        self._keep(values)
+        # the sets of values checked, by identity (kept alive with them)
+        self._checked = KeptByIdentity(CHECKED_KEPT)
+        self.check(values)
 
     def __bool__(self) -> bool:
         return bool(self.unproven)
 
     def check(self, values: dict) -> None:
         found = self._identity(values)
-        with self._lock:
-            if None not in found and found in self._checked:  # None: an inference tensor
-                self._checked.move_to_end(found)
-                return
-        check_lookups(self.spec, self.sizes, values, self.unproven)
-        self._keep(values)
-
-    def _keep(self, values: dict) -> None:
-        found = self._identity(values)
-        if None in found:
+        if None in found:  # an inference tensor, whose changes cannot be seen: always checked
+            check_lookups(self.spec, self.sizes, values, self.unproven)
             return
-        with self._lock:
-            self._checked[found] = [values[tensor_key(t)] for t, _, _ in self.unproven]
-            if len(self._checked) > CHECKED_KEPT:
-                self._checked.popitem(last=False)
+        self._checked.get(found, [values[tensor_key(t)] for t, _, _ in self.unproven],
+                          lambda: check_lookups(self.spec, self.sizes, values, self.unproven))
 
     def _identity(self, values: dict) -> tuple:
         return tuple(identity(values[tensor_key(t)]) for t, _, _ in self.unproven)

@@ -21,11 +21,9 @@ then reads only that slice), and whether they provably see every key (then it ru
 
 from __future__ import annotations
 
-import collections
 import functools
 import math
 import numbers
-import threading
 
 import torch
 
@@ -39,7 +37,7 @@ from flexspec.limits import POSITION_LIMIT, check_position, kernel_int_dtype
 from flexspec.runtime.bindings import Tensors
 from flexspec.runtime.capture import in_graph_memory
 from flexspec.runtime.checks import as_device, check_qkv
-from flexspec.runtime.identity import identity
+from flexspec.runtime.identity import KeptByIdentity, identity
 
 # Ints given as q_offset are turned into tensors once per (value, device): the block-mask cache
 # then sees the same tensor when the same offset comes again.
@@ -264,8 +262,7 @@ def _bounded(value: torch.Tensor, low: int, high: int, name: str, allowed: str,
     return _clamped(value, low, high)
 
 
-_clamped_lock = threading.Lock()
-_clamped_kept: collections.OrderedDict = collections.OrderedDict()
+_clamped_kept = KeptByIdentity(_CLAMPED_KEPT)
 
 
 def _clamped(value: torch.Tensor, low: int, high: int) -> torch.Tensor:
@@ -276,20 +273,11 @@ def _clamped(value: torch.Tensor, low: int, high: int) -> torch.Tensor:
     seen = None if in_graph_memory(value.device) else identity(value)
     if seen is None:
         return value.clamp(low, high)
-    key = (seen, low, high)
-    with _clamped_lock:
-        kept = _clamped_kept.get(key)
-        if kept is not None:
-            _clamped_kept.move_to_end(key)
-            return kept[1]
-    with torch.inference_mode(False):  # it serves calls in every mode, as _int_tensor does
-        clamped = value.clamp(low, high)
-    with _clamped_lock:
-        # the entry keeps value alive, so that no other tensor takes its memory (and identity)
-        _clamped_kept[key] = (value, clamped)
-        if len(_clamped_kept) > _CLAMPED_KEPT:
-            _clamped_kept.popitem(last=False)
-    return clamped
+
+    def clamp():
+        with torch.inference_mode(False):  # it serves calls in every mode, as _int_tensor does
+            return value.clamp(low, high)
+    return _clamped_kept.get((seen, low, high), value, clamp)
 
 
 def _per_row(name: str, value, batch: int, device) -> torch.Tensor:

@@ -1,10 +1,12 @@
-"""runtime.identity: what the caches see of a tensor (its identity) and of an argument (meta)."""
+"""runtime.identity: what the caches see of a tensor (its identity), the memo kept by it, and
+what they see of an argument (meta)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from flexspec.runtime.identity import identity, meta
+from flexspec.runtime.identity import KeptByIdentity, identity, meta
 
 
 def test_the_identity_of_a_tensor_is_its_memory_layout_and_version():
@@ -28,3 +30,20 @@ def test_meta_is_what_guards_see_of_an_argument():
               t.clone().requires_grad_()]
     assert all(meta(other) != meta(t) for other in others)
     assert meta(3) == meta(4) == (int,) and meta(3.0) == (float,) and meta(None) == (type(None),)
+
+
+def test_the_memo_keeps_the_last_results_and_their_tensors_and_nothing_that_failed():
+    memo = KeptByIdentity(2)
+    tensors = [torch.tensor([n]) for n in range(3)]
+    made = [memo.get((identity(t),), t, lambda t=t: t * 10) for t in tensors[:2]]
+    assert memo.get((identity(tensors[0]),), tensors[0], lambda: "made again") is made[0]
+    memo.get((identity(tensors[2]),), tensors[2], lambda: tensors[2] * 10)
+    # the least recently used (tensors[1]) went
+    assert memo.get((identity(tensors[1]),), tensors[1], lambda: "made again") == "made again"
+    assert memo._kept[(identity(tensors[2]),)][0] is tensors[2]  # kept alive with its result
+
+    def refuse():
+        raise ValueError("refused")
+    for _ in range(2):  # a failure is not kept: the same key fails again
+        with pytest.raises(ValueError):
+            memo.get(("bad",), None, refuse)

@@ -571,7 +571,8 @@ def test_host_read_bounds_take_both_ends_and_refuse_one_past_either():
 @pytest.fixture
 def fresh_clamps(monkeypatch):
     from flexspec.runtime import positions
-    monkeypatch.setattr(positions, "_clamped_kept", type(positions._clamped_kept)())
+    monkeypatch.setattr(positions, "_clamped_kept",
+                        positions.KeptByIdentity(positions._CLAMPED_KEPT))
     return positions
 
 
