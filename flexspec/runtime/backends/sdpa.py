@@ -71,6 +71,7 @@ class SdpaBackend(Backend):
         base = 1.0 / math.sqrt(plan.request.head_dim) if scale is None else float(scale)
         causal, scale, gqa = form.causal, base * form.factor, plan.gqa
         decoding = plan.request.q_len <= DECODING_ROWS
+        rows = decoding_rows(plan.request.batch, plan.request.kv_heads)
 
         def attend(q, k, v):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
@@ -80,7 +81,6 @@ class SdpaBackend(Backend):
             if not (decoding and q.is_cuda):
                 return attend(q, k, v)
             with sdpa_kernel(_NOT_CUDNN):
-                rows = decoding_rows(q, k)
                 if rows is None:
                     return attend(q, k, v)
                 return torch.cat([attend(q[start:start + rows], k[start:start + rows],
@@ -89,11 +89,11 @@ class SdpaBackend(Backend):
         return launch
 
 
-def decoding_rows(q, k) -> int | None:
+def decoding_rows(batch: int, kv_heads: int) -> int | None:
     """How many batch rows each SDPA call of a decoding call takes (:data:`DECODING_PAIRS`
     (batch row, KV head) pairs), or None where one call takes them all."""
-    rows = max(1, DECODING_PAIRS // k.shape[1])
-    return rows if q.shape[0] > rows else None
+    rows = max(1, DECODING_PAIRS // kv_heads)
+    return rows if batch > rows else None
 
 
 BACKEND = SdpaBackend()
