@@ -76,7 +76,7 @@ class ContextParallel:
         gathered = torch.cat(assignment)
         self._restore = _rows(torch.argsort(gathered))
         self.rows = _rows(self.blocks)
-        self._kept: dict = {}  # device tensors made once (see _positions)
+        self._tensors: dict = {}  # device tensors made once (see _kept)
 
     @classmethod
     def from_chunks(cls, attn, seq_len: int, *, group=None, balance: str = "flexspec",
@@ -163,30 +163,24 @@ class ContextParallel:
                                    f"{self.rows.shape[0]}, D) (ContextParallel.shard), got "
                                    f"{_described(tensor)}")
         keys, values = self.gather(k), self.gather(v)
-        at_rows = self.attn.at_rows()
+        at_rows, batch, device = self.attn.at_rows(), q.shape[0], q.device
         placed = {}
         if self.padded != self.seq_len:
-            placed["kv_lengths"] = self._lengths(q.shape[0], q.device)
+            placed["kv_lengths"] = self._kept(
+                ("lengths", batch, device), lambda: torch.full((batch,), self.seq_len,
+                                                               device=device))
         if ROW_POSITION.name in at_rows.bindings:  # a spec that reads no q takes none
-            placed[ROW_POSITION.name] = self._positions(q.device)
+            placed[ROW_POSITION.name] = self._kept(("positions", device),
+                                                   lambda: self.rows.to(device))
         return at_rows(q, keys, values, scale=scale, return_lse=return_lse, **placed,
                        **self.bindings)
 
-    def _positions(self, device) -> torch.Tensor:
-        """This rank's row positions on ``device``, one tensor kept per device (the block-mask
-        cache knows a binding by its identity)."""
-        kept = self._kept.get(("positions", device))
+    def _kept(self, key: tuple, make) -> torch.Tensor:
+        """The tensor kept under ``key`` (``seq_len`` per batch row, this rank's row positions;
+        on a device), made once: the block-mask cache knows a binding by its identity."""
+        kept = self._tensors.get(key)
         if kept is None:
-            kept = self._kept[("positions", device)] = self.rows.to(device)
-        return kept
-
-    def _lengths(self, batch: int, device) -> torch.Tensor:
-        """``seq_len`` per batch row (the padded keys masked), one tensor kept per batch size
-        and device, as :meth:`_positions`."""
-        kept = self._kept.get(("lengths", batch, device))
-        if kept is None:
-            kept = self._kept[("lengths", batch, device)] = torch.full(
-                (batch,), self.seq_len, device=device)
+            kept = self._tensors[key] = make()
         return kept
 
 
