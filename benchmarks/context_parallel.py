@@ -115,6 +115,16 @@ def error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
+def step_of(tensors: list, run):
+    """A step: the gradients of ``tensors`` cleared, then ``run()`` (a forward and backward;
+    called at once by :func:`timed`, so it may read the caller's loop variables)."""
+    def step():
+        for tensor in tensors:
+            tensor.grad = None
+        run()
+    return step
+
+
 def leaves(*tensors):
     return [t.detach().clone().requires_grad_() for t in tensors]
 
@@ -124,12 +134,7 @@ def plain_rows(length, q, k, v, grad, doc_ids, repeats):
     attn = flexspec.compile(SPEC)
     leaf = leaves(q, k, v)
 
-    def flexspec_step():
-        for t in leaf:
-            t.grad = None
-        attn(*leaf, doc_ids=doc_ids).backward(grad)
-
-    ms = timed(flexspec_step, repeats)
+    ms = timed(step_of(leaf, lambda: attn(*leaf, doc_ids=doc_ids).backward(grad)), repeats)
     reference = attn(*leaf, doc_ids=doc_ids).detach()
     leaf[0].grad = None
     attn(*leaf, doc_ids=doc_ids).backward(grad)
@@ -151,12 +156,8 @@ def plain_rows(length, q, k, v, grad, doc_ids, repeats):
     plan_ms = (time.perf_counter() - start) * 1e3
     hand = flex_leaves(q, k, v)
 
-    def hand_step():
-        for t in hand:
-            t.grad = None
-        flex_backward(attend(*hand, block_mask=mask), grad)
-
-    ms = timed(hand_step, repeats)
+    ms = timed(step_of(hand, lambda: flex_backward(attend(*hand, block_mask=mask), grad)),
+               repeats)
     out = attend(*hand, block_mask=mask)
     rows.append(("1 GPU", "hand-written flex", ms, None, plan_ms,
                  error(out, reference), grad_error(hand[0], reference_dq)))
@@ -177,12 +178,7 @@ def flexspec_cp_rows(length, q, k, v, grad, doc_ids, reference, reference_dq, re
         shards = leaves(*(cp.shard(t) for t in (q, k, v)))
         grad_shard = cp.shard(grad)
 
-        def step():
-            for t in shards:
-                t.grad = None
-            cp(*shards).backward(grad_shard)
-
-        ms = timed(step, repeats)
+        ms = timed(step_of(shards, lambda: cp(*shards).backward(grad_shard)), repeats)
         out = cp.unshard(cp(*shards).detach())
         dq = cp.unshard(shards[0].grad)
         rows.append(("flexspec CP", balancer, ms, imbalance_of(cp, attn, doc_ids), plan_ms,
@@ -249,12 +245,8 @@ def torch_cp_rows(length, q, k, v, grad, mask, reference, reference_dq, repeats,
         grad_shard = shards.pop()
         shards = flex_leaves(*shards)
 
-        def step():
-            for t in shards:
-                t.grad = None
-            flex_backward(module(*shards, block_mask=shard_mask), grad_shard)
-
-        ms = timed(step, repeats)
+        ms = timed(step_of(shards, lambda: flex_backward(module(*shards, block_mask=shard_mask),
+                                                         grad_shard)), repeats)
         out = module(*shards, block_mask=shard_mask).detach()
         dq = shards[0].grad if shards[0].grad is not None else torch.zeros_like(out)
         out, dq = context_parallel_unshard(mesh, [out, dq], [2, 2], load_balancer=balancer)
@@ -272,12 +264,8 @@ def one_device_rows(length, ranks, q, k, v, grad, doc_ids, repeats) -> list:
     attn = flexspec.compile(SPEC)
     leaf = leaves(q, k, v)
 
-    def whole_step():
-        for t in leaf:
-            t.grad = None
-        attn(*leaf, doc_ids=doc_ids).backward(grad)
-
-    single = timed(whole_step, repeats, ranks=False)
+    single = timed(step_of(leaf, lambda: attn(*leaf, doc_ids=doc_ids).backward(grad)), repeats,
+                   ranks=False)
     reference = attn(q, k, v, doc_ids=doc_ids).detach()
     work = balance.block_work(attn.block_mask(length, length, device=DEVICE,
                                               doc_ids=doc_ids)).cpu()
@@ -291,13 +279,9 @@ def one_device_rows(length, ranks, q, k, v, grad, doc_ids, repeats) -> list:
             positions = (own.view(-1, 1) * BLOCK + torch.arange(BLOCK)).reshape(-1).to(DEVICE)
             mine = leaves(q[:, :, positions], k, v)
             mine_grad = grad[:, :, positions]
-
-            def step():
-                for t in mine:
-                    t.grad = None
-                at_rows(*mine, context_q_position=positions, doc_ids=doc_ids).backward(mine_grad)
-
-            times.append(timed(step, repeats, ranks=False))
+            times.append(timed(step_of(mine, lambda: at_rows(
+                *mine, context_q_position=positions, doc_ids=doc_ids).backward(mine_grad)),
+                repeats, ranks=False))
             out = at_rows(*mine, context_q_position=positions, doc_ids=doc_ids)
             worst = max(worst, error(out, reference[:, :, positions]))
         rows.append((name, max(times), min(times), single / max(times),
