@@ -6,8 +6,8 @@ The eager builder (:mod:`flexspec.kernels.blocks`) launches a few kernels per IR
 counts on the host (``nonzero``) to refine partial tiles, and chooses its table layout by size. On
 a GPU that is launch- and synchronisation-bound: milliseconds for a mask whose arithmetic takes
 microseconds. Here the same interval rules are fused by inductor into a few kernels, the tables are
-laid out by one stable sort per row (:func:`flexspec.kernels.block_tables.sorted_rows`), and nothing
-is read on the host, so a mask whose bindings change every step (fresh ``doc_ids``, decoding
+laid out by a stable partition of each row (:func:`flexspec.kernels.block_tables.sorted_rows`), and
+nothing is read on the host, so a mask whose bindings change every step (fresh ``doc_ids``, decoding
 positions) costs a few launches and can be captured in a CUDA graph.
 
 The classes are the intervals' alone (sound, not refined): a tile the analysis cannot decide
@@ -30,10 +30,10 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexspec import ir
-from flexspec.kernels.block_tables import (FULL, PARTIAL, from_tables, index_tables,
+from flexspec.kernels.block_tables import (EMPTY, FULL, PARTIAL, from_tables, index_tables,
                                            sorted_rows, tile_grid)
 from flexspec.kernels.blocks import tile_rows
-from flexspec.kernels.generations import call_compiled
+from flexspec.kernels.generations import FAST_GUARDS, call_with_settings
 from flexspec.limits import MAX_FUSED_TILES
 
 # The torch.compile backend of the programs ("eager" traces the same graph, dynamic lengths
@@ -49,11 +49,14 @@ def fits(sizes: dict, block: tuple, *, batch: int, heads: int) -> bool:
 
 
 def fused_block_mask(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, device, *,
-                     batch: int, heads: int, mask_mod=None, compiler: str = COMPILER) -> BlockMask:
+                     batch: int, heads: int, mask_mod=None, compiler: str = COMPILER,
+                     partial: bool = False) -> BlockMask:
     """The BlockMask of ``mask`` (an IR boolean specialized to the tensors' shapes) from the
     intervals alone, built by the mask's program, compiled with the torch.compile backend
-    ``compiler`` (see the module docstring)."""
-    program = _program(mask, tuple(block), batch, heads, str(device), compiler)
+    ``compiler`` (see the module docstring). With ``partial``, the forward-only form of
+    :func:`flexspec.kernels.block_tables.as_partial` (full tiles listed as partial ones, kv side
+    only), made inside the program rather than by a dozen launches after it."""
+    program = _program(mask, tuple(block), batch, heads, str(device), compiler, partial)
     read, named = _inputs(mask)
     reads = {key: tensors[key] for key in read}
     lengths = {name: int(sizes[name]) for name in ir.SIZE_VARS}
@@ -77,13 +80,16 @@ def _inputs(mask: ir.Expr) -> tuple:
 
 
 @functools.lru_cache(maxsize=256)
-def _program(mask: ir.Expr, block: tuple, batch: int, heads: int, device: str, compiler: str):
+def _program(mask: ir.Expr, block: tuple, batch: int, heads: int, device: str, compiler: str,
+             partial: bool = False):
     device = torch.device(device)
 
     def build(tensors: dict, sizes: dict) -> tuple:
         nq, nk = tile_grid(sizes, block)
         classes = tile_rows(mask, sizes, block, tensors, device, batch=batch, heads=heads,
                             start=0, stop=nq, nk=nk)
+        if partial:  # every visible tile listed as partial, in increasing order (as_partial)
+            return (*sorted_rows(classes != EMPTY), None, None, None, None, None, None)
         # like create_block_mask, a tile that runs past the end of the sequence is never FULL
         q_end = (torch.arange(nq, device=device) + 1) * block[0]
         kv_end = (torch.arange(nk, device=device) + 1) * block[1]
@@ -102,9 +108,10 @@ def _program(mask: ir.Expr, block: tuple, batch: int, heads: int, device: str, c
     def run(tensors: dict, sizes: dict) -> tuple:
         try:
             # a mask has no gradient; and dynamo guards on the grad mode, so a program called
-            # with and without it would compile twice
+            # with and without it would compile twice. Any call may compile (a new
+            # specialisation), and its guards are then built under FAST_GUARDS
             with torch.no_grad():
-                return call_compiled(compiled, tensors, sizes)
+                return call_with_settings(FAST_GUARDS, compiled, tensors, sizes)
         except Exception as error:  # noqa: BLE001 - narrowed below
             if not compile_error(error):
                 raise

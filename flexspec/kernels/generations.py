@@ -1,5 +1,6 @@
 """Calls of flexspec's own compiled functions (its FlexAttention entry points and block-mask
-programs) that leave CUDA graph trees' generation alone.
+programs): they leave CUDA graph trees' generation alone, and the calls that may compile run
+under dynamo settings of flexspec's own.
 
 Every entry into a ``torch.compile``d function from eager code counts, for torch's CUDA graph
 trees, as a new invocation of the user's compiled model (dynamo's ``GenerationTracker``). Inside
@@ -10,7 +11,22 @@ compiled-call-new-generation)."""
 
 from __future__ import annotations
 
+import threading
+
+import torch
 from torch._dynamo.mutation_guard import GenerationTracker
+
+# What dynamo builds the guards of flexspec's compiles with: the guards on symbolic lengths (a
+# growing cache's) checked in C++ rather than by a Python function, which took tens of
+# microseconds a call of a dynamic-length program on our CPU (docs/performance.md, "B=8 again,
+# and a growing cache's host time"). A torch without the setting keeps its default.
+FAST_GUARDS = {name: True for name in ("enable_cpp_symbolic_shape_guards",)
+               if hasattr(torch._dynamo.config, name)}
+
+# Held while dynamo's settings, which are process-wide, are changed around a call, so that two
+# threads never interleave their changes and restores; reentrant, as torch may compile a nested
+# function inside one.
+SETTINGS_LOCK = threading.RLock()
 
 
 def call_compiled(function, *args):
@@ -20,3 +36,17 @@ def call_compiled(function, *args):
         return function(*args)
     finally:
         GenerationTracker.generation = generation
+
+
+def call_with_settings(settings: dict, function, *args):
+    """:func:`call_compiled` with dynamo's ``settings`` in force (restored after)."""
+    config = torch._dynamo.config
+    with SETTINGS_LOCK:
+        before = {name: getattr(config, name) for name in settings}
+        for name, value in settings.items():
+            setattr(config, name, value)
+        try:
+            return call_compiled(function, *args)
+        finally:
+            for name, value in before.items():
+                setattr(config, name, value)

@@ -8,7 +8,6 @@ import contextlib
 import functools
 import itertools
 import linecache
-import threading
 
 import torch
 from torch.nn.attention.flex_attention import flex_attention
@@ -20,7 +19,7 @@ except ImportError:  # torch before return_aux
 
 from flexspec.errors import SpecError
 from flexspec.kernels import block_tables
-from flexspec.kernels.generations import call_compiled
+from flexspec.kernels.generations import FAST_GUARDS, call_with_settings
 from flexspec.kernels.lower import Lowered
 
 
@@ -71,9 +70,10 @@ def split_lse(result) -> tuple:
 
 
 # Dynamo settings for the calls that may compile: an error instead of a silent eager fallback at
-# the recompile limit (flexspec.workarounds: dynamo-recompile-fallback). Shapes are static on an entry's first compile and dynamic in the lengths
-# from its second on (see mark_lengths_dynamic): two compiles serve every length.
-COMPILE_SETTINGS = {"fail_on_recompile_limit_hit": True}
+# the recompile limit (flexspec.workarounds: dynamo-recompile-fallback), and guards on lengths
+# checked in C++ (FAST_GUARDS). Shapes are static on an entry's first compile and dynamic in the
+# lengths from its second on (see mark_lengths_dynamic): two compiles serve every length.
+COMPILE_SETTINGS = {"fail_on_recompile_limit_hit": True, **FAST_GUARDS}
 # Entries that have compiled, with the (Q_LEN, KV_LEN) of their first compile.
 _COMPILED: dict = {}
 
@@ -127,26 +127,12 @@ def run_compiled(entry, *args):
     scores). Calls of a warm plan skip this: dynamo's guards depend only on what the plan's key
     holds, so they cannot recompile.
 
-    dynamo's settings are process-wide: compiling calls take a lock, so that two threads'
-    first calls never interleave their changes of them (a thread's compile then waits for
+    dynamo's settings are process-wide: compiling calls take a lock while they are changed
+    (:func:`flexspec.kernels.generations.call_with_settings`; a thread's compile then waits for
     another's; later calls do not come here)."""
-    with _COMPILING:
-        return _run_with_settings(entry, args)
-
-
-# Held by a call that changes dynamo's settings (see run_compiled); reentrant, as torch may
-# compile a nested entry inside one.
-_COMPILING = threading.RLock()
-
-
-def _run_with_settings(entry, args: tuple):
-    config = torch._dynamo.config
-    before = {name: getattr(config, name) for name in COMPILE_SETTINGS}
-    for name, value in COMPILE_SETTINGS.items():
-        setattr(config, name, value)
     try:
         with _NO_GRAPH_BREAKS(True):
-            out = call_compiled(entry, *args)
+            out = call_with_settings(COMPILE_SETTINGS, entry, *args)
         _COMPILED.setdefault(entry, (args[0].shape[2], args[1].shape[2]))
         return out
     except Exception as err:  # dynamo's own exception type moves between torch versions
@@ -157,9 +143,6 @@ def _run_with_settings(entry, args: tuple):
                 "too many distinct shapes, dtypes or devices. Pad inputs to a few fixed lengths, "
                 "or raise torch._dynamo.config.recompile_limit") from err
         raise
-    finally:
-        for name, value in before.items():
-            setattr(config, name, value)
 
 
 def first_line(err: Exception) -> str:

@@ -212,7 +212,7 @@ class BlockMasks:
                            f"(its first build compiles)") if first else contextlib.nullcontext():
                     block_mask = fused_blocks.fused_block_mask(
                         spec.mask, sizes, self.block_size, values, device, batch=key.batch,
-                        heads=key.heads, mask_mod=mask_mod)
+                        heads=key.heads, mask_mod=mask_mod, partial=key.partial)
             except fused_blocks.Untraceable as error:
                 if captured:
                     # compiling inside a capture can fail where it works outside (inductor

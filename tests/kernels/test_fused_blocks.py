@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 
 import flexspec
 from flexspec.kernels import fused_blocks
-from flexspec.kernels.block_tables import to_block_mask
+from flexspec.kernels.block_tables import as_partial, to_block_mask
 from flexspec.testing import Shape, slow_examples
 
 
@@ -121,3 +121,19 @@ def test_a_call_and_attention_block_mask_share_one_program(text):
     else:
         assert_same_block_mask(built[0], built[1], text)
         assert graphs == 1
+
+
+@FEW_TRACES
+@given(cases())
+def test_the_partial_form_made_in_the_program_is_as_partial_of_the_full_one(case):
+    mask_mod, _ = case.mods()
+    made = fused_blocks.fused_block_mask(case.ir.mask, case.sizes, case.block, case.values, CPU,
+                                         batch=case.batch, heads=case.heads, mask_mod=mask_mod,
+                                         compiler="eager", partial=True)
+    expected = as_partial(fused(case))
+    assert made.full_kv_num_blocks is None and made.q_num_blocks is None, case
+    counts = expected.kv_num_blocks
+    assert torch.equal(made.kv_num_blocks, counts), case
+    listed = torch.arange(made.kv_indices.shape[-1]) < counts.unsqueeze(-1)
+    # the listed tiles, in order; what follows a row's count is never read
+    assert torch.equal(made.kv_indices[listed], expected.kv_indices[listed]), case

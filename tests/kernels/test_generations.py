@@ -1,10 +1,15 @@
 """kernels.generations: a call of a compiled function that leaves CUDA graph trees' generation
-alone (flexspec.workarounds: compiled-call-new-generation)."""
+alone (flexspec.workarounds: compiled-call-new-generation), and dynamo settings in force around
+a call that may compile."""
 
+import pytest
 import torch
 from torch._dynamo.mutation_guard import GenerationTracker
 
-from flexspec.kernels.generations import call_compiled
+import flexspec
+from flexspec import ir
+from flexspec.kernels import fused_blocks
+from flexspec.kernels.generations import FAST_GUARDS, call_compiled, call_with_settings
 
 
 def test_a_compiled_call_keeps_the_generation_a_plain_call_moves():
@@ -32,3 +37,37 @@ def test_the_generation_is_kept_when_the_call_raises():
     except Exception:  # noqa: BLE001 - dynamo may wrap the error
         pass
     assert GenerationTracker.generation == before
+
+
+def test_settings_are_in_force_during_the_call_and_restored_after_it_even_when_it_raises():
+    config = torch._dynamo.config
+    before = config.recompile_limit
+    seen = []
+    assert call_with_settings({"recompile_limit": before + 3},
+                              lambda x: seen.append(config.recompile_limit) or x, 5) == 5
+    assert seen == [before + 3] and config.recompile_limit == before
+
+    def fails():
+        raise ValueError("no")
+
+    with pytest.raises(ValueError):
+        call_with_settings({"recompile_limit": before + 3}, fails)
+    assert config.recompile_limit == before
+
+
+@pytest.mark.skipif(not FAST_GUARDS, reason="this torch has no C++ symbolic-shape guards")
+def test_block_mask_programs_compile_with_their_length_guards_in_cpp():
+    seen = []
+
+    def spy(graph, example_inputs):
+        seen.append(torch._dynamo.config.enable_cpp_symbolic_shape_guards)
+        return graph.forward
+
+    spec = flexspec.compile("causal & key_padding")
+    mask = spec._calls.ir.mask
+    valid = torch.ones(2, 300, dtype=torch.bool)
+    fused_blocks.fused_block_mask(mask, {"B": 2, "H": 1, "Q_LEN": 300, "KV_LEN": 300},
+                                  (128, 128), {key: valid for key in ir.tensor_keys(mask)},
+                                  torch.device("cpu"), batch=2, heads=1, compiler=spy)
+    assert seen == [True]
+    assert torch._dynamo.config.enable_cpp_symbolic_shape_guards is False

@@ -16,7 +16,7 @@ from torch.nn.attention.flex_attention import create_mask
 import flexspec
 from flexspec import BindingError, ir, limits
 from flexspec.kernels import fused_blocks
-from flexspec.kernels.block_tables import EMPTY, FULL, PARTIAL, tile_classes
+from flexspec.kernels.block_tables import EMPTY, FULL, PARTIAL, as_partial, tile_classes
 from flexspec.lang.library import load_text
 from flexspec.runtime import masks
 from flexspec.runtime.masks import BlockMasks, mask_extent
@@ -274,12 +274,14 @@ class FusedProgram:
         monkeypatch.setattr(masks, "FUSED_DEVICES", frozenset({"cpu"}))
         monkeypatch.setattr(fused_blocks, "fused_block_mask", self)
 
-    def __call__(self, mask, sizes, block, tensors, device, *, batch, heads, mask_mod):
+    def __call__(self, mask, sizes, block, tensors, device, *, batch, heads, mask_mod,
+                 partial=False):
         self.calls.append(mask)
         if self.fail:
             raise fused_blocks.Untraceable("cannot trace")
-        return masks.build_block_mask(mask, sizes, block, tensors, device, batch=batch,
-                                      heads=heads, mask_mod=mask_mod, exact=False)
+        built = masks.build_block_mask(mask, sizes, block, tensors, device, batch=batch,
+                                       heads=heads, mask_mod=mask_mod, exact=False)
+        return as_partial(built) if partial else built
 
 
 def test_masks_that_read_tensors_take_the_fused_builder_on_its_devices(monkeypatch):
