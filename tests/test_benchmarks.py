@@ -125,8 +125,9 @@ def test_the_block_mask_host_benchmark_runs_on_the_cpu(monkeypatch, capsys):
 
 
 def test_generate_benchmark_runs_its_models_small_on_the_cpu(monkeypatch):
-    """benchmarks/generate.py, shrunk: every attention and mode it times generates tokens, and
-    flexspec's float32 tokens equal sdpa's."""
+    """benchmarks/generate.py, shrunk: every attention and mode it times generates tokens,
+    flexspec's float32 tokens equal sdpa's, and each timed call starts with no plan kept (as a
+    new batch of prompts would)."""
     pytest.importorskip("transformers")
     spec = importlib.util.spec_from_file_location("benchmark_generate",
                                                   ROOT / "benchmarks" / "generate.py")
@@ -147,6 +148,14 @@ def test_generate_benchmark_runs_its_models_small_on_the_cpu(monkeypatch):
     device = torch.device("cpu")
     ids, mask = generate.prompts(device)
     assert (mask.sum(-1) >= 9).all() and (mask[:, -1] == 1).all()  # left padding
+    kept_at_start = []
+    real_generate = generate.generate
+
+    def generate_counting_plans(*args):
+        kept_at_start.append(sum(len(attn._calls.plans.values()) for attn in
+                                 integration._REGISTERED["flexspec"]._compiled.values()))
+        return real_generate(*args)
+    monkeypatch.setattr(generate, "generate", generate_counting_plans)
     for kind in ("llama", "mistral"):
         for mode in ("dynamic", "static"):
             rows = {name: generate.measure(kind, name, mode, ids, mask, 4, device)
@@ -155,6 +164,8 @@ def test_generate_benchmark_runs_its_models_small_on_the_cpu(monkeypatch):
                 assert isinstance(row["ms/token"], float), row["ms/token"]
                 assert row["tokens"].shape == (2, 4)
             assert torch.equal(rows["flexspec"]["tokens"], rows["sdpa"]["tokens"]), (kind, mode)
+            # flexspec's four calls: a warm one of each length, then the two timed ones
+            assert kept_at_start[-2:] == [0, 0] and kept_at_start[-4] == 0 < kept_at_start[-3]
 
 
 @pytest.mark.slow
