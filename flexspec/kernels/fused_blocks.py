@@ -109,9 +109,10 @@ def _program(mask: ir.Expr, block: tuple, batch: int, heads: int, device: str, c
         try:
             # a mask has no gradient; and dynamo guards on the grad mode, so a program called
             # with and without it would compile twice. Any call may compile (a new
-            # specialisation), and its guards are then built under FAST_GUARDS
+            # specialisation), and its guards are then built under FAST_GUARDS, unless another
+            # thread is compiling (a step's mask does not wait seconds for its lock)
             with torch.no_grad():
-                return call_with_settings(FAST_GUARDS, compiled, tensors, sizes)
+                return call_with_settings(FAST_GUARDS, compiled, tensors, sizes, wait=False)
         except Exception as error:  # noqa: BLE001 - narrowed below
             if not compile_error(error):
                 raise

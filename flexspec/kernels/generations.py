@@ -23,9 +23,9 @@ from torch._dynamo.mutation_guard import GenerationTracker
 FAST_GUARDS = {name: True for name in ("enable_cpp_symbolic_shape_guards",)
                if hasattr(torch._dynamo.config, name)}
 
-# Held while dynamo's settings, which are process-wide, are changed around a call, so that two
-# threads never interleave their changes and restores; reentrant, as torch may compile a nested
-# function inside one.
+# Held while dynamo's settings are changed around a call: where torch keeps them process-wide
+# (some versions do, others per thread), two threads then never interleave their changes and
+# restores; reentrant, as torch may compile a nested function inside one.
 SETTINGS_LOCK = threading.RLock()
 
 
@@ -38,10 +38,15 @@ def call_compiled(function, *args):
         GenerationTracker.generation = generation
 
 
-def call_with_settings(settings: dict, function, *args):
-    """:func:`call_compiled` with dynamo's ``settings`` in force (restored after)."""
+def call_with_settings(settings: dict, function, *args, wait: bool = True):
+    """:func:`call_compiled` with dynamo's ``settings`` in force (restored after). With
+    ``wait=False``, a call made while another thread holds the settings runs at once as it is,
+    without them (for settings that change how fast a compile's code runs, never what it
+    computes), rather than wait for that thread's compile to end."""
+    if not SETTINGS_LOCK.acquire(blocking=wait):
+        return call_compiled(function, *args)
     config = torch._dynamo.config
-    with SETTINGS_LOCK:
+    try:
         before = {name: getattr(config, name) for name in settings}
         for name, value in settings.items():
             setattr(config, name, value)
@@ -50,3 +55,5 @@ def call_with_settings(settings: dict, function, *args):
         finally:
             for name, value in before.items():
                 setattr(config, name, value)
+    finally:
+        SETTINGS_LOCK.release()

@@ -127,7 +127,7 @@ def run_compiled(entry, *args):
     scores). Calls of a warm plan skip this: dynamo's guards depend only on what the plan's key
     holds, so they cannot recompile.
 
-    dynamo's settings are process-wide: compiling calls take a lock while they are changed
+    dynamo's settings may be process-wide: compiling calls take a lock while they are changed
     (:func:`flexspec.kernels.generations.call_with_settings`; a thread's compile then waits for
     another's; later calls do not come here)."""
     try:

@@ -2,6 +2,8 @@
 alone (flexspec.workarounds: compiled-call-new-generation), and dynamo settings in force around
 a call that may compile."""
 
+import threading
+
 import pytest
 import torch
 from torch._dynamo.mutation_guard import GenerationTracker
@@ -71,3 +73,29 @@ def test_block_mask_programs_compile_with_their_length_guards_in_cpp():
                                   torch.device("cpu"), batch=2, heads=1, compiler=spy)
     assert seen == [True]
     assert torch._dynamo.config.enable_cpp_symbolic_shape_guards == before
+
+
+def test_a_call_that_need_not_wait_runs_without_the_settings_while_another_thread_holds_them():
+    config = torch._dynamo.config
+    before = config.recompile_limit
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        call_with_settings({"recompile_limit": before + 5},
+                           lambda: holding.set() or release.wait(10))
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        # this call does not wait, and runs without its own settings: it sees the other
+        # thread's (where torch's settings are process-wide) or none (where they are per thread)
+        seen = call_with_settings({"recompile_limit": before + 3},
+                                  lambda: config.recompile_limit, wait=False)
+        assert seen in (before, before + 5)
+    finally:
+        release.set()
+        holder.join()
+    assert config.recompile_limit == before
+    assert call_with_settings({"recompile_limit": before + 3},
+                              lambda: config.recompile_limit, wait=False) == before + 3
