@@ -34,8 +34,20 @@ _entry_counter = itertools.count(1)
 def compiled_entry(lowered: Lowered, purpose: str = "call"):
     """A compiled ``flex_attention`` call whose code object belongs to this spec alone, so each
     spec has its own dynamo cache and recompile budget (and each ``purpose`` of it: the reads
-    of a paged cache compile apart from the plain calls)."""
+    of a paged cache compile apart from the plain calls).
+
+    Where a length is dynamic, a stride that does not follow from the sizes (keys viewed in a
+    longer cache, ``cache[:, :, :n]``) is a symbol of its own, which inductor cannot prove a
+    multiple of 16, and the kernel then loads unaligned (three times slower). The entry states
+    the multiple where the stride has it (a guard, so another stride compiles anew)."""
     text = ("def run(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, lse):\n"
+            # flexspec.workarounds: dynamic-stride-alignment
+            "    for tensor in (q, k, v):\n"
+            "        for dim in range(3):\n"
+            "            stride = tensor.stride(dim)\n"
+            "            if stride != tensor.size(dim + 1) * tensor.stride(dim + 1) \\\n"
+            "                    and stride % 16 == 0:\n"
+            "                torch._check(stride % 16 == 0)\n"
             "    if lse is None:\n"
             "        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,\n"
             "                              scale=scale, enable_gqa=enable_gqa,\n"
@@ -45,7 +57,7 @@ def compiled_entry(lowered: Lowered, purpose: str = "call"):
             "                          kernel_options=kernel_options, **lse)\n")
     filename = f"<flexspec-entry-{next(_entry_counter)}>"
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
-    namespace = {"flex_attention": flex_attention}
+    namespace = {"flex_attention": flex_attention, "torch": torch}
     exec(compile(text, filename, "exec"), namespace)
     # Neither dynamic=False nor fullgraph=True: both cost work around every call (see
     # docs/performance.md#why-the-backend-rules-are-what-they-are); run_compiled asks for the
@@ -147,8 +159,12 @@ def run_compiled(entry, *args):
 
 def first_line(err: Exception) -> str:
     """The gist of a compile error: its first lines that say something (inductor's start with
-    "backend='inductor' raised:" and a banner)."""
+    "backend='inductor' raised:" and a banner), or the C++ compiler's first error where the
+    generated code did not compile (the first lines are then a command)."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip().strip("=")]
     lines = [line for line in lines if not line.endswith("raised:")]
     text = " ".join(lines[:2]) if lines else type(err).__name__
+    compiler = [line.split(" error: ", 1)[1] for line in lines if " error: " in line]
+    if "CppCompileError" in text and compiler:
+        text = f"CppCompileError: {compiler[0]}"
     return text if len(text) <= 200 else text[:197] + "..."

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
 import threading
 from dataclasses import dataclass
 from typing import Literal
@@ -39,6 +40,9 @@ BLOCK_MASK_CACHE_SIZE = 32
 BLOCK_MASK_CACHE_BYTES = 256 * 1024**2
 # New masks wait in a probation area this small until they are asked for a second time.
 PROBATION_SIZE = 2
+# Tokens kept for masks at given sizes, the oldest out first: a growing cache asks for a new
+# one at every length, and a process that serves for days must not keep them all.
+TOKENS_KEPT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,9 +50,10 @@ class MaskKey:
     """A mask at given sizes and device, in one dialect of the lowering: a small int ``token``
     standing for them (so hot paths never hash the IR), its batch and head extents, the keys of
     the tensors it reads, the dialect of the ``mask_mod`` its block masks carry (the one
-    the kernel reading them compiles inside partial tiles), and whether its block masks list
+    the kernel reading them compiles inside partial tiles), whether its block masks list
     full tiles as partial ones, for a forward pass on FlexAttention's decoding kernel
-    (:func:`flexspec.kernels.block_tables.as_partial`)."""
+    (:func:`flexspec.kernels.block_tables.as_partial`), and a ``mask_id`` standing for the
+    mask at every size."""
 
     token: int
     batch: int
@@ -56,6 +61,8 @@ class MaskKey:
     reads: tuple
     dialect: str = "torch"
     partial: bool = False
+    # the same mask at every size: what is learnt about its program holds for all of them
+    mask_id: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,7 +118,9 @@ class BlockMasks:
     def __init__(self, mode: BlockMaskMode, block_size: tuple):
         self.mode = mode
         self.block_size = block_size
-        self._tokens: dict = {}
+        self._tokens: collections.OrderedDict = collections.OrderedDict()
+        self._counter = itertools.count()  # a token is never given twice
+        self._mask_ids: dict = {}  # (mask, extents, device, dialect) -> id, sizes left out
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._bytes = 0
         # a new mask waits here until it is asked for again, and only then enters the cache:
@@ -121,8 +130,8 @@ class BlockMasks:
         # calls from several threads share the cache: its bookkeeping is one step at a time (a
         # mask is built outside the lock; two threads may build the same one, harmlessly)
         self._lock = threading.Lock()
-        self._untraceable: set = set()  # tokens of masks the fused program could not trace
-        self._built_once: set = set()  # tokens of masks the fused program has built
+        self._untraceable: set = set()  # mask ids the fused program could not trace
+        self._built_once: set = set()  # mask ids the fused program has built
 
     def key(self, spec: ir.AttentionIR, sizes: dict, device, dialect: str = "torch",
             partial: bool = False) -> MaskKey:
@@ -132,11 +141,18 @@ class BlockMasks:
         batch, heads, reads = mask_extent(spec.mask, sizes)
         full = (spec.mask, batch, heads, sizes["Q_LEN"], sizes["KV_LEN"], str(device), dialect,
                 partial)
-        token = self._tokens.get(full)
-        if token is None:
+        found = self._tokens.get(full)
+        if found is None:
             with self._lock:
-                token = self._tokens.setdefault(full, len(self._tokens))
-        return MaskKey(token, batch, heads, tuple(sorted(reads)), dialect, partial)
+                found = self._tokens.get(full)
+                if found is None:
+                    mask = full[:3] + full[5:7]
+                    mask_id = self._mask_ids.setdefault(mask, len(self._mask_ids))
+                    found = self._tokens[full] = (next(self._counter), mask_id)
+                    if len(self._tokens) > TOKENS_KEPT:
+                        self._tokens.popitem(last=False)
+        token, mask_id = found
+        return MaskKey(token, batch, heads, tuple(sorted(reads)), dialect, partial, mask_id)
 
     def bind(self, spec: ir.AttentionIR, sizes: dict, device, dialect: str = "torch",
              partial: bool = False) -> BoundMasks:
@@ -151,7 +167,7 @@ class BlockMasks:
         builder's launches and host synchronisations would cost more than the kernel, and for
         every mask in ``intervals`` mode. Masks that read no tensor are built once and refined."""
         return (device.type in FUSED_DEVICES and self.mode != "dense"
-                and key.token not in self._untraceable
+                and key.mask_id not in self._untraceable
                 and (bool(key.reads) or self.mode == "intervals")
                 and fused_blocks.fits(sizes, self.block_size, batch=key.batch, heads=key.heads))
 
@@ -205,8 +221,8 @@ class BlockMasks:
                                            sizes["Q_LEN"], sizes["KV_LEN"], device=device,
                                            BLOCK_SIZE=self.block_size)
         elif self._fused(key, sizes, device):
-            first = key.token not in self._built_once
-            self._built_once.add(key.token)
+            first = key.mask_id not in self._built_once
+            self._built_once.add(key.mask_id)
             try:
                 with timed(f"building the block-mask program of '{ir.to_text(spec.mask)}' "
                            f"(its first build compiles)") if first else contextlib.nullcontext():
@@ -219,7 +235,7 @@ class BlockMasks:
                     # runs kernels while it compiles): not a reason to give up the program
                     raise BindingError(self._compiled_in_capture(error)) from error
                 # the eager builder runs every mask; this one will not be traced again
-                self._untraceable.add(key.token)
+                self._untraceable.add(key.mask_id)
                 return self._built(spec, sizes, values, device, key, captured)
         else:
             if captured:
@@ -232,7 +248,7 @@ class BlockMasks:
     def _not_capturable(self, key: MaskKey, sizes: dict) -> str:
         """Why a mask that reads tensors cannot be built inside a CUDA graph capture: only the
         compiled program (fused_blocks) builds without reading the device from the host."""
-        if key.token in self._untraceable:
+        if key.mask_id in self._untraceable:
             why = "torch.compile could not trace its block-mask program"
         else:
             nq, nk = tile_grid(sizes, self.block_size)

@@ -500,19 +500,30 @@ def test_a_compile_torch_gives_up_on_is_a_flexspec_error(monkeypatch):
     # no raw dynamo or inductor exception reaches the caller: simulated with the error dynamo
     # raised for a NaN compared with a symbolic length (before the simplifier folded it)
     from torch._dynamo.exc import TorchRuntimeError
-    from flexspec.runtime import compiled
+    from flexspec.runtime import compiled, plan as planning
 
     def fail(entry, *args):
         raise TorchRuntimeError("RuntimeError when making fake tensor call\n  Explanation: "
                                 "Invalid NaN comparison")
     monkeypatch.setattr(compiled, "run_compiled", fail)
-    attn = flexspec.compile("causal & window(8)")
+    monkeypatch.setattr(planning, "FAILURES", planning.Failures())  # this test's alone
+    attn = flexspec.compile("causal & window(8)", backend="flex")
     q, k, v = Shape(1, 2, 2, 200, 200, 8).qkv(seed=0)
     with pytest.raises(BackendError, match=r"backend 'flex' could not compile this spec: "
                                            r"torch.compile failed \(RuntimeError when making "
                                            r"fake tensor call Explanation: Invalid NaN") as info:
         attn(q, k, v)
     assert "backend='reference' computes it" in str(info.value)
+    # under auto, the call runs on the next backend that can, and says so
+    auto = flexspec.compile("causal & window(10)")
+    with pytest.warns(UserWarning, match=r"backend 'flex' could not compile 'causal & "
+                                         r"window\(10\)' \(torch.compile failed \(RuntimeError "
+                                         r"when making fake tensor call.*\); running it on "):
+        out = auto(q, k, v)
+    torch.testing.assert_close(out, auto.reference(q, k, v), atol=2e-5, rtol=1e-5)
+    (plan,) = auto._calls.plans.values()
+    assert plan.backend.name != "flex"
+    assert "failed to compile this spec before" in dict(plan.choice.rejected)["flex"]
     # other errors pass through as they are
     monkeypatch.setattr(compiled, "run_compiled", lambda entry, *args: 1 / 0)
     with pytest.raises(ZeroDivisionError):

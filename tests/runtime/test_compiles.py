@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 import flexspec
 from flexspec.kernels import fused_blocks
 from flexspec.runtime import masks
+from flexspec.runtime.contract import BackendError
 from flexspec.testing import Shape
 
 # Lengths that are not multiples of 128, crossing block boundaries both ways.
@@ -147,3 +148,76 @@ def test_a_mask_its_program_cannot_trace_falls_back_to_the_eager_builder(monkeyp
                                        attn.reference(q, k, v, doc_ids=ids),
                                        rtol=1e-4, atol=1e-4)
     assert len(tried) == 1  # remembered: not traced again
+
+
+@pytest.mark.parametrize("head_stride, known", [(16 * 1201, True), (16 * 1201 + 8, False)])
+def test_a_cache_strided_by_a_multiple_of_16_is_known_to_be_when_lengths_turn_dynamic(
+        head_stride, known):
+    """Keys whose head stride does not follow from their length (a longer cache's rows) get a
+    symbol of their own once lengths are dynamic: the entry states that it is a multiple of 16
+    where it is one, so inductor's kernels load aligned (flexspec.workarounds:
+    dynamic-stride-alignment). Read off the graph dynamo hands its backend."""
+    from torch._inductor.sizevars import SizeVarAllocator
+    from flexspec.kernels.lower import lower
+    from flexspec.runtime import compiled
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            value = node.meta.get("example_value")
+            if node.op == "placeholder" and isinstance(value, torch.Tensor) \
+                    and value.dim() == 4 and value.shape[2] != 4:  # the keys and values
+                stride = value.stride(1)
+                if isinstance(stride, torch.SymInt):
+                    shapes = SizeVarAllocator(stride.node.shape_env)
+                    seen.append(shapes.statically_known_multiple_of(stride.node.expr, 16))
+        return gm.forward
+
+    entry = compiled.compiled_entry(lower(flexspec.compile("causal").ir), "stride test")
+    run = torch.compile(entry._torchdynamo_orig_callable, backend=backend)
+
+    def keys(n):  # the rows of a longer cache, as a preallocated buffer's view lays them
+        return torch.empty_strided((1, 2, n, 16), (2 * head_stride, head_stride, 16, 1))
+
+    q = torch.randn(1, 2, 4, 16)
+    for n in (100, 120):
+        k, v = keys(n).normal_(), keys(n).normal_()
+        if n == 120:
+            torch._dynamo.maybe_mark_dynamic(k, 2)
+            torch._dynamo.maybe_mark_dynamic(v, 2)
+        run(q, k, v, None, None, None, False, None, None)
+    assert seen == [known, known]
+
+
+def test_a_mask_reading_rows_of_keys_compiles_for_new_lengths_on_the_cpu_or_runs_elsewhere(
+        monkeypatch):
+    """torch's C++ kernel does not compile a mask that reads a binding with a row per batch row
+    (``valid[B, KV_LEN]``) once lengths are dynamic (flexspec.workarounds:
+    cpu-dynamic-row-binding). Asked for by name, flex says so; under auto the calls go on on
+    another backend, equal to the reference. When torch fixes it, the first half fails: the
+    workaround can then go."""
+    from flexspec.runtime import plan as planning
+    monkeypatch.setattr(planning, "FAILURES", planning.Failures())
+    q = torch.randn(2, 1, 128, 8)
+    cache_k, cache_v = torch.randn(2, 1, 340, 8), torch.randn(2, 1, 340, 8)
+    valid = torch.ones(2, 340, dtype=torch.bool)
+    valid[0, :5] = False
+
+    def call(attn, n):
+        return attn(q, cache_k[:, :, :n], cache_v[:, :, :n], q_offset=n - 128,
+                    valid=valid[:, :n])
+
+    named = flexspec.compile("causal & key_padding", backend="flex")
+    with torch.no_grad():
+        call(named, 300)
+        with pytest.raises(BackendError, match="backend 'flex' could not "
+                           "compile this spec: torch.compile failed \\(CppCompileError: "):
+            call(named, 301)
+        auto = flexspec.compile("causal & key_padding")
+        with pytest.warns(UserWarning, match="backend 'flex' could not compile"):
+            outs = [(n, call(auto, n)) for n in (300, 301, 333)]
+    for n, out in outs:
+        expected = auto.reference(q, cache_k[:, :, :n], cache_v[:, :, :n], q_offset=n - 128,
+                                  valid=valid[:, :n])
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)

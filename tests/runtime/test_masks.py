@@ -142,6 +142,21 @@ def test_a_key_stands_for_the_mask_its_extents_lengths_and_device():
     assert (flash.batch, flash.heads, flash.reads) == (first.batch, first.heads, first.reads)
 
 
+def test_a_mask_keeps_its_id_at_every_size_and_tokens_are_bounded(monkeypatch):
+    """A growing cache asks for a key at every length: the tokens kept are bounded (the oldest
+    out first, never given again), while the mask's id stays that of the mask."""
+    monkeypatch.setattr(masks, "TOKENS_KEPT", 3)
+    block_masks = BlockMasks("exact", (16, 16))
+    cpu = torch.device("cpu")
+    per_row = spec_of("per_row")
+    keys = [block_masks.key(per_row, {**SIZES, "KV_LEN": n}, cpu) for n in range(50, 60)]
+    assert len({key.token for key in keys}) == 10 and len({key.mask_id for key in keys}) == 1
+    assert len(block_masks._tokens) == 3
+    again = block_masks.key(per_row, {**SIZES, "KV_LEN": 50}, cpu)  # its token went
+    assert again.token not in {key.token for key in keys} and again.mask_id == keys[0].mask_id
+    assert block_masks.key(spec_of("causal"), SIZES, cpu).mask_id != keys[0].mask_id
+
+
 def test_a_key_lists_the_tensors_read_in_sorted_order():
     spec = spec_of("two")
     key = BlockMasks("exact", (16, 16)).key(spec, SIZES, torch.device("cpu"))
@@ -327,6 +342,9 @@ def test_a_mask_the_fused_builder_cannot_trace_is_built_eagerly_from_then_on(mon
         assert_is_the_reference(attn.block_mask(40, 50, batch=2, r=r), attn, 40, 50, batch=2,
                                 r=r)
     assert len(fused.calls) == 1  # the second binding went straight to the eager builder
+    r = doc_ids(((10,), (30,)), 61)  # and so does the mask at other lengths
+    assert_is_the_reference(attn.block_mask(41, 61, batch=2, r=r), attn, 41, 61, batch=2, r=r)
+    assert len(fused.calls) == 1
     # another mask on the same cache is still tried
     attn._masks.get(spec_of("two"), {"B": 1, "H": 1, "Q_LEN": 40, "KV_LEN": 50},
                     {ir.tensor_key(t): torch.zeros(50, dtype=torch.int64)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from flexspec.kernels.fused_blocks import compile_error
 from flexspec.limits import kernel_int_dtype
 from flexspec.runtime import compiled
-from flexspec.runtime.contract import BackendError
+from flexspec.runtime.contract import BackendError, Replan
 from flexspec.runtime.flexattention import (DECODE_ROWS, DECODING_OPTIONS,
                                              FlexAttentionBackend, FlexKernelOptions, decodes,
                                              wide_indices)
@@ -83,10 +83,16 @@ class FlexBackend(FlexAttentionBackend):
         return options or None
 
     def compile_failed(self, plan, err):
-        """A compile that torch's compiler gives up on is a :class:`BackendError` (no raw
-        dynamo or inductor exception reaches the caller)."""
+        """A compile that torch's compiler gives up on: under ``auto``, the call goes to the
+        next backend that can run it (:class:`Replan`, remembered for the spec, with a
+        warning); asked for by name, a :class:`BackendError` (no raw dynamo or inductor
+        exception reaches the caller)."""
         if not compile_error(err):
             raise err
+        if plan is not None and plan.asked == "auto":
+            # flexspec.workarounds: cpu-dynamic-row-binding
+            raise Replan(f"torch.compile failed ({compiled.first_line(err)})",
+                         lasting=True) from err
         raise BackendError(
             f"backend '{self.name}' could not compile this spec: torch.compile failed "
             f"({compiled.first_line(err)}). This is a limit of the compiled path (torch's "
