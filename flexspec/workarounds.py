@@ -216,11 +216,12 @@ _TABLE = (
         "once a length is dynamic, a stride that does not follow from the sizes (keys viewed "
         "in a longer cache, cache[:, :, :n]) becomes a symbol of its own, which inductor cannot "
         "prove a multiple of 16; the decoding kernel then loads unaligned: 0.76 ms against "
-        "0.24 ms at 32K keys, B=8 (torch 2.13 derives a view's strides from its base instead)",
-        "the compiled entry states that such a stride is a multiple of 16 where it is one "
-        "(runtime.compiled.compiled_entry), a guard inductor then knows",
-        "tests/runtime/test_compiles.py::test_a_cache_strided_by_a_multiple_of_16_is_known_to_"
-        "be_when_lengths_turn_dynamic"),
+        "0.24 ms at 32K keys, B=8. A guard that the stride is a multiple of 16 did not help on "
+        "torch 2.11 (it does on 2.13)",
+        "the compiled entry pins such strides to their values (runtime.compiled.free_strides), "
+        "so they are constants in the kernel; another cache compiles anew",
+        "tests/runtime/test_compiles.py::test_a_cache_view_s_strides_stay_constants_when_"
+        "lengths_turn_dynamic"),
     Workaround(
         "cpu-dynamic-row-binding", "torch", "torch 2.13.0+cpu, compiled FlexAttention",
         "once lengths are dynamic, the C++ kernel of a mask that reads a binding with a row per "

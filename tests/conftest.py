@@ -90,7 +90,8 @@ def eager_kernels(monkeypatch):
     from flexspec.runtime import compiled
 
     def eager_entry(lowered, purpose="call"):
-        def run(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, lse):
+        def run(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, lse,
+                pinned=()):
             with warnings.catch_warnings():  # that it is not compiled is the point here
                 warnings.filterwarnings("ignore", ".*flex_attention called without torch")
                 return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,

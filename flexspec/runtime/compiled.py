@@ -34,20 +34,13 @@ _entry_counter = itertools.count(1)
 def compiled_entry(lowered: Lowered, purpose: str = "call"):
     """A compiled ``flex_attention`` call whose code object belongs to this spec alone, so each
     spec has its own dynamo cache and recompile budget (and each ``purpose`` of it: the reads
-    of a paged cache compile apart from the plain calls).
-
-    Where a length is dynamic, a stride that does not follow from the sizes (keys viewed in a
-    longer cache, ``cache[:, :, :n]``) is a symbol of its own, which inductor cannot prove a
-    multiple of 16, and the kernel then loads unaligned (three times slower). The entry states
-    the multiple where the stride has it (a guard, so another stride compiles anew)."""
-    text = ("def run(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, lse):\n"
-            # flexspec.workarounds: dynamic-stride-alignment
-            "    for tensor in (q, k, v):\n"
-            "        for dim in range(3):\n"
-            "            stride = tensor.stride(dim)\n"
-            "            if stride != tensor.size(dim + 1) * tensor.stride(dim + 1) \\\n"
-            "                    and stride % 16 == 0:\n"
-            "                torch._check(stride % 16 == 0)\n"
+    of a paged cache compile apart from the plain calls). ``pinned`` are the strides that
+    :func:`free_strides` finds, which the compiled code takes as constants."""
+    text = ("def run(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, lse,\n"
+            "        pinned=()):\n"
+            "    tensors = (q, k, v)\n"
+            "    for which, dim, stride in pinned:\n"
+            "        torch._check(tensors[which].stride(dim) == stride)\n"
             "    if lse is None:\n"
             "        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,\n"
             "                              scale=scale, enable_gqa=enable_gqa,\n"
@@ -79,6 +72,27 @@ def split_lse(result) -> tuple:
     """``(out, lse)`` from what ``flex_attention`` returned when asked for the log-sum-exp."""
     out, extra = result
     return out, getattr(extra, "lse", extra)
+
+
+def free_strides(q, k, v) -> tuple:
+    """``(tensor, dim, stride)`` for each stride of q, k and v that does not follow from the
+    sizes and smaller strides (keys viewed in a longer cache, ``cache[:, :, :n]``: the head
+    stride is the cache's). Once lengths are dynamic, dynamo gives such a stride a symbol of its
+    own, which inductor cannot prove a multiple of 16, and the kernel loads unaligned, two to
+    three times slower (flexspec.workarounds: dynamic-stride-alignment); the entry pins them to
+    their values instead (a guard: another cache compiles anew). The rule is dynamo's stride
+    inference."""
+    pinned = []
+    for which, tensor in enumerate((q, k, v)):
+        sizes, strides = tensor.shape, tensor.stride()
+        follows = set()
+        for dim in sorted(range(len(strides)), key=lambda d: (strides[d], -d)):
+            stride = strides[dim]
+            inner = dim + 1 < len(strides) and stride == sizes[dim + 1] * strides[dim + 1]
+            if not (stride in (0, 1) and not inner) and stride not in follows:
+                pinned.append((which, dim, stride))
+            follows.add(sizes[dim] * stride)
+    return tuple(pinned)
 
 
 # Dynamo settings for the calls that may compile: an error instead of a silent eager fallback at

@@ -52,6 +52,7 @@ class FlexCall:
     lse: dict | None = None                  # compiled.lse_request(return_lse)
     scale_values: dict = field(default_factory=dict)  # the scale as a tensor (rewrites.scaled)
     warm: bool = False                       # the compiled entry has run once for this plan
+    pinned: tuple = ()                       # compiled.free_strides of the plan's q, k, v
 
     def last_block_mask(self, bindings: dict) -> BlockMask | None:
         """The previous call's block mask when the mask's bindings are the very tensors of that
@@ -232,13 +233,14 @@ class FlexAttentionBackend(Backend):
         else:  # built inside a capture (see run), else the cached one of these tensors
             block_mask = call.masks.get(values or plan.values(bindings), plan.device)
         score_mod = call.score_mod if not call.score_varies else varying_score(call, plan, values)
-        entry, options, lse, gqa, detach = (call.entry, call.kernel_options, call.lse, plan.gqa,
-                                            plan.detach)
+        entry, options, lse, gqa, detach, pinned = (call.entry, call.kernel_options, call.lse,
+                                                    plan.gqa, plan.detach, call.pinned)
 
         def launch(q, k, v):
             if detach and (q.requires_grad or k.requires_grad or v.requires_grad):
                 q, k, v = q.detach(), k.detach(), v.detach()
-            out = call_compiled(entry, q, k, v, score_mod, block_mask, None, gqa, options, lse)
+            out = call_compiled(entry, q, k, v, score_mod, block_mask, None, gqa, options, lse,
+                                pinned)
             return compiled.split_lse(out) if lse is not None else out
         return launch
 
@@ -261,8 +263,11 @@ class FlexAttentionBackend(Backend):
         score_mod = call.score_mod if not call.score_varies else varying_score(call, plan, values)
         if plan.detach:
             q, k, v = q.detach(), k.detach(), v.detach()
+        if not call.warm:  # the plan's key holds the strides: the same for all its calls
+            call.pinned = compiled.free_strides(q, k, v)
         # a given scale is in the score_mod (see prepare): the kernel keeps its default
-        args = (q, k, v, score_mod, block_mask, None, plan.gqa, call.kernel_options, call.lse)
+        args = (q, k, v, score_mod, block_mask, None, plan.gqa, call.kernel_options, call.lse,
+                call.pinned)
         if call.warm:
             # a warm plan cannot recompile (see compiled.run_compiled): no watch needed
             out = call_compiled(call.entry, *args)

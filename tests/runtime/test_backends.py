@@ -470,7 +470,7 @@ def test_auto_falls_back_to_flex_when_flash_cannot_compile(monkeypatch):
     real = compiled.run_compiled
 
     def compile_or_fail(entry, *args):
-        if args[-2] == flash.OPTIONS:  # (..., kernel_options, lse)
+        if args[-3] == flash.OPTIONS:  # (..., kernel_options, lse, pinned)
             raise RuntimeError("backend='inductor' raised:\n=====\nCuteDSL template failed: "
                                "UNSUPPORTED CUTEDSL OPERATION: 'maximum'\nmore")
         return real(entry, *args)

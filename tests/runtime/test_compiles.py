@@ -150,14 +150,12 @@ def test_a_mask_its_program_cannot_trace_falls_back_to_the_eager_builder(monkeyp
     assert len(tried) == 1  # remembered: not traced again
 
 
-@pytest.mark.parametrize("head_stride, known", [(16 * 1201, True), (16 * 1201 + 8, False)])
-def test_a_cache_strided_by_a_multiple_of_16_is_known_to_be_when_lengths_turn_dynamic(
-        head_stride, known):
-    """Keys whose head stride does not follow from their length (a longer cache's rows) get a
-    symbol of their own once lengths are dynamic: the entry states that it is a multiple of 16
-    where it is one, so inductor's kernels load aligned (flexspec.workarounds:
-    dynamic-stride-alignment). Read off the graph dynamo hands its backend."""
-    from torch._inductor.sizevars import SizeVarAllocator
+def test_a_cache_view_s_strides_stay_constants_when_lengths_turn_dynamic():
+    """Keys viewed in a longer cache have a head stride that does not follow from their length:
+    once lengths are dynamic, dynamo would give it a symbol of its own, which inductor cannot
+    prove a multiple of 16 (unaligned loads, flexspec.workarounds: dynamic-stride-alignment).
+    The entry pins it to its value: read off the graph dynamo hands its backend, while the
+    lengths do turn dynamic. Contiguous keys pin nothing (their strides follow the length)."""
     from flexspec.kernels.lower import lower
     from flexspec.runtime import compiled
 
@@ -167,27 +165,34 @@ def test_a_cache_strided_by_a_multiple_of_16_is_known_to_be_when_lengths_turn_dy
         for node in gm.graph.nodes:
             value = node.meta.get("example_value")
             if node.op == "placeholder" and isinstance(value, torch.Tensor) \
-                    and value.dim() == 4 and value.shape[2] != 4:  # the keys and values
+                    and value.dim() == 4 and value.shape[1] == 3:  # the keys and values
                 stride = value.stride(1)
-                if isinstance(stride, torch.SymInt):
-                    shapes = SizeVarAllocator(stride.node.shape_env)
-                    seen.append(shapes.statically_known_multiple_of(stride.node.expr, 16))
+                if isinstance(stride, torch.SymInt):  # what the shape environment knows of it
+                    stride = stride.node.shape_env.replace(stride.node.expr)
+                    stride = int(stride) if stride.is_number else None
+                seen.append((type(value.shape[2]), stride))
         return gm.forward
 
     entry = compiled.compiled_entry(lower(flexspec.compile("causal").ir), "stride test")
     run = torch.compile(entry._torchdynamo_orig_callable, backend=backend)
-
-    def keys(n):  # the rows of a longer cache, as a preallocated buffer's view lays them
-        return torch.empty_strided((1, 2, n, 16), (2 * head_stride, head_stride, 16, 1))
-
-    q = torch.randn(1, 2, 4, 16)
-    for n in (100, 120):
-        k, v = keys(n).normal_(), keys(n).normal_()
-        if n == 120:
+    cache = torch.randn(2, 3, 1201, 16)
+    q = torch.randn(2, 6, 4, 16)
+    for n in (100, 120, 130):
+        k, v = cache[:, :, :n], cache[:, :, :n]
+        if n == 120:  # as compiled.mark_lengths_dynamic does before a second compile
             torch._dynamo.maybe_mark_dynamic(k, 2)
             torch._dynamo.maybe_mark_dynamic(v, 2)
-        run(q, k, v, None, None, None, False, None, None)
-    assert seen == [known, known]
+        pinned = compiled.free_strides(q, k, v)
+        assert pinned == ((1, 1, 1201 * 16), (2, 1, 1201 * 16))
+        run(q, k, v, None, None, None, True, None, None, pinned)
+    # a static graph, then one dynamic in the length with the stride a constant; no third
+    assert seen == [(int, 1201 * 16)] * 2 + [(torch.SymInt, 1201 * 16)] * 2
+    contiguous = torch.randn(2, 3, 50, 16)
+    assert compiled.free_strides(q, contiguous, contiguous.transpose(1, 2).contiguous()
+                                 .transpose(1, 2)) == ()
+    assert compiled.free_strides(q.transpose(2, 3), contiguous, contiguous) == ()  # follows
+    padded = torch.randn(2, 6, 4, 20)[..., :16]  # rows of 20 elements, 16 of them read
+    assert compiled.free_strides(padded, contiguous, contiguous) == ((0, 2, 20),)
 
 
 def test_a_mask_reading_rows_of_keys_compiles_for_new_lengths_on_the_cpu_or_runs_elsewhere(

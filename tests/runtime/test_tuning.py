@@ -37,9 +37,11 @@ def recorded(eager_kernels, monkeypatch):
         run = entry(lowered, purpose)
         seen.purposes.add(purpose)
 
-        def record(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, lse):
+        def record(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, lse,
+                   pinned=()):
             seen.append(dict(kernel_options or {}))
-            return run(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, lse)
+            return run(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, lse,
+                       pinned)
         return record
     monkeypatch.setattr(compiled, "compiled_entry", recording)
     return seen
