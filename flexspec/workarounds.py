@@ -218,8 +218,9 @@ _TABLE = (
         "prove a multiple of 16; the decoding kernel then loads unaligned: 0.76 ms against "
         "0.24 ms at 32K keys, B=8. A guard that the stride is a multiple of 16 did not help on "
         "torch 2.11 (it does on 2.13)",
-        "the compiled entry pins such strides to their values (runtime.compiled.free_strides), "
-        "so they are constants in the kernel; another cache compiles anew",
+        "the compiled entry states such a stride as 16 times a number "
+        "(runtime.compiled.free_strides): a constant for one cache, a multiple of 16 once the "
+        "number changes (a cache grown by concatenation, read through a window)",
         "tests/runtime/test_compiles.py::test_a_cache_view_s_strides_stay_constants_when_"
         "lengths_turn_dynamic"),
     Workaround(

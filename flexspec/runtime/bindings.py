@@ -40,19 +40,21 @@ def check_binding(tensor: ir.Tensor, value, sizes: dict, device) -> torch.Tensor
     """``value`` as the tensor the spec declares (leading dimensions added), or a
     :class:`BindingError` naming the binding and its expected shape."""
     name = tensor.name
-    expected = shape_text(tensor, sizes)
+    # the expected shape is spelled out only in an error: plans of a growing cache check their
+    # bindings at every step
     if not isinstance(value, torch.Tensor):
-        raise BindingTypeError(f"binding '{name}' must be a torch.Tensor of {expected}, got "
-                           f"{type(value).__name__}")
+        raise BindingTypeError(f"binding '{name}' must be a torch.Tensor of "
+                               f"{shape_text(tensor, sizes)}, got {type(value).__name__}")
     if not _DTYPE_OK[tensor.dtype](value.dtype):
         raise BindingError(f"binding '{name}' has dtype {value.dtype}, but {tensor.dtype} "
-                           f"elements are declared ({expected})")
+                           f"elements are declared ({shape_text(tensor, sizes)})")
     if value.device != device:
         raise BindingError(f"binding '{name}' is on {value.device}, but q is on {device}; "
                            f"move it with .to('{device}')")
     shape = declared_shape(tensor, sizes)
     if value.dim() > len(shape):
-        raise BindingError(f"binding '{name}' has shape {list(value.shape)}, expected {expected}")
+        raise BindingError(f"binding '{name}' has shape {list(value.shape)}, expected "
+                           f"{shape_text(tensor, sizes)}")
     given = list(value.shape)
     value = contiguous(add_leading_dims(value, len(shape)))
     added = len(shape) - len(given)  # leading dimensions of size 1, for broadcasting
@@ -61,8 +63,8 @@ def check_binding(tensor: ir.Tensor, value, sizes: dict, device) -> torch.Tensor
         if got != want and not (got == 1 and may_broadcast):
             where = (f"its dimension {dim - added} should be {want}" if dim >= added else
                      f"a leading dimension of size {want} is missing")
-            raise BindingError(f"binding '{name}' has shape {given}, expected {expected} "
-                               f"({where})")
+            raise BindingError(f"binding '{name}' has shape {given}, expected "
+                               f"{shape_text(tensor, sizes)} ({where})")
     return value
 
 

@@ -35,12 +35,12 @@ def compiled_entry(lowered: Lowered, purpose: str = "call"):
     """A compiled ``flex_attention`` call whose code object belongs to this spec alone, so each
     spec has its own dynamo cache and recompile budget (and each ``purpose`` of it: the reads
     of a paged cache compile apart from the plain calls). ``pinned`` are the strides that
-    :func:`free_strides` finds, which the compiled code takes as constants."""
+    :func:`free_strides` finds, stated to the compiler as it says."""
     text = ("def run(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, lse,\n"
             "        pinned=()):\n"
             "    tensors = (q, k, v)\n"
-            "    for which, dim, stride in pinned:\n"
-            "        torch._check(tensors[which].stride(dim) == stride)\n"
+            "    for which, dim, factor, times in pinned:\n"
+            "        torch._check(tensors[which].stride(dim) == factor * times)\n"
             "    if lse is None:\n"
             "        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,\n"
             "                              scale=scale, enable_gqa=enable_gqa,\n"
@@ -75,13 +75,15 @@ def split_lse(result) -> tuple:
 
 
 def free_strides(q, k, v) -> tuple:
-    """``(tensor, dim, stride)`` for each stride of q, k and v that does not follow from the
-    sizes and smaller strides (keys viewed in a longer cache, ``cache[:, :, :n]``: the head
-    stride is the cache's). Once lengths are dynamic, dynamo gives such a stride a symbol of its
-    own, which inductor cannot prove a multiple of 16, and the kernel loads unaligned, two to
-    three times slower (flexspec.workarounds: dynamic-stride-alignment); the entry pins them to
-    their values instead (a guard: another cache compiles anew). The rule is dynamo's stride
-    inference."""
+    """``(tensor, dim, factor, times)`` for each stride of q, k and v that does not follow from
+    the sizes and smaller strides (keys viewed in a longer cache, ``cache[:, :, :n]``: the head
+    stride is the cache's), the stride being ``factor * times`` with ``factor`` 16 where it
+    divides it. Once lengths are dynamic, dynamo gives such a stride a symbol of its own, which
+    inductor cannot prove a multiple of 16, and the kernel loads unaligned, two to three times
+    slower (flexspec.workarounds: dynamic-stride-alignment). The entry states the stride as
+    ``factor * times`` instead: a constant while ``times`` stays the same (one cache), and a
+    multiple of 16 once dynamo has seen it change and made ``times`` dynamic (a cache that grows
+    by concatenation, read through a window). The rule is dynamo's stride inference."""
     pinned = []
     for which, tensor in enumerate((q, k, v)):
         sizes, strides = tensor.shape, tensor.stride()
@@ -90,7 +92,8 @@ def free_strides(q, k, v) -> tuple:
             stride = strides[dim]
             inner = dim + 1 < len(strides) and stride == sizes[dim + 1] * strides[dim + 1]
             if not (stride in (0, 1) and not inner) and stride not in follows:
-                pinned.append((which, dim, stride))
+                factor = 16 if stride % 16 == 0 else 1
+                pinned.append((which, dim, factor, stride // factor))
             follows.add(sizes[dim] * stride)
     return tuple(pinned)
 

@@ -183,7 +183,7 @@ def test_a_cache_view_s_strides_stay_constants_when_lengths_turn_dynamic():
             torch._dynamo.maybe_mark_dynamic(k, 2)
             torch._dynamo.maybe_mark_dynamic(v, 2)
         pinned = compiled.free_strides(q, k, v)
-        assert pinned == ((1, 1, 1201 * 16), (2, 1, 1201 * 16))
+        assert pinned == ((1, 1, 16, 1201), (2, 1, 16, 1201))
         run(q, k, v, None, None, None, True, None, None, pinned)
     # a static graph, then one dynamic in the length with the stride a constant; no third
     assert seen == [(int, 1201 * 16)] * 2 + [(torch.SymInt, 1201 * 16)] * 2
@@ -192,7 +192,41 @@ def test_a_cache_view_s_strides_stay_constants_when_lengths_turn_dynamic():
                                  .transpose(1, 2)) == ()
     assert compiled.free_strides(q.transpose(2, 3), contiguous, contiguous) == ()  # follows
     padded = torch.randn(2, 6, 4, 20)[..., :16]  # rows of 20 elements, 16 of them read
-    assert compiled.free_strides(padded, contiguous, contiguous) == ((0, 2, 20),)
+    assert compiled.free_strides(padded, contiguous, contiguous) == ((0, 2, 1, 20),)
+
+
+def test_a_window_of_a_cache_that_grows_by_concatenation_keeps_its_stride_a_multiple_of_16():
+    """A cache that grows by concatenation (transformers' dynamic cache) read through a window:
+    the keys' length stays the window's while their head stride, the cache's length times D,
+    changes every step. The entry states it as 16 times a number, which dynamo makes dynamic
+    once it changes: one more graph, then none, and inductor still knows the stride a multiple
+    of 16 (flexspec.workarounds: dynamic-stride-alignment)."""
+    from torch._inductor.sizevars import SizeVarAllocator
+    from flexspec.kernels.lower import lower
+    from flexspec.runtime import compiled
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            value = node.meta.get("example_value")
+            if node.op == "placeholder" and isinstance(value, torch.Tensor) \
+                    and value.dim() == 4 and value.shape[1] == 3:  # the keys and values
+                stride = value.stride(1)
+                known = (not isinstance(stride, torch.SymInt)
+                         or SizeVarAllocator(stride.node.shape_env).statically_known_multiple_of(
+                             stride.node.expr, 16))
+                seen.append((isinstance(stride, torch.SymInt), known))
+        return gm.forward
+
+    entry = compiled.compiled_entry(lower(flexspec.compile("causal").ir), "window test")
+    run = torch.compile(entry._torchdynamo_orig_callable, backend=backend)
+    q = torch.randn(1, 6, 4, 16)
+    for n in range(300, 306):
+        cache = torch.randn(2, 3, n, 16)  # a new, longer cache every step
+        k, v = cache[0:1, :, n - 100:], cache[1:2, :, n - 100:]
+        run(q, k, v, None, None, None, True, None, None, compiled.free_strides(q, k, v))
+    assert seen == [(False, True)] * 2 + [(True, True)] * 2
 
 
 def test_a_mask_reading_rows_of_keys_compiles_for_new_lengths_on_the_cpu_or_runs_elsewhere(
