@@ -1027,3 +1027,53 @@ def test_a_decode_call_over_keys_of_two_to_the_31_elements_runs_on_the_decoding_
         assert _relative_error(out[row:row + 1], ref) < TOLERANCE[torch.bfloat16], row
     del k, v
     torch._dynamo.reset()
+
+
+def _key_head_strides(code: list) -> list:
+    """The key head stride of each FlexAttention kernel in generated ``code`` (inductor's
+    ``stride_kz, stride_kh, ... = ...`` line), as written there."""
+    found = []
+    for source in code:
+        for line in source.splitlines():
+            if line.strip().startswith("stride_kz, stride_kh, stride_kn, stride_kk ="):
+                found.append(line.split("=")[1].split(",")[1].strip())
+    return found
+
+
+def _a_multiple_of_16(term: str) -> bool:
+    """Whether a stride as inductor writes it is a number or a product with a constant factor
+    that 16 divides (``4207232``, ``128*ks0``); a bare symbol (``ks0``) is not."""
+    factor = term.split("*")[0]
+    return factor.isdigit() and int(factor) % 16 == 0
+
+
+@pytest.mark.parametrize("grown", ["in a buffer", "by concatenation"])
+def test_a_cache_view_decodes_with_aligned_strides_once_lengths_turn_dynamic(grown):
+    """Keys viewed in a longer buffer (``buffer[:, :, :n]``), or a window of a cache grown by
+    concatenation, have a head stride that does not follow from their length. Compiled for
+    dynamic lengths, inductor made it a bare symbol and the decoding kernel loaded unaligned,
+    three times slower (flexspec.workarounds: dynamic-stride-alignment): the kernels' key
+    stride must be a constant or a multiple of 16, two compiles at most, results exact."""
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    # in a buffer the keys' length grows; by concatenation the window's length stays and the
+    # cache's stride grows
+    attn = flexspec.compile("causal + softcap(30)" if grown == "in a buffer" else
+                            "causal & window(300) + softcap(30)", backend="flex")
+    buffer = [torch.randn(2, 2, 3100, 64, device="cuda", dtype=torch.bfloat16)
+              for _ in range(2)]
+    q = torch.randn(2, 8, 1, 64, device="cuda", dtype=torch.bfloat16)
+    strides, compiles = [], 0
+    for n in range(2900, 2906):
+        if grown == "in a buffer":
+            k, v = (t[:, :, :n] for t in buffer)
+        else:  # a new contiguous cache every step, as torch.cat makes it
+            k, v = (t[:, :, :n].contiguous() for t in buffer)
+        with torch.no_grad():
+            out, code = run_and_get_code(lambda: attn(q, k, v, q_offset=n - 1))
+        compiles += bool(code)
+        strides += _key_head_strides(code)
+        assert _relative_error(out, attn.reference(q, k, v, q_offset=n - 1)) < \
+            TOLERANCE[torch.bfloat16], n
+    assert compiles <= 2 and strides
+    assert all(_a_multiple_of_16(term) for term in strides), strides

@@ -150,12 +150,10 @@ def test_a_mask_its_program_cannot_trace_falls_back_to_the_eager_builder(monkeyp
     assert len(tried) == 1  # remembered: not traced again
 
 
-def test_a_cache_view_s_strides_stay_constants_when_lengths_turn_dynamic():
-    """Keys viewed in a longer cache have a head stride that does not follow from their length:
-    once lengths are dynamic, dynamo would give it a symbol of its own, which inductor cannot
-    prove a multiple of 16 (unaligned loads, flexspec.workarounds: dynamic-stride-alignment).
-    The entry pins it to its value: read off the graph dynamo hands its backend, while the
-    lengths do turn dynamic. Contiguous keys pin nothing (their strides follow the length)."""
+def recorded_entry(purpose: str, describe) -> tuple:
+    """``(run, seen)``: the function of a compiled FlexAttention entry compiled with a backend
+    that appends ``describe(keys)`` to ``seen`` for the keys and values of each graph (the fake
+    tensors dynamo hands it: placeholders with 3 heads)."""
     from flexspec.kernels.lower import lower
     from flexspec.runtime import compiled
 
@@ -165,16 +163,31 @@ def test_a_cache_view_s_strides_stay_constants_when_lengths_turn_dynamic():
         for node in gm.graph.nodes:
             value = node.meta.get("example_value")
             if node.op == "placeholder" and isinstance(value, torch.Tensor) \
-                    and value.dim() == 4 and value.shape[1] == 3:  # the keys and values
-                stride = value.stride(1)
-                if isinstance(stride, torch.SymInt):  # what the shape environment knows of it
-                    stride = stride.node.shape_env.replace(stride.node.expr)
-                    stride = int(stride) if stride.is_number else None
-                seen.append((type(value.shape[2]), stride))
+                    and value.dim() == 4 and value.shape[1] == 3:
+                seen.append(describe(value))
         return gm.forward
 
-    entry = compiled.compiled_entry(lower(flexspec.compile("causal").ir), "stride test")
-    run = torch.compile(entry._torchdynamo_orig_callable, backend=backend)
+    entry = compiled.compiled_entry(lower(flexspec.compile("causal").ir), purpose)
+    return torch.compile(entry._torchdynamo_orig_callable, backend=backend), seen
+
+
+def test_a_cache_view_s_strides_stay_constants_when_lengths_turn_dynamic():
+    """Keys viewed in a longer cache have a head stride that does not follow from their length:
+    once lengths are dynamic, dynamo would give it a symbol of its own, which inductor cannot
+    prove a multiple of 16 (unaligned loads, flexspec.workarounds: dynamic-stride-alignment).
+    The entry states it as 16 times a number, a constant here: read off the graph dynamo hands
+    its backend, while the lengths do turn dynamic. Contiguous keys pin nothing (their strides
+    follow the length)."""
+    from flexspec.runtime import compiled
+
+    def length_and_stride(keys):
+        stride = keys.stride(1)
+        if isinstance(stride, torch.SymInt):  # what the shape environment knows of it
+            stride = stride.node.shape_env.replace(stride.node.expr)
+            stride = int(stride) if stride.is_number else None
+        return type(keys.shape[2]), stride
+
+    run, seen = recorded_entry("stride test", length_and_stride)
     cache = torch.randn(2, 3, 1201, 16)
     q = torch.randn(2, 6, 4, 16)
     for n in (100, 120, 130):
@@ -202,25 +215,16 @@ def test_a_window_of_a_cache_that_grows_by_concatenation_keeps_its_stride_a_mult
     once it changes: one more graph, then none, and inductor still knows the stride a multiple
     of 16 (flexspec.workarounds: dynamic-stride-alignment)."""
     from torch._inductor.sizevars import SizeVarAllocator
-    from flexspec.kernels.lower import lower
     from flexspec.runtime import compiled
 
-    seen = []
+    def symbolic_and_aligned(keys):
+        stride = keys.stride(1)
+        if not isinstance(stride, torch.SymInt):
+            return False, stride % 16 == 0
+        shapes = SizeVarAllocator(stride.node.shape_env)
+        return True, shapes.statically_known_multiple_of(stride.node.expr, 16)
 
-    def backend(gm, example_inputs):
-        for node in gm.graph.nodes:
-            value = node.meta.get("example_value")
-            if node.op == "placeholder" and isinstance(value, torch.Tensor) \
-                    and value.dim() == 4 and value.shape[1] == 3:  # the keys and values
-                stride = value.stride(1)
-                known = (not isinstance(stride, torch.SymInt)
-                         or SizeVarAllocator(stride.node.shape_env).statically_known_multiple_of(
-                             stride.node.expr, 16))
-                seen.append((isinstance(stride, torch.SymInt), known))
-        return gm.forward
-
-    entry = compiled.compiled_entry(lower(flexspec.compile("causal").ir), "window test")
-    run = torch.compile(entry._torchdynamo_orig_callable, backend=backend)
+    run, seen = recorded_entry("window test", symbolic_and_aligned)
     q = torch.randn(1, 6, 4, 16)
     for n in range(300, 306):
         cache = torch.randn(2, 3, n, 16)  # a new, longer cache every step
