@@ -34,8 +34,8 @@ _entry_counter = itertools.count(1)
 def compiled_entry(lowered: Lowered, purpose: str = "call"):
     """A compiled ``flex_attention`` call whose code object belongs to this spec alone, so each
     spec has its own dynamo cache and recompile budget (and each ``purpose`` of it: the reads
-    of a paged cache compile apart from the plain calls). ``pinned`` are the strides that
-    :func:`free_strides` finds, stated to the compiler as it says."""
+    of a paged cache compile apart from the plain calls). ``pinned`` lists the strides
+    :func:`free_strides` finds, each stated to the compiler as a factor times a number."""
     text = ("def run(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, lse,\n"
             "        pinned=()):\n"
             "    tensors = (q, k, v)\n"
