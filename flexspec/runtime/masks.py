@@ -146,8 +146,8 @@ class BlockMasks:
             with self._lock:
                 found = self._tokens.get(full)
                 if found is None:
-                    mask = full[:3] + full[5:7]
-                    mask_id = self._mask_ids.setdefault(mask, len(self._mask_ids))
+                    every_size = (spec.mask, batch, heads, str(device), dialect)
+                    mask_id = self._mask_ids.setdefault(every_size, len(self._mask_ids))
                     found = self._tokens[full] = (next(self._counter), mask_id)
                     if len(self._tokens) > TOKENS_KEPT:
                         self._tokens.popitem(last=False)
