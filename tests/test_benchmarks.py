@@ -243,3 +243,41 @@ def test_context_parallel_benchmark_runs_each_rank_in_turn_on_one_device(monkeyp
         assert float(cells[2]) >= float(cells[3]) > 0, cells
     assert float(rows[1][5]) <= float(rows[3][5])  # flexspec's balance beats contiguous
     assert "| 1000 | not a multiple of 2 x 2 ranks x 128: skipped" in out
+
+
+def test_the_step_replay_benchmark_runs_on_the_cpu(monkeypatch, capsys):
+    """benchmarks/step_replay.py reaches into flexspec's internals (the replay it turns off):
+    a rename there must fail here, not on the lent GPU. Both of its ways must equal the
+    reference (the script's own check) and the replayed way must have replayed."""
+    spec = importlib.util.spec_from_file_location("benchmark_step_replay",
+                                                  ROOT / "benchmarks" / "step_replay.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from flexspec.runtime import flexattention
+    replayed = []
+    real = flexattention.Replay.run
+    monkeypatch.setattr(flexattention.Replay, "run",
+                        lambda self, args: replayed.append(1) or real(self, args))
+    assert module.main(["--device", "cpu", "--rounds", "1", "--calls", "40",
+                        "--specs", "causal + softcap(30)"]) == 0
+    assert replayed
+    row = capsys.readouterr().out.strip().splitlines()[-1]
+    assert row.startswith("| `causal + softcap(30)` |")
+    torch._dynamo.reset()
+
+
+def test_the_planning_benchmark_times_every_piece_on_the_cpu(capsys):
+    """benchmarks/planning.py wraps pieces of runtime.plan.make_plan by name: a rename there
+    must fail here, not on the lent GPU; every piece must have been timed, and restored."""
+    spec = importlib.util.spec_from_file_location("benchmark_planning",
+                                                  ROOT / "benchmarks" / "planning.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    before = [getattr(owner, name) for owner, name, _ in module.PIECES]
+    assert module.main(["--device", "cpu", "--cache", "300", "--plans", "5",
+                        "--specs", "causal & sliding_window(4095) & key_padding"]) == 0
+    assert [getattr(owner, name) for owner, name, _ in module.PIECES] == before
+    row = capsys.readouterr().out.strip().splitlines()[-1]
+    cells = [cell.strip() for cell in row.split("|")[1:-1]]
+    assert cells[0] == "`causal & sliding_window(4095) & key_padding`"
+    assert all(float(cell) > 0 for cell in cells[2:])

@@ -423,17 +423,21 @@ def bounds(expr: ir.Expr, ranges: dict):
     return lo, hi
 
 
-def lookup_ranges(spec: ir.AttentionIR, sizes: dict, q_offset: int = 0) -> list:
+def lookup_ranges(spec: ir.AttentionIR, sizes: dict | None, q_offset: int = 0) -> list:
     """For every tensor lookup of ``spec``: ``(tensor, dim, index_expr, (lo, hi) | None)`` with the
     range of the index when ``b h kv`` range over the given sizes and ``q`` over the positions
-    of the rows, ``q_offset .. q_offset + Q_LEN - 1``."""
-    ranges = {"b": (0, sizes["B"] - 1), "h": (0, sizes["H"] - 1),
-              "q": (q_offset, q_offset + sizes["Q_LEN"] - 1), "kv": (0, sizes["KV_LEN"] - 1)}
-    ranges.update((name, (sizes[name], sizes[name])) for name in ir.SIZE_VARS)
+    of the rows, ``q_offset .. q_offset + Q_LEN - 1`` (every range ``None`` without sizes)."""
+    ranges = None
+    if sizes is not None:
+        ranges = {"b": (0, sizes["B"] - 1), "h": (0, sizes["H"] - 1),
+                  "q": (q_offset, q_offset + sizes["Q_LEN"] - 1),
+                  "kv": (0, sizes["KV_LEN"] - 1)}
+        ranges.update((name, (sizes[name], sizes[name])) for name in ir.SIZE_VARS)
     found = []
     for root in (spec.mask, spec.score):
         for node in ir.walk(root):
             if isinstance(node, ir.Lookup) and isinstance(node.tensor, ir.Tensor):
                 for dim, index in enumerate(node.index):
-                    found.append((node.tensor, dim, index, bounds(index, ranges)))
+                    span = None if ranges is None else bounds(index, ranges)
+                    found.append((node.tensor, dim, index, span))
     return found

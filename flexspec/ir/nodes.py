@@ -38,6 +38,10 @@ FUNCTIONS = ops.FUNCTIONS
 class Expr:
     """Base class of IR nodes."""
 
+    def __getstate__(self):
+        # string hashes differ between processes: a copy computes its own (see _keep_hash)
+        return {name: value for name, value in self.__dict__.items() if name != "_hash"}
+
     @property
     def type(self) -> str:
         return type_of(self)
@@ -134,6 +138,23 @@ class Call(Expr):
     fn: str
     args: tuple
 
+
+def _keep_hash(node_class: type) -> None:
+    """Make ``node_class`` keep its hash after the first call: the runtime's caches are keyed by
+    masks on every plan (a growing cache plans every step), and hashing walks the whole tree."""
+    computed = node_class.__hash__
+
+    def __hash__(self):
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = computed(self)
+            object.__setattr__(self, "_hash", cached)
+        return cached
+    node_class.__hash__ = __hash__
+
+
+for _node_class in (Const, Var, Param, Tensor, Lookup, Unary, Binary, And, Or, Call):
+    _keep_hash(_node_class)
 
 TRUE = Const(True)
 FALSE = Const(False)

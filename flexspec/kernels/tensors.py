@@ -76,6 +76,8 @@ def add_leading_dims(value: torch.Tensor, ndim: int) -> torch.Tensor:
     if value.dim() > ndim:
         raise SpecError(f"a tensor with {value.dim()} dimensions was given where {ndim} are "
                         "declared")
+    if value.dim() == ndim:  # a view costs microseconds, and plans gather at every new length
+        return value
     return value.reshape((1,) * (ndim - value.dim()) + tuple(value.shape))
 
 

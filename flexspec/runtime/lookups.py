@@ -23,16 +23,37 @@ def shapes_key(values: dict) -> tuple:
     return tuple(sorted((key, tuple(value.shape)) for key, value in values.items()))
 
 
+# The size each index variable runs over in a lookup (lookup_ranges: q over the rows).
+_EXTENTS = {"b": "B", "h": "H", "q": "Q_LEN", "kv": "KV_LEN"}
+
+
 @functools.lru_cache(maxsize=1024)
 def unproven_lookups(spec: ir.AttentionIR, sizes: tuple, shapes: tuple) -> tuple:
-    """The (tensor, dim, index) lookups that interval analysis cannot keep inside their tensor."""
+    """The (tensor, dim, index) lookups that interval analysis cannot keep inside their tensor.
+    An index that is an index variable over a dimension of exactly its extent (``doc_ids[b,
+    kv]`` with ``doc_ids`` of ``[B, KV_LEN]``) is in range at any size: only the others are
+    analysed (a growing cache proves its lookups at every step)."""
     sizes, shapes = dict(sizes), dict(shapes)
+    analysed = []
+    for tensor, dim, index in _lookups(spec):
+        extent = _EXTENTS.get(index.name) if isinstance(index, ir.Var) else None
+        if extent is None or shapes[tensor_key(tensor)][dim] != sizes[extent]:
+            analysed.append((tensor, dim, index))
+    if not analysed:
+        return ()
     unproven = []
     for tensor, dim, index, span in lookup_ranges(spec, sizes):
         size = shapes[tensor_key(tensor)][dim]
-        if span is None or span[0] < 0 or span[1] >= size:
+        if (tensor, dim, index) in analysed and (span is None or span[0] < 0
+                                                   or span[1] >= size):
             unproven.append((tensor, dim, index))
     return tuple(unproven)
+
+
+@functools.lru_cache(maxsize=256)
+def _lookups(spec: ir.AttentionIR) -> tuple:
+    """``(tensor, dim, index)`` of every tensor lookup of ``spec``."""
+    return tuple((tensor, dim, index) for tensor, dim, index, _ in lookup_ranges(spec, None))
 
 
 def check_lookups(spec: ir.AttentionIR, sizes: dict, values: dict,

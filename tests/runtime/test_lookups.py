@@ -130,3 +130,27 @@ def test_a_lookup_is_checked_over_every_batch_row_head_and_key(index, sizes, rea
             f"'t' is indexed by {index} in dimension 0, which reaches {reach} for Q_LEN=8, "
             "KV_LEN=8, but that dimension has 8 entries") + "$"):
         attn.block_mask(8, 8, t=torch.zeros(8, dtype=torch.int64), **sizes)
+
+
+def test_an_index_variable_over_a_dimension_of_its_own_extent_needs_no_analysis(monkeypatch):
+    """``t[q]`` with ``t`` of KV_LEN entries: where Q_LEN == KV_LEN the lookup is in range by its
+    shape alone (no interval analysis: a growing cache proves its lookups every step); where
+    they differ it is analysed, proven when Q_LEN < KV_LEN and refused when Q_LEN > KV_LEN."""
+    analysed = []
+    real = lookups.lookup_ranges
+    monkeypatch.setattr(lookups, "lookup_ranges",
+                        lambda spec, sizes: analysed.append(sizes) or real(spec, sizes))
+    library = load_text("mask m(t: int[KV_LEN]) = t[q] >= 0\n")
+    attn = flexspec.compile("m", library=library, backend="reference")
+    t = torch.zeros(40, dtype=torch.int64)
+    for q_len in (40, 39, 41):
+        q = torch.randn(1, 1, q_len, 8)
+        k = torch.randn(1, 1, 40, 8)
+        analysed.clear()
+        if q_len > 40:
+            with pytest.raises(BindingError, match=r"'t' is indexed by q .* reaches 0\.\.40"):
+                attn(q, k, k, t=t)
+        else:
+            torch.testing.assert_close(attn(q, k, k, t=t), attn.reference(q, k, k, t=t))
+        # ranges analysed (the lookups are listed once per spec, with no sizes)
+        assert len([sizes for sizes in analysed if sizes is not None]) == (q_len != 40)

@@ -70,8 +70,19 @@ def _auto_refusal(name: str, request: Request, spec: ir.AttentionIR) -> str | No
 def auto_order(request: Request) -> list[tuple[str, str]]:
     """The backends ``auto`` tries for ``request``, best first, each with the reason it would be
     chosen."""
-    return [(row.backend, order.reason(row, request)) for row in order.rows_for(request)
-            if row.backend in REGISTRY]
+    # the same for every call of a device and mode, while the order table is the same object
+    # (kept here, so that its id is not reused) and the same backends are registered
+    key = (id(order.ORDER), tuple(REGISTRY), request.device_type, request.mode)
+    found = _AUTO_ORDERS.get(key)
+    if found is None or found[0] is not order.ORDER:
+        found = _AUTO_ORDERS[key] = (order.ORDER, tuple(
+            (row.backend, order.reason(row, request)) for row in order.rows_for(request)
+            if row.backend in REGISTRY))
+    return list(found[1])
+
+
+# (id of the order table, backends, device type, mode) -> (the table, the order)
+_AUTO_ORDERS: dict = {}
 
 
 def choose(backend: str, request: Request, spec: ir.AttentionIR) -> Choice:

@@ -1,0 +1,108 @@
+"""runtime.replay: a step's later layers run the compiled code its first layer's call ran,
+without dynamo's guards, only where their inputs agree with the first layer's in what those
+guards check; anything else takes the compiled call. Results equal the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexspec
+from flexspec.runtime import flexattention, replay
+from flexspec.runtime.replay import Replay, cached_code
+from flexspec.testing import Shape
+
+
+def scaled_sum(q, k, v, factor=2.0):
+    return (q * factor + k - v).sum(-1)
+
+
+@pytest.fixture
+def compiled_sum():
+    """A compiled function (dynamo's eager backend: no kernel compile) and one call of it."""
+    torch._dynamo.reset()
+    entry = torch.compile(scaled_sum, backend="eager")
+    q, k, v = (torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    entry(q, k, v, 2.0)
+    return entry, (q, k, v, 2.0)
+
+
+def test_the_cached_code_runs_without_dynamo_and_computes_the_same(compiled_sum):
+    entry, args = compiled_sum
+    function = cached_code(entry, args)
+    assert function is not None and function is not scaled_sum
+    fresh = [torch.randn(2, 3, 4) for _ in range(3)]
+    torch.testing.assert_close(function(*fresh, 2.0), scaled_sum(*fresh, 2.0))
+    # a default left out is the function's own, as in the call dynamo saw
+    assert cached_code(entry, args[:3]) is not None
+    # arguments no cached code accepts (a new constant): none
+    assert cached_code(entry, (*args[:3], 3.0)) is None
+    # not a compiled function, or too many arguments: none
+    assert cached_code(scaled_sum, args) is None
+    assert cached_code(entry, (*args, 1)) is None
+
+
+def test_a_replay_runs_only_for_inputs_that_agree_with_the_first_call(compiled_sum):
+    entry, (q, k, v, factor) = compiled_sum
+    found = Replay.of(entry, (q, k, v, factor))
+    other = [torch.randn(2, 3, 4) for _ in range(3)]
+    torch.testing.assert_close(found.run((*other, factor)), scaled_sum(*other, factor))
+    # one object passed twice: dynamo would pass it once
+    assert found.run((other[0], other[1], other[1], factor)) is None
+    # a tensor that requires gradients, of another dtype's dispatch keys, of another type
+    assert found.run((other[0].requires_grad_(), other[1], other[2], factor)) is None
+    assert found.run((torch.nn.Parameter(other[1]), other[1].clone(), other[2], factor)) is None
+    with torch.inference_mode():
+        made_inside = torch.randn(2, 3, 4)
+    assert found.run((made_inside, other[1], other[2], factor)) is None
+    # the global state dynamo guards: autocast, deterministic algorithms, grad mode
+    with torch.autocast("cpu"):
+        assert found.run((other[1], other[1].clone(), other[2], factor)) is None
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(not deterministic)
+    try:
+        assert found.run((other[1], other[1].clone(), other[2], factor)) is None
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    with torch.no_grad():
+        assert found.run((other[1], other[1].clone(), other[2], factor)) is None
+
+
+def test_a_torch_without_dynamo_s_internals_has_no_replays(compiled_sum, monkeypatch):
+    entry, args = compiled_sum
+    monkeypatch.setattr(replay, "_debug_get_cache_entry_list", None)
+    assert Replay.of(entry, args) is None
+
+    def unexpected(code):
+        raise AttributeError("no guard_manager here")
+    monkeypatch.setattr(replay, "_debug_get_cache_entry_list", unexpected)
+    assert Replay.of(entry, args) is None
+
+
+def count_compiled_calls(monkeypatch) -> list:
+    """Each call of a compiled FlexAttention entry through dynamo appends to it."""
+    counted = []
+    real = flexattention.call_compiled
+    monkeypatch.setattr(flexattention, "call_compiled",
+                        lambda *args: counted.append(1) or real(*args))
+    return counted
+
+
+def test_later_layers_of_a_step_replay_the_compiled_kernel_and_equal_the_reference(
+        monkeypatch):
+    """Issue 26: a step of five layers on the CPU's compiled kernels (130 query rows): the first
+    layer compiles, the second resolves the launch and calls the compiled entry, the other three
+    replay its code, with no call into dynamo; every layer equals the float64 reference."""
+    torch._dynamo.reset()
+    attn = flexspec.compile("causal & (window(100) | sink(4)) + softcap(20)", backend="flex")
+    shape = Shape(1, 4, 2, 130, 400, 16)
+    inputs = [shape.qkv(seed) for seed in range(5)]
+    counted = count_compiled_calls(monkeypatch)
+    with torch.no_grad():
+        step = flexspec.Step(q_offset=250)
+        for q, k, v in inputs:
+            torch.testing.assert_close(attn(q, k, v, step=step),
+                                       attn.reference(q, k, v, q_offset=250),
+                                       rtol=1e-4, atol=1e-4)
+        assert len(counted) == 1  # the second layer's; the first compiled through run_compiled
