@@ -48,8 +48,10 @@ def inputs(device, cache: int) -> tuple:
     return q, k, torch.randn_like(k), cache - rows
 
 
-def later_layer(attn, q, k, v, offset, replays: bool):
-    """A step whose launch is resolved (with or without a replay), and its later-layer call."""
+def later_layer(text, q, k, v, offset, replays: bool):
+    """A step whose launch is resolved (with or without a replay), and its later-layer call (an
+    Attention of its own each way: a plan keeps the replay of its first call)."""
+    attn = flexspec.compile(text)
     step = flexspec.Step(q_offset=offset)
     real = flexattention.Replay.of
     if not replays:
@@ -79,10 +81,9 @@ def main(argv=None) -> int:
     rows = []
     with torch.no_grad():
         for text in args.specs.split(";"):
-            attn = flexspec.compile(text)
-            functions = {"replayed": later_layer(attn, q, k, v, offset, True),
-                         "through dynamo": later_layer(attn, q, k, v, offset, False)}
-            want = attn.reference(q[:1], k[:1], v[:1], q_offset=offset)
+            functions = {"replayed": later_layer(text, q, k, v, offset, True),
+                         "through dynamo": later_layer(text, q, k, v, offset, False)}
+            want = flexspec.compile(text).reference(q[:1], k[:1], v[:1], q_offset=offset)
             for name, fn in functions.items():
                 error = (fn()[:1].double() - want).abs().max().item()
                 if error > (5e-2 if q.dtype == torch.bfloat16 else 1e-4):

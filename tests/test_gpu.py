@@ -655,6 +655,42 @@ def test_a_whole_model_decode_step_sharing_one_step_is_captured_in_a_cuda_graph(
                         TOLERANCE[torch.float32], (replay, layer, row)
 
 
+@pytest.mark.parametrize("text", ["causal + softcap(30)", "causal & (window(300) | sink(4))"])
+def test_later_layers_of_a_growing_cache_s_decode_steps_replay_the_compiled_kernel(text,
+                                                                                  monkeypatch):
+    """Issue 26: four layers share each decode step of a growing cache (bf16, the decoding
+    kernel): the first layer plans (a new length) and calls the compiled entry, the other
+    three replay the code of that call without dynamo (flexspec.runtime.replay); every layer
+    equals the float64 reference at every step."""
+    from flexspec.runtime import flexattention
+    replayed = []
+    real = flexattention.Replay.run
+
+    def run(self, args):
+        out = real(self, args)
+        replayed.append(out is not None)
+        return out
+    monkeypatch.setattr(flexattention.Replay, "run", run)
+    attn = flexspec.compile(text)
+    layers, batch, heads, kv_heads, dim, start = 4, 2, 8, 2, 64, 1000
+    caches = [[torch.randn(batch, kv_heads, start + 8, dim, device="cuda",
+                           dtype=torch.bfloat16) for _ in range(2)] for _ in range(layers)]
+    with torch.no_grad():
+        for n in range(start, start + 6):
+            qs = [torch.randn(batch, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
+                  for _ in range(layers)]
+            step = flexspec.Step(q_offset=n - 1)
+            replayed.clear()
+            outs = [attn(q, k[:, :, :n], v[:, :, :n], step=step)
+                    for q, (k, v) in zip(qs, caches)]
+            if n > start + 2:  # compiled for dynamic lengths by now
+                assert replayed.count(True) == layers - 1, n
+            for out, q, (k, v) in zip(outs, qs, caches):
+                ref = attn.reference(q.double(), k[:, :, :n].double(), v[:, :, :n].double(),
+                                     q_offset=n - 1)
+                assert _relative_error(out, ref) < TOLERANCE[torch.bfloat16], n
+
+
 @pytest.mark.parametrize("backend, batch", [("auto", 2), ("flex", 2), ("flash", 2), ("auto", 1)])
 def test_a_training_step_with_fresh_document_ids_is_captured_in_a_cuda_graph(backend, batch):
     """Forward and backward of ``causal & doc`` captured once. Each replay reads the next

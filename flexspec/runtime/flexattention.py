@@ -22,6 +22,7 @@ from flexspec.runtime.capture import in_graph_memory
 from flexspec.runtime.identity import version
 from flexspec.runtime.progress import timed
 from flexspec.runtime.replay import Replay
+from flexspec.runtime.step import NO_STEP
 from flexspec.runtime.contract import Backend, Plan, Prepared
 from flexspec.errors import BindingError
 
@@ -54,6 +55,9 @@ class FlexCall:
     scale_values: dict = field(default_factory=dict)  # the scale as a tensor (rewrites.scaled)
     warm: bool = False                       # the compiled entry has run once for this plan
     pinned: tuple = ()                       # compiled.free_strides of the plan's q, k, v
+    # the compiled code of the plan's first call, where it was a layer of a model step: what
+    # the step's next layers may replay (runtime.replay)
+    replay: Replay | None = None
 
     def last_block_mask(self, bindings: dict) -> BlockMask | None:
         """The previous call's block mask when the mask's bindings are the very tensors of that
@@ -236,17 +240,20 @@ class FlexAttentionBackend(Backend):
         score_mod = call.score_mod if not call.score_varies else varying_score(call, plan, values)
         entry, options, lse, gqa, detach, pinned = (call.entry, call.kernel_options, call.lse,
                                                     plan.gqa, plan.detach, call.pinned)
-        replays = []  # the first call's compiled code, for the later layers (runtime.replay)
+        # the compiled code the later layers replay (runtime.replay): the plan's first call's,
+        # where its score and block mask are this launch's, else this launch's first call's
+        replay, resolved = call.replay, False
 
         def launch(q, k, v):
+            nonlocal replay, resolved
             if detach and (q.requires_grad or k.requires_grad or v.requires_grad):
                 q, k, v = q.detach(), k.detach(), v.detach()
             args = (q, k, v, score_mod, block_mask, None, gqa, options, lse, pinned)
-            out = replays[0].run(args) if replays and replays[0] is not None else None
+            out = replay.run(args) if replay is not None else None
             if out is None:
                 out = call_compiled(entry, *args)
-                if not replays:
-                    replays.append(Replay.of(entry, args))
+                if not resolved:
+                    replay, resolved = Replay.of(entry, args), True
             return compiled.split_lse(out) if lse is not None else out
         return launch
 
@@ -291,5 +298,7 @@ class FlexAttentionBackend(Backend):
                 raise
             except Exception as err:  # noqa: BLE001 - inductor's errors have no stable type
                 return self.compile_failed(plan, err)
+            if step is not None and step is not NO_STEP:  # the step's next layer launches
+                call.replay = Replay.of(call.entry, args)
             call.warm = True
         return compiled.split_lse(out) if call.lse is not None else out

@@ -4,9 +4,10 @@ Every call of a ``torch.compile``d function first has dynamo evaluate the guards
 code (the profiler's "TorchDynamo Cache Lookup"): on the GPU host 127-155 us per FlexAttention
 call (docs/performance.md), while a later layer of a step calls the same function with the same
 score, block mask and options as the first layer, on q, k and v of the same signature
-(:func:`flexspec.runtime.step.launch_signature`). :class:`Replay` finds, once per launch, the
-compiled code dynamo's guards accept for the first layer's arguments, and runs it directly for
-a later layer whose inputs agree with the first layer's in everything else dynamo guards on:
+(:func:`flexspec.runtime.step.launch_signature`). :class:`Replay` finds the compiled code
+dynamo's guards accept for one call's arguments (a step's first call of a plan, or a launch's
+first call), and runs it directly for a later layer that passes the very same score, block mask
+and options and whose q, k and v agree with that call's in everything else dynamo guards on:
 each tensor's type, dispatch keys and ``requires_grad``, which of q, k and v are one object, and
 the global state (grad and autocast modes, deterministic algorithms...: dynamo's own
 ``GlobalStateGuard``) and torch-function modes. A layer that differs in any of these, or a torch
@@ -68,21 +69,27 @@ class Replay:
     """The compiled code of one launch's first call, for its later calls (see the module
     docstring): :meth:`run` gives ``None`` where a call must take the compiled call."""
 
-    def __init__(self, function, q, k, v):
+    def __init__(self, function, args: tuple):
         self.function = function
         self.state = GlobalStateGuard()
-        self.facts = tensor_facts(q, k, v)
+        self.facts = tensor_facts(*args[:3])
+        self.others = args[3:]  # the score, block mask, options...: the very same objects
 
     @classmethod
     def of(cls, entry, args: tuple) -> "Replay | None":
         """The replay of ``entry(*args)`` (q, k and v its first three arguments), just run, or
         ``None`` where it has none."""
         function = cached_code(entry, args)
-        return None if function is None else cls(function, *args[:3])
+        return None if function is None else cls(function, args)
 
     def run(self, args: tuple):
-        """The output of the compiled code on ``args``, or ``None`` where their tensors or the
-        global state differ from the first call's in what dynamo guards on."""
+        """The output of the compiled code on ``args``, or ``None`` where their arguments after
+        q, k and v are not the first call's very objects, or their tensors or the global state
+        differ from the first call's in what dynamo guards on."""
+        others = args[3:]
+        if len(others) != len(self.others) or any(
+                given is not seen for given, seen in zip(others, self.others)):
+            return None
         if not self.state.check() or tensor_facts(*args[:3]) != self.facts:
             return None
         return self.function(*args)

@@ -48,6 +48,8 @@ def test_a_replay_runs_only_for_inputs_that_agree_with_the_first_call(compiled_s
     found = Replay.of(entry, (q, k, v, factor))
     other = [torch.randn(2, 3, 4) for _ in range(3)]
     torch.testing.assert_close(found.run((*other, factor)), scaled_sum(*other, factor))
+    # an argument after q, k and v that is not the very same object
+    assert found.run((*other, float("2.0"))) is None
     # one object passed twice: dynamo would pass it once
     assert found.run((other[0], other[1], other[1], factor)) is None
     # a tensor that requires gradients, of another dtype's dispatch keys, of another type
@@ -91,18 +93,37 @@ def count_compiled_calls(monkeypatch) -> list:
 
 def test_later_layers_of_a_step_replay_the_compiled_kernel_and_equal_the_reference(
         monkeypatch):
-    """Issue 26: a step of five layers on the CPU's compiled kernels (130 query rows): the first
-    layer compiles, the second resolves the launch and calls the compiled entry, the other three
-    replay its code, with no call into dynamo; every layer equals the float64 reference."""
+    """Issue 26: steps of layers on the CPU's compiled kernels (130 query rows). In the first
+    step the first layer plans and compiles, and every later layer replays the code of that
+    first call, with no call into dynamo; so does every layer of a step with the same
+    positions (the same block mask). A step at a new offset has a new block mask: its first
+    layer's launch calls the compiled entry and the layers after it replay that call's code.
+    Every layer equals the float64 reference."""
     torch._dynamo.reset()
     attn = flexspec.compile("causal & (window(100) | sink(4)) + softcap(20)", backend="flex")
     shape = Shape(1, 4, 2, 130, 400, 16)
     inputs = [shape.qkv(seed) for seed in range(5)]
     counted = count_compiled_calls(monkeypatch)
+    replayed = []
+    real = Replay.run
+
+    def run(self, args):
+        out = real(self, args)
+        replayed.append(out is not None)
+        return out
+    monkeypatch.setattr(Replay, "run", run)
     with torch.no_grad():
-        step = flexspec.Step(q_offset=250)
-        for q, k, v in inputs:
-            torch.testing.assert_close(attn(q, k, v, step=step),
-                                       attn.reference(q, k, v, q_offset=250),
-                                       rtol=1e-4, atol=1e-4)
-        assert len(counted) == 1  # the second layer's; the first compiled through run_compiled
+        # (layers, offset, calls of the compiled entry, replays): the first step's first layer
+        # compiles (its own path); a step at the same offset replays all; a new offset's first
+        # layer calls the entry
+        for layers, offset, compiled_calls, replays in ((5, 250, 0, 4), (3, 250, 0, 3),
+                                                         (3, 251, 1, 2)):
+            counted.clear()
+            replayed.clear()
+            step = flexspec.Step(q_offset=offset)
+            for q, k, v in inputs[:layers]:
+                torch.testing.assert_close(attn(q, k, v, step=step),
+                                           attn.reference(q, k, v, q_offset=offset),
+                                           rtol=1e-4, atol=1e-4)
+            assert len(counted) == compiled_calls, offset
+            assert replayed.count(True) == replays, offset
