@@ -82,11 +82,12 @@ def add_leading_dims(value: torch.Tensor, ndim: int) -> torch.Tensor:
 
 
 def prepare(spec: ir.AttentionIR, sizes: dict, bindings: dict, device="cpu",
-            learnables: dict | None = None) -> dict:
+            learnables: dict | None = None, builtins: dict | None = None) -> dict:
     """Every tensor ``spec`` reads, keyed by :func:`tensor_key`: bindings taken from
-    ``bindings`` (by name, with leading dimensions added), builtins computed, learnables taken
-    from ``learnables`` or freshly initialised. Checking bindings is the runtime's job."""
-    learnables = learnables or {}
+    ``bindings`` (by name, with leading dimensions added), builtins taken from ``builtins`` or
+    computed, learnables taken from ``learnables`` or freshly initialised. Checking bindings is
+    the runtime's job."""
+    learnables, builtins = learnables or {}, builtins or {}
     values = {}
     for t in spec.tensors():
         key = tensor_key(t)
@@ -94,7 +95,8 @@ def prepare(spec: ir.AttentionIR, sizes: dict, bindings: dict, device="cpu",
             values[key] = add_leading_dims(torch.as_tensor(bindings[t.name], device=device),
                                            len(t.shape))
         elif t.origin == "builtin":
-            values[key] = builtin_tensor(t, sizes, device)
+            found = builtins.get(key)
+            values[key] = builtin_tensor(t, sizes, device) if found is None else found
         elif key in learnables:
             values[key] = learnables[key]
         else:

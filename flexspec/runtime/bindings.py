@@ -10,8 +10,9 @@ import torch
 from flexspec import ir
 from flexspec.errors import BindingError, BindingTypeError, did_you_mean
 from flexspec.ir import tensor_key
-from flexspec.ir.specialize import broadcast_dims, declared_shape, specialize_ir
-from flexspec.kernels.tensors import add_leading_dims, init_learnable, prepare
+from flexspec.ir.specialize import (broadcast_dims, declared_shape, eval_size_expr,
+                                     specialize_ir)
+from flexspec.kernels.tensors import add_leading_dims, builtin_tensor, init_learnable, prepare
 from flexspec.runtime.capture import in_graph_memory
 from flexspec.runtime.identity import KeptByIdentity, identity
 
@@ -20,6 +21,8 @@ from flexspec.runtime.identity import KeptByIdentity, identity
 # gets the same copy, so the block-mask cache, keyed by identity, finds its mask instead of
 # building it anew on every call.
 _CONTIGUOUS_KEPT = 8
+# Values of built-in tensors kept per spec (one per number of heads and device, in practice).
+_BUILTINS_KEPT = 16
 _contiguous_kept = KeptByIdentity(_CONTIGUOUS_KEPT)
 
 
@@ -75,6 +78,7 @@ class Tensors:
     def __init__(self, spec: ir.AttentionIR):
         self.ir = spec
         self._fresh_learnables: dict = {}
+        self._builtins: dict = {}  # (tensor key, its arguments, device) -> value
         self._names = {t.name for t in spec.tensors() if t.origin != "builtin"}
 
     def gather(self, sizes: dict, bindings: dict, device, learnables: dict | None = None,
@@ -94,7 +98,7 @@ class Tensors:
                 hint = did_you_mean(name, known)
                 takes = ", ".join(known) if known else "no tensors"
                 raise BindingError(f"unexpected binding '{name}'.{hint} This spec takes {takes}")
-        checked, given = {}, {}
+        checked, given, builtins = {}, {}, {}
         for tensor in spec.tensors():
             key = tensor_key(tensor)
             if tensor.origin == "binding":
@@ -110,9 +114,26 @@ class Tensors:
                     given[key] = learnables[key]
                 else:
                     given[key] = self._fresh(tensor, sizes, device)
-        values = prepare(spec, sizes, checked, device, learnables=given)
+            elif tensor.origin == "builtin" and not in_graph_memory(device):
+                builtins[key] = self._builtin(tensor, sizes, device)
+        values = prepare(spec, sizes, checked, device, learnables=given, builtins=builtins)
         shapes = {key: tuple(value.shape) for key, value in values.items()}
         return values, specialize_ir(spec, shapes, sizes)
+
+    def _builtin(self, tensor: ir.Tensor, sizes: dict, device) -> torch.Tensor:
+        """The value of a built-in tensor (``alibi_slopes(H)``), made once per argument values
+        and device: a growing cache plans at every step, and each making is a few launches.
+        Not inside a CUDA graph capture, whose tensors live in the graph's memory pool."""
+        cache_key = (tensor_key(tensor), tuple(eval_size_expr(a, sizes) for a in tensor.args),
+                     str(device))
+        found = self._builtins.get(cache_key)
+        if found is None:
+            with torch.inference_mode(False):  # kept for calls of every mode
+                found = builtin_tensor(tensor, sizes, device)
+            if len(self._builtins) >= _BUILTINS_KEPT:
+                self._builtins.pop(next(iter(self._builtins)))
+            self._builtins[cache_key] = found
+        return found
 
     def _fresh(self, tensor: ir.Tensor, sizes: dict, device) -> torch.Tensor:
         """The initial value of a learnable tensor nobody passed, the same for every call."""

@@ -205,8 +205,9 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, blo
         reference_fits=dense_fits(*q.shape[:3], k.shape[2]),
         lse=bool(return_lse), scale=scale, facts=tuple(sorted(facts.items())),
         failed=FAILURES.of(spec))
-    if options is not None:
-        request = dataclasses.replace(request, kernel_options=options.for_request(request))
+    chosen_options = () if options is None else options.for_request(request)
+    if chosen_options:
+        request = dataclasses.replace(request, kernel_options=chosen_options)
     choice = choose(asked, request, spec)
     check_ranges(written or spec, sizes, REGISTRY[choice.backend].index_dtype(device.type))
     draft = Plan(text=text, asked=asked, sizes=sizes, device=device, spec=spec, request=request,

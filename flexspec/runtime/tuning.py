@@ -66,6 +66,8 @@ class KernelOptions:
 
     def for_request(self, request) -> tuple:
         """The options of a call, as sorted ``(name, value)`` pairs (for the Request)."""
+        if not self.tuned:  # the signature is text made anew: plans of a growing cache ask
+            return tuple(sorted(self.given.items()))
         found = {**self.given, **self.tuned.get(signature(request), {})}
         return tuple(sorted(found.items()))
 

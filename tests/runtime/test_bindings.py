@@ -319,3 +319,22 @@ def test_the_sizes_a_spec_s_tensors_need():
     assert sizes_tensors_read(flexspec.parse("causal & document + alibi").ir) == {
         "KV_LEN", "H"}
     assert sizes_tensors_read(flexspec.parse("causal + rel_bias(max_distance=2)").ir) == {"H"}
+
+
+def test_a_built_in_tensor_is_made_once_per_argument_and_device_and_outside_any_mode():
+    """alibi's slopes are made once per number of heads and device, not at every new length
+    (a growing cache plans at every step), equal the tensor made anew, and are made outside
+    inference mode, so a later call that needs gradients may read them."""
+    from flexspec.kernels.tensors import builtin_tensor
+    tensors = flexspec.compile("causal + alibi")._calls.placement.tensors_for({})
+    slopes = next(t for t in tensors.ir.tensors() if t.origin == "builtin")
+    sizes = {"B": 1, "H": 4, "Q_LEN": 8, "KV_LEN": 8}
+    with torch.inference_mode():
+        first, _ = tensors.gather(sizes, {}, torch.device("cpu"))
+    again, _ = tensors.gather({**sizes, "KV_LEN": 20}, {}, torch.device("cpu"))
+    other, _ = tensors.gather({**sizes, "H": 6}, {}, torch.device("cpu"))
+    key = ir.tensor_key(slopes)
+    assert again[key] is first[key] and not first[key].is_inference()
+    assert torch.equal(first[key], builtin_tensor(slopes, sizes))
+    assert other[key].shape == (6,) and torch.equal(other[key],
+                                                    builtin_tensor(slopes, {**sizes, "H": 6}))
