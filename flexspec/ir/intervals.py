@@ -415,24 +415,42 @@ def always(expr: ir.Expr, ranges: dict) -> bool:
     return bool(Analyzer(ScalarOps, ranges).boolean(expr)[0])
 
 
-def bounds(expr: ir.Expr, ranges: dict):
-    """``(lo, hi)`` of a numeric expression over Python ranges, or ``None`` when unbounded."""
-    lo, hi = Analyzer(ScalarOps, ranges).number(expr)
+class _TableOps(ScalarOps):
+    """:class:`ScalarOps` that bound a lookup of a tensor by the range of its values, where
+    ``tables`` knows it (tensor key -> (lo, hi))."""
+
+    def __init__(self, tables: dict):
+        self.tables = tables
+
+    def lookup(self, node, index_bounds):
+        found = self.tables.get(ir.tensor_key(node.tensor))
+        return None if found is None else (float(found[0]), float(found[1]))
+
+
+def bounds(expr: ir.Expr, ranges: dict, tables: dict | None = None):
+    """``(lo, hi)`` of a numeric expression over Python ranges, or ``None`` when unbounded.
+    ``tables`` gives the range of the values of tensors it reads (tensor key -> (lo, hi))."""
+    ops = ScalarOps if not tables else _TableOps(tables)
+    lo, hi = Analyzer(ops, ranges).number(expr)
     if lo == -INF and hi == INF:
         return None
     return lo, hi
+
+
+def index_ranges(sizes: dict, q_offset: int = 0) -> dict:
+    """The ranges of the index variables over a call of ``sizes`` (``q`` over the positions of
+    its rows, ``q_offset .. q_offset + Q_LEN - 1``) and of the sizes themselves."""
+    ranges = {"b": (0, sizes["B"] - 1), "h": (0, sizes["H"] - 1),
+              "q": (q_offset, q_offset + sizes["Q_LEN"] - 1), "kv": (0, sizes["KV_LEN"] - 1)}
+    ranges.update((name, (sizes[name], sizes[name])) for name in ir.SIZE_VARS)
+    return ranges
 
 
 def lookup_ranges(spec: ir.AttentionIR, sizes: dict | None, q_offset: int = 0) -> list:
     """For every tensor lookup of ``spec``: ``(tensor, dim, index_expr, (lo, hi) | None)`` with the
     range of the index when ``b h kv`` range over the given sizes and ``q`` over the positions
     of the rows, ``q_offset .. q_offset + Q_LEN - 1`` (every range ``None`` without sizes)."""
-    ranges = None
-    if sizes is not None:
-        ranges = {"b": (0, sizes["B"] - 1), "h": (0, sizes["H"] - 1),
-                  "q": (q_offset, q_offset + sizes["Q_LEN"] - 1),
-                  "kv": (0, sizes["KV_LEN"] - 1)}
-        ranges.update((name, (sizes[name], sizes[name])) for name in ir.SIZE_VARS)
+    ranges = None if sizes is None else index_ranges(sizes, q_offset)
     found = []
     for root in (spec.mask, spec.score):
         for node in ir.walk(root):

@@ -1,6 +1,7 @@
 """What the runtime's caches see of a tensor: its identity (memory, layout, version), the
-bounded memo of results kept by it (:class:`KeptByIdentity`), and what dynamo's guards see of
-an argument (:func:`meta`)."""
+bounded memo of results kept by it (:class:`KeptByIdentity`), the range of values of tensors
+the runtime made from host ints (:func:`known_range`), and what dynamo's guards see of an
+argument (:func:`meta`)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,36 @@ class KeptByIdentity:
             if len(self._kept) > self._size:
                 self._kept.popitem(last=False)
         return result
+
+
+# Tensors made from values the host knows, by identity: (the tensor, lowest, highest value).
+_KNOWN_KEPT = 256
+_known: collections.OrderedDict = collections.OrderedDict()
+_known_lock = threading.Lock()
+
+
+def remember_range(value: torch.Tensor, low: int, high: int) -> None:
+    """Remember that ``value``'s entries lie in ``low .. high`` (a tensor made from host ints,
+    unchanged since): checks of its values may then use the range instead of reading them
+    (a host synchronisation on a GPU)."""
+    seen = identity(value)
+    if seen is None:
+        return
+    with _known_lock:
+        _known[seen] = (value, low, high)
+        _known.move_to_end(seen)
+        if len(_known) > _KNOWN_KEPT:
+            _known.popitem(last=False)
+
+
+def known_range(value: torch.Tensor) -> tuple | None:
+    """``(low, high)`` remembered for ``value`` (or a view of it with the same layout,
+    unchanged since: :func:`identity`), or ``None``."""
+    seen = identity(value)
+    if seen is None:
+        return None
+    found = _known.get(seen)
+    return None if found is None else found[1:]
 
 
 def version(value: torch.Tensor) -> int | None:

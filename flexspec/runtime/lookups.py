@@ -11,9 +11,9 @@ import math
 from flexspec import ir, limits
 from flexspec.errors import BindingError
 from flexspec.ir import tensor_key
-from flexspec.ir.intervals import lookup_ranges
+from flexspec.ir.intervals import bounds, index_ranges, lookup_ranges
 from flexspec.kernels.evaluate import evaluate, index_grid
-from flexspec.runtime.identity import KeptByIdentity, identity
+from flexspec.runtime.identity import KeptByIdentity, identity, known_range
 
 # Sets of values a plan's lookups were checked on, kept (see LookupCheck).
 CHECKED_KEPT = 8
@@ -112,6 +112,8 @@ class LookupCheck:
         the plan)."""
         self.spec, self.sizes = spec, sizes
         self.unproven = unproven_lookups(spec, tuple(sorted(sizes.items())), shapes_key(values))
+        # the tensors each unproven index reads (a q_offset made from an int has a known range)
+        self._reads = tuple(tuple(ir.tensor_keys(index)) for _, _, index in self.unproven)
         # the sets of values checked, by identity (kept alive with them)
         self._checked = KeptByIdentity(CHECKED_KEPT)
         self.check(values)
@@ -120,12 +122,35 @@ class LookupCheck:
         return bool(self.unproven)
 
     def check(self, values: dict) -> None:
+        if self._in_range_by_known_values(values):
+            return
         found = self._identity(values)
         if None in found:  # an inference tensor, whose changes cannot be seen: always checked
             check_lookups(self.spec, self.sizes, values, self.unproven)
             return
         self._checked.get(found, [values[tensor_key(t)] for t, _, _ in self.unproven],
                           lambda: check_lookups(self.spec, self.sizes, values, self.unproven))
+
+    def _in_range_by_known_values(self, values: dict) -> bool:
+        """Whether interval analysis keeps every unproven lookup in range once the tensors its
+        index reads have the ranges the runtime knows for them (offsets made from host ints:
+        :func:`~flexspec.runtime.identity.known_range`), with no read of their values (a host
+        synchronisation on a GPU at every decoding step)."""
+        ranges = None
+        for (tensor, dim, index), reads in zip(self.unproven, self._reads):
+            if not reads:
+                return False
+            tables = {}
+            for key in reads:
+                found = known_range(values[key])
+                if found is None:
+                    return False
+                tables[key] = found
+            ranges = ranges or index_ranges(self.sizes)
+            span = bounds(index, ranges, tables)
+            if span is None or span[0] < 0 or span[1] >= values[tensor_key(tensor)].shape[dim]:
+                return False
+        return True
 
     def _identity(self, values: dict) -> tuple:
         return tuple(identity(values[tensor_key(t)]) for t, _, _ in self.unproven)

@@ -37,7 +37,7 @@ from flexspec.limits import POSITION_LIMIT, check_position, kernel_int_dtype
 from flexspec.runtime.bindings import Tensors
 from flexspec.runtime.capture import in_graph_memory
 from flexspec.runtime.checks import as_device, check_qkv
-from flexspec.runtime.identity import KeptByIdentity, identity
+from flexspec.runtime.identity import KeptByIdentity, identity, remember_range
 
 # Ints given as q_offset are turned into tensors once per (value, device): the block-mask cache
 # then sees the same tensor when the same offset comes again.
@@ -307,5 +307,7 @@ def _int_tensor(value: int, batch: int, device: str) -> torch.Tensor:
     # flash-constant-index). Made outside inference mode, as it serves calls in every mode
     # (an inference tensor cannot be saved for a backward pass)
     with torch.inference_mode(False):
-        return torch.full((batch,), value, dtype=torch.int64, device=device)
+        made = torch.full((batch,), value, dtype=torch.int64, device=device)
+    remember_range(made, value, value)  # its lookups are then checked without a read
+    return made
 

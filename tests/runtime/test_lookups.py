@@ -154,3 +154,30 @@ def test_an_index_variable_over_a_dimension_of_its_own_extent_needs_no_analysis(
             torch.testing.assert_close(attn(q, k, k, t=t), attn.reference(q, k, k, t=t))
         # ranges analysed (the lookups are listed once per spec, with no sizes)
         assert len([sizes for sizes in analysed if sizes is not None]) == (q_len != 40)
+
+
+def test_an_offset_given_as_an_int_is_checked_by_its_known_value_without_a_read(monkeypatch):
+    """``causal & doc`` reads ``doc_ids`` at the query's position, ``q + q_offset[b]``, which
+    interval analysis cannot bound from the spec alone. An int offset becomes a tensor whose
+    value the runtime knows: the lookup is then proven with it, and no value is read (on a GPU a
+    host synchronisation at every decoding step). An int offset that reads past the ids is
+    still refused; a tensor offset is still checked by its values."""
+    read = []
+    real = lookups.check_lookups
+    monkeypatch.setattr(lookups, "check_lookups",
+                        lambda *args, **kwargs: read.append(1) or real(*args, **kwargs))
+    attn = flexspec.compile("causal & doc", backend="reference")
+    ids = (torch.arange(60) // 25).expand(2, 60)
+    k = torch.randn(2, 2, 60, 8)
+    for offset in (57, 50, 58):
+        q = torch.randn(2, 4, 2, 8)
+        torch.testing.assert_close(attn(q, k, k, q_offset=offset, doc_ids=ids),
+                                   attn.reference(q, k, k, q_offset=offset, doc_ids=ids))
+    assert read == []
+    with pytest.raises(BindingError, match=r"'doc_ids' is indexed by q \+ q_offset\[b\].* "
+                                           r"reaches 59\.\.60"):
+        attn(q, k, k, q_offset=59, doc_ids=ids)
+    assert read  # the known range did not prove it: the values were checked, and refused
+    read.clear()
+    attn(q, k, k, q_offset=torch.tensor([50, 57]), doc_ids=ids)
+    assert read
