@@ -55,9 +55,12 @@ class FlexCall:
     scale_values: dict = field(default_factory=dict)  # the scale as a tensor (rewrites.scaled)
     warm: bool = False                       # the compiled entry has run once for this plan
     pinned: tuple = ()                       # compiled.free_strides of the plan's q, k, v
-    # the compiled code of the plan's first call, where it was a layer of a model step: what
-    # the step's next layers may replay (runtime.replay)
+    # the compiled code of an earlier call of the plan (its first, where it was a layer of a
+    # model step): what later calls with that call's score, block mask and options replay
+    # (runtime.replay); whether it served a call since it was kept; whether to keep trying
     replay: Replay | None = None
+    replay_served: bool = False
+    replays: bool = True
 
     def last_block_mask(self, bindings: dict) -> BlockMask | None:
         """The previous call's block mask when the mask's bindings are the very tensors of that
@@ -166,6 +169,27 @@ def varying_score(call: FlexCall, plan: Plan, values: dict):
     return score_mod
 
 
+def warm_call(call: FlexCall, args: tuple):
+    """A warm plan's call: the code dynamo compiled, replayed where the arguments agree with the
+    call it was kept from (runtime.replay), else the compiled entry, whose code is then kept for
+    the next call; unless the code kept last never served a call (arguments new at every call,
+    such as block masks built from fresh bindings), after which the plan stops keeping any."""
+    replay = call.replay
+    if replay is not None:
+        out = replay.run(args)
+        if out is not None:
+            call.replay_served = True
+            return out
+    out = call_compiled(call.entry, *args)
+    if call.replays:
+        if replay is None or call.replay_served:
+            call.replay, call.replay_served = Replay.of(call.entry, args), False
+            call.replays = call.replay is not None  # None: this torch has no replays
+        else:
+            call.replay, call.replays = None, False
+    return out
+
+
 class FlexAttentionBackend(Backend):
     """A backend that calls ``flex_attention`` compiled: subclasses give the kernel options,
     the rules and what a failed first compile means."""
@@ -250,7 +274,9 @@ class FlexAttentionBackend(Backend):
                 q, k, v = q.detach(), k.detach(), v.detach()
             args = (q, k, v, score_mod, block_mask, None, gqa, options, lse, pinned)
             out = replay.run(args) if replay is not None else None
-            if out is None:
+            if out is not None:
+                call.replay_served = True
+            else:
                 out = call_compiled(entry, *args)
                 if not resolved:
                     replay, resolved = Replay.of(entry, args), True
@@ -283,7 +309,7 @@ class FlexAttentionBackend(Backend):
                 call.pinned)
         if call.warm:
             # a warm plan cannot recompile (see compiled.run_compiled): no watch needed
-            out = call_compiled(call.entry, *args)
+            out = warm_call(call, args)
         else:
             try:
                 compiled.mark_lengths_dynamic(call.entry, *args[:5])

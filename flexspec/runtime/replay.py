@@ -11,7 +11,8 @@ and options and whose q, k and v agree with that call's in everything else dynam
 each tensor's type, dispatch keys and ``requires_grad``, which of q, k and v are one object, and
 the global state (grad and autocast modes, deterministic algorithms...: dynamo's own
 ``GlobalStateGuard``) and torch-function modes. A layer that differs in any of these, or a torch
-whose dynamo lacks the internals used here, takes the compiled call as before.
+whose dynamo lacks the internals used here, takes the compiled call as before. Repeated calls
+of one plan outside a step replay the same way (:func:`flexspec.runtime.flexattention.warm_call`).
 """
 
 from __future__ import annotations

@@ -127,3 +127,52 @@ def test_later_layers_of_a_step_replay_the_compiled_kernel_and_equal_the_referen
                                            rtol=1e-4, atol=1e-4)
             assert len(counted) == compiled_calls, offset
             assert replayed.count(True) == replays, offset
+
+
+def count_replays(monkeypatch) -> tuple:
+    """``(served, made)``: each Replay.run appends whether it served the call, each Replay.of
+    appends whether it found code."""
+    served, made = [], []
+    real_run, real_of = Replay.run, Replay.of.__func__
+
+    def run(self, args):
+        out = real_run(self, args)
+        served.append(out is not None)
+        return out
+
+    def of(cls, entry, args):
+        found = real_of(cls, entry, args)
+        made.append(found is not None)
+        return found
+    monkeypatch.setattr(Replay, "run", run)
+    monkeypatch.setattr(Replay, "of", classmethod(of))
+    return served, made
+
+
+def test_repeated_calls_of_a_warm_plan_replay_until_their_arguments_change_every_call(
+        monkeypatch):
+    """Plain calls (no step) on the CPU's compiled kernels (130 query rows): calls with the
+    same offset (the same block mask and score) replay the code of the plan's call before; calls
+    whose block mask is new at every call (fresh document ids) stop trying after one replay that
+    never served. Every call equals the float64 reference."""
+    torch._dynamo.reset()
+    served, made = count_replays(monkeypatch)
+    attn = flexspec.compile("causal & (window(100) | sink(4)) + softcap(20)", backend="flex")
+    shape = Shape(1, 4, 2, 130, 400, 16)
+    with torch.no_grad():
+        for seed in range(5):
+            q, k, v = shape.qkv(seed)
+            torch.testing.assert_close(attn(q, k, v, q_offset=250),
+                                       attn.reference(q, k, v, q_offset=250),
+                                       rtol=1e-4, atol=1e-4)
+        # the first call compiles, the second calls the entry and keeps its code, three replay
+        assert made == [True] and served.count(True) == 3
+        served.clear(), made.clear()
+        docs = flexspec.compile("causal & doc", backend="flex")
+        for seed in range(6):
+            q, k, v = shape.qkv(seed)
+            ids = (torch.arange(400) // (60 + seed)).expand(1, 400).clone()
+            torch.testing.assert_close(docs(q, k, v, q_offset=250, doc_ids=ids),
+                                       docs.reference(q, k, v, q_offset=250, doc_ids=ids),
+                                       rtol=1e-4, atol=1e-4)
+        assert made == [True] and not any(served)
