@@ -27,7 +27,8 @@ def test_an_ir_pickled_in_one_process_is_found_by_value_in_another():
     code = ("import pickle, sys, flexspec\n"
             "spec, mask = pickle.loads(sys.stdin.buffer.read())\n"
             f"here = flexspec.parse({SPEC!r}).ir\n"
-            "print({here: 'found'}.get(spec, 'missed'), {here.mask: 'found'}.get(mask, 'missed'))\n")
+            "print({here: 'found'}.get(spec, 'missed'),\n"
+            "      {here.mask: 'found'}.get(mask, 'missed'))\n")
     result = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((spec, spec.mask)),
                             capture_output=True, env={**os.environ, "PYTHONHASHSEED": "12345"},
                             check=True)

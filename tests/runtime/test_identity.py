@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexspec.runtime.identity import KeptByIdentity, identity, meta
+from flexspec.runtime.identity import KeptByIdentity, identity, known_range, meta, remember_range
 
 
 def test_the_identity_of_a_tensor_is_its_memory_layout_and_version():
@@ -47,3 +47,16 @@ def test_the_memo_keeps_the_last_results_and_their_tensors_and_nothing_that_fail
     for _ in range(2):  # a failure is not kept: the same key fails again
         with pytest.raises(ValueError):
             memo.get(("bad",), None, refuse)
+
+
+def test_a_remembered_range_holds_for_the_tensor_and_its_views_until_it_changes():
+    made = torch.full((3,), 7)
+    remember_range(made, 7, 7)
+    assert known_range(made) == (7, 7) and known_range(made.detach()) == (7, 7)
+    assert known_range(torch.full((3,), 7)) is None  # equal values, another tensor
+    made.add_(1)  # changed in place: the range is no longer known
+    assert known_range(made) is None
+    with torch.inference_mode():
+        inference = torch.full((3,), 7)
+    remember_range(inference, 7, 7)  # no version counter: nothing is remembered
+    assert known_range(inference) is None
