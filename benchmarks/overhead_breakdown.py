@@ -8,7 +8,9 @@ alternating rounds (medians, each column also as its median difference to the ha
 * ``entry+hand mods``: flexspec's compiled entry point (a fresh one) with the hand-written mods
   and block mask, i.e. the cost of the entry itself;
 * ``entry+our mods``: the plan's entry with flexspec's own mods and block mask;
-* ``flexspec``: the whole call, ``attn(q, k, v, **bindings)``;
+* ``flexspec``: the whole call, ``attn(q, k, v, **bindings)`` (which replays the compiled
+  code without dynamo's guards where its score and block mask are the last call's:
+  flexspec.runtime.replay);
 * ``python path only``: the whole call with the kernel entry replaced by a stub.
 
     python benchmarks/overhead_breakdown.py [--device cuda] [--calls 1000] [--rounds 15]
@@ -51,8 +53,9 @@ def breakdown(text: str, device, calls: int, rounds: int) -> list[str]:
     }
     times = alternate(functions, device, calls, rounds)
     call.entry = lambda *args: args[0]
+    replay, call.replay, call.replays = call.replay, None, False  # a replay skips the entry
     stubbed = alternate({"stub": case.ours}, device, calls * 5, rounds)
-    call.entry = entry
+    call.entry, call.replay, call.replays = entry, replay, True
     cells = [f"{statistics.median(times[name]):.1f} "
              f"({median_difference(times[name], times['hand']):+.1f})" for name in functions]
     return [text, *cells, f"{statistics.median(stubbed['stub']):.1f}"]

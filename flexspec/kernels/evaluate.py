@@ -28,6 +28,7 @@ import torch
 from flexspec import ir
 from flexspec.errors import SpecError
 from flexspec.ir.ops import FUNCTIONS, OPERATORS
+from flexspec.ir.specialize import declared_shape
 from flexspec.kernels.tensors import tensor_key
 
 FLOAT = torch.float64
@@ -105,6 +106,16 @@ class _Evaluator:
     def _param(self, node: ir.Param) -> torch.Tensor:
         raise SpecError(f"parameter '{node.name}' has no value; only resolved specs can run")
 
+    def _declared(self, tensor: ir.Tensor, count: int) -> tuple:
+        """The declared length of each of a lookup's ``count`` dimensions where the grid's sizes
+        are ints (``None`` elsewhere: such a dimension broadcasts whenever it has size 1; a
+        traced program's symbolic sizes are not made constants here)."""
+        if len(tensor.shape) != count or not all(
+                type(self.grid.get(name)) is int for name in ir.SIZE_VARS):
+            return (None,) * count
+        sizes = {name: self.grid[name] for name in ir.SIZE_VARS}
+        return tuple(declared_shape(tensor, sizes))
+
     def _lookup(self, node: ir.Lookup) -> torch.Tensor:
         tensor = node.tensor
         if not isinstance(tensor, ir.Tensor):
@@ -117,13 +128,17 @@ class _Evaluator:
             raise SpecError(f"tensor '{key}' has {value.dim()} dimensions but is read with "
                             f"{len(node.index)} indices")
         value = value.reshape((1,) * (len(node.index) - value.dim()) + tuple(value.shape))
+        declared = self._declared(tensor, len(node.index)) if 1 in value.shape \
+            else (None,) * len(node.index)
         index = []
-        for position, (expr, size) in enumerate(zip(node.index, value.shape)):
+        for position, (expr, size, want) in enumerate(zip(node.index, value.shape, declared)):
             i = self.eval(expr)
             if i.dtype != INT:
                 raise SpecError(f"index {position} of '{ir.to_text(node)}' is not an int")
-            # A size-1 dimension broadcasts: read at 0 whatever the index says.
-            index.append(torch.zeros_like(i) if size == 1 else i)
+            # A size-1 dimension broadcasts: read at 0 whatever the index says; not one
+            # declared 1 long too (KV_LEN = 1), whose index must stay at 0 (as the kernels
+            # read it: flexspec.ir.specialize)
+            index.append(torch.zeros_like(i) if size == 1 and want != 1 else i)
         if any(((i < 0) | (i >= size)).any() for i, size in zip(index, value.shape)):
             raise SpecError(f"'{ir.to_text(node)}' reads outside tensor '{key}' of shape "
                             f"{list(value.shape)}")

@@ -1,8 +1,8 @@
 """Replaying a compiled call for the later layers of a model step, without dynamo's guards.
 
 Every call of a ``torch.compile``d function first has dynamo evaluate the guards of its cached
-code (the profiler's "TorchDynamo Cache Lookup"): on the GPU host 127-155 us per FlexAttention
-call (docs/performance.md), while a later layer of a step calls the same function with the same
+code (the profiler's "TorchDynamo Cache Lookup", a large part of a decoding call's host time:
+docs/performance.md), while a later layer of a step calls the same function with the same
 score, block mask and options as the first layer, on q, k and v of the same signature
 (:func:`flexspec.runtime.step.launch_signature`). :class:`Replay` finds the compiled code
 dynamo's guards accept for one call's arguments (a step's first call of a plan, or a launch's
@@ -67,8 +67,9 @@ def cached_code(entry, args: tuple):
 
 
 class Replay:
-    """The compiled code of one launch's first call, for its later calls (see the module
-    docstring): :meth:`run` gives ``None`` where a call must take the compiled call."""
+    """The compiled code of one call, for later calls with the same score, block mask and
+    options (see the module docstring): :meth:`run` gives ``None`` where a call must take the
+    compiled call. It keeps those arguments alive (they are compared by identity)."""
 
     def __init__(self, function, args: tuple):
         self.function = function

@@ -174,3 +174,19 @@ def test_a_mask_must_be_boolean_and_a_score_numeric():
     # an int score pipeline gives float64 scores
     got = dense_scores(spec(score=op("-", q, kv)), logits)
     assert got.dtype == torch.float64 and got[0, 0].tolist() == [[0.0, -1.0], [1.0, 0.0]]
+
+
+def test_a_dimension_of_size_one_broadcasts_only_where_it_is_declared_longer():
+    """``ids: int[B, KV_LEN]`` with one batch row broadcasts over ``b`` (read at 0); with one
+    key (KV_LEN = 1) its second dimension is not a broadcast, and a position past it is outside
+    the tensor, as the kernels' index checks find (hypothesis found the reference reading it at
+    0: a query past a one-key cache, ``doc_ids[b, q]``)."""
+    ids = ir.Tensor("ids", (B, KV_LEN), dtype="int")
+    read = ir.Lookup(ids, (b, ir.Var("q")))
+    one_row = torch.tensor([[5, 6]])
+    grid = index_grid(2, 1, 1, 2, q_offset=1)
+    assert evaluate(read, grid, {"ids": one_row}).flatten().tolist() == [6, 6]
+    with pytest.raises(SpecError, match=r"reads outside tensor 'ids' of shape \[2, 1\]"):
+        evaluate(read, index_grid(2, 1, 1, 1, q_offset=1), {"ids": torch.tensor([[5], [7]])})
+    assert evaluate(read, index_grid(2, 1, 1, 1), {"ids": torch.tensor([[5], [7]])}
+                    ).flatten().tolist() == [5, 7]
