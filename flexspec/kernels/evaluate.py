@@ -136,8 +136,8 @@ class _Evaluator:
             if i.dtype != INT:
                 raise SpecError(f"index {position} of '{ir.to_text(node)}' is not an int")
             # A size-1 dimension broadcasts: read at 0 whatever the index says; not one
-            # declared 1 long too (KV_LEN = 1), whose index must stay at 0 (as the kernels
-            # read it: flexspec.ir.specialize)
+            # declared 1 long too (KV_LEN = 1), whose index is read as it is and must be 0 (as
+            # the kernels read it: flexspec.ir.specialize)
             index.append(torch.zeros_like(i) if size == 1 and want != 1 else i)
         if any(((i < 0) | (i >= size)).any() for i, size in zip(index, value.shape)):
             raise SpecError(f"'{ir.to_text(node)}' reads outside tensor '{key}' of shape "

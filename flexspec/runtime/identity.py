@@ -51,11 +51,16 @@ class KeptByIdentity:
                 self._kept.popitem(last=False)
         return result
 
+    def find(self, key: tuple):
+        """The result kept under ``key``, or ``None``."""
+        with self._lock:
+            kept = self._kept.get(key)
+            return None if kept is None else kept[1]
 
-# Tensors made from values the host knows, by identity: (the tensor, lowest, highest value).
+
+# The ranges of the values of tensors made from host ints, by identity.
 _KNOWN_KEPT = 256
-_known: collections.OrderedDict = collections.OrderedDict()
-_known_lock = threading.Lock()
+_known = KeptByIdentity(_KNOWN_KEPT)
 
 
 def remember_range(value: torch.Tensor, low: int, high: int) -> None:
@@ -63,23 +68,15 @@ def remember_range(value: torch.Tensor, low: int, high: int) -> None:
     unchanged since): checks of its values may then use the range instead of reading them
     (a host synchronisation on a GPU)."""
     seen = identity(value)
-    if seen is None:
-        return
-    with _known_lock:
-        _known[seen] = (value, low, high)
-        _known.move_to_end(seen)
-        if len(_known) > _KNOWN_KEPT:
-            _known.popitem(last=False)
+    if seen is not None:
+        _known.get(seen, value, lambda: (low, high))
 
 
 def known_range(value: torch.Tensor) -> tuple | None:
     """``(low, high)`` remembered for ``value`` (or a view of it with the same layout,
     unchanged since: :func:`identity`), or ``None``."""
     seen = identity(value)
-    if seen is None:
-        return None
-    found = _known.get(seen)
-    return None if found is None else found[1:]
+    return None if seen is None else _known.find(seen)
 
 
 def version(value: torch.Tensor) -> int | None:

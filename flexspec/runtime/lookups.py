@@ -23,7 +23,7 @@ def shapes_key(values: dict) -> tuple:
     return tuple(sorted((key, tuple(value.shape)) for key, value in values.items()))
 
 
-# The size each index variable runs over in a lookup (lookup_ranges: q over the rows).
+# The size each index variable runs over in a lookup (index_ranges: q over the rows).
 _EXTENTS = {"b": "B", "h": "H", "q": "Q_LEN", "kv": "KV_LEN"}
 
 
@@ -34,20 +34,19 @@ def unproven_lookups(spec: ir.AttentionIR, sizes: tuple, shapes: tuple) -> tuple
     kv]`` with ``doc_ids`` of ``[B, KV_LEN]``) is in range at any size: only the others are
     analysed (a growing cache proves its lookups at every step)."""
     sizes, shapes = dict(sizes), dict(shapes)
-    analysed = []
-    for tensor, dim, index in _lookups(spec):
-        extent = _EXTENTS.get(index.name) if isinstance(index, ir.Var) else None
-        if extent is None or shapes[tensor_key(tensor)][dim] != sizes[extent]:
-            analysed.append((tensor, dim, index))
-    if not analysed:
-        return ()
+    ranges = index_ranges(sizes)
     unproven = []
-    for tensor, dim, index, span in lookup_ranges(spec, sizes):
+    for tensor, dim, index in _lookups(spec):
         size = shapes[tensor_key(tensor)][dim]
-        if (tensor, dim, index) in analysed and (span is None or span[0] < 0
-                                                   or span[1] >= size):
+        extent = _EXTENTS.get(index.name) if isinstance(index, ir.Var) else None
+        if (extent is None or size != sizes[extent]) and not _inside(bounds(index, ranges), size):
             unproven.append((tensor, dim, index))
     return tuple(unproven)
+
+
+def _inside(span: tuple | None, size: int) -> bool:
+    """Whether an index bounded by ``span`` (``None``: unbounded) stays in ``0 .. size - 1``."""
+    return span is not None and span[0] >= 0 and span[1] < size
 
 
 @functools.lru_cache(maxsize=256)
@@ -67,7 +66,7 @@ def check_lookups(spec: ir.AttentionIR, sizes: dict, values: dict,
     """
     if unproven is None:
         unproven = unproven_lookups(spec, tuple(sorted(sizes.items())), shapes_key(values))
-    extent = {"b": sizes["B"], "h": sizes["H"], "q": sizes["Q_LEN"], "kv": sizes["KV_LEN"]}
+    extent = {var: sizes[size] for var, size in _EXTENTS.items()}
     where = f"for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}"
     for tensor, dim, index in unproven:
         size = values[tensor_key(tensor)].shape[dim]
@@ -147,8 +146,7 @@ class LookupCheck:
                     return False
                 tables[key] = found
             ranges = ranges or index_ranges(self.sizes)
-            span = bounds(index, ranges, tables)
-            if span is None or span[0] < 0 or span[1] >= values[tensor_key(tensor)].shape[dim]:
+            if not _inside(bounds(index, ranges, tables), values[tensor_key(tensor)].shape[dim]):
                 return False
         return True
 
