@@ -10,7 +10,7 @@ alternating rounds (medians, each column also as its median difference to the ha
 * ``entry+our mods``: the plan's entry with flexspec's own mods and block mask;
 * ``flexspec``: the whole call, ``attn(q, k, v, **bindings)`` (which replays the compiled
   code without dynamo's guards where its score and block mask are the last call's:
-  flexspec.runtime.replay);
+  flexspec.kernels.replay);
 * ``python path only``: the whole call with the kernel entry replaced by a stub.
 
     python benchmarks/overhead_breakdown.py [--device cuda] [--calls 1000] [--rounds 15]

@@ -1,5 +1,5 @@
 """Host time of a model step's later layer: the launch its first layer resolved, with the
-compiled kernel's code replayed without dynamo's guards (flexspec.runtime.replay) and without
+compiled kernel's code replayed without dynamo's guards (flexspec.kernels.replay) and without
 the replay (every layer's call goes through dynamo's cache lookup).
 
 For each spec, one step's later-layer call ``attn(q, k, v, step=step)`` is timed in alternating

@@ -660,8 +660,12 @@ def test_later_layers_of_a_growing_cache_s_decode_steps_replay_the_compiled_kern
                                                                                   monkeypatch):
     """Issue 26: four layers share each decode step of a growing cache (bf16, the decoding
     kernel): the first layer plans (a new length) and calls the compiled entry, the other
-    three replay the code of that call without dynamo (flexspec.runtime.replay); every layer
-    equals the float64 reference at every step."""
+    three replay the code of that call without dynamo (flexspec.kernels.replay); once the
+    entry and the block-mask program have compiled for dynamic lengths, no call of a step
+    enters dynamo's cache lookup (the first layer's and the mask's run the cached code their
+    guards accept); every layer equals the float64 reference at every step."""
+    from torch.profiler import profile
+
     from flexspec.runtime import flexattention
     replayed = []
     real = flexattention.Replay.run
@@ -681,10 +685,13 @@ def test_later_layers_of_a_growing_cache_s_decode_steps_replay_the_compiled_kern
                   for _ in range(layers)]
             step = flexspec.Step(q_offset=n - 1)
             replayed.clear()
-            outs = [attn(q, k[:, :, :n], v[:, :, :n], step=step)
-                    for q, (k, v) in zip(qs, caches)]
+            with profile() as profiled:
+                outs = [attn(q, k[:, :, :n], v[:, :, :n], step=step)
+                        for q, (k, v) in zip(qs, caches)]
             if n > start + 2:  # compiled for dynamic lengths by now
                 assert replayed.count(True) == layers - 1, n
+                assert not any(event.name == "TorchDynamo Cache Lookup"
+                               for event in profiled.events()), n
             for out, q, (k, v) in zip(outs, qs, caches):
                 ref = attn.reference(q.double(), k[:, :, :n].double(), v[:, :, :n].double(),
                                      q_offset=n - 1)

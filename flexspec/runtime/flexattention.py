@@ -21,7 +21,7 @@ from flexspec.runtime import compiled
 from flexspec.runtime.capture import in_graph_memory
 from flexspec.runtime.identity import version
 from flexspec.runtime.progress import timed
-from flexspec.runtime.replay import Replay
+from flexspec.kernels.replay import Replay
 from flexspec.runtime.step import NO_STEP
 from flexspec.runtime.contract import Backend, Plan, Prepared
 from flexspec.errors import BindingError
@@ -57,7 +57,7 @@ class FlexCall:
     pinned: tuple = ()                       # compiled.free_strides of the plan's q, k, v
     # the compiled code of an earlier call of the plan (its first, where it was a layer of a
     # model step): what later calls with that call's score, block mask and options replay
-    # (runtime.replay); whether it served a call since it was kept; whether to keep trying
+    # (kernels.replay); whether it served a call since it was kept; whether to keep trying
     replay: Replay | None = None
     replay_served: bool = False
     replays: bool = True
@@ -171,7 +171,7 @@ def varying_score(call: FlexCall, plan: Plan, values: dict):
 
 def warm_call(call: FlexCall, args: tuple):
     """A warm plan's call: the code dynamo compiled, replayed where the arguments agree with the
-    call it was kept from (runtime.replay), else the compiled entry, whose code is then kept for
+    call it was kept from (kernels.replay), else the compiled entry, whose code is then kept for
     the next call; unless the code kept last never served a call (arguments new at every call,
     such as block masks built from fresh bindings), after which the plan stops keeping any."""
     replay = call.replay
@@ -264,7 +264,7 @@ class FlexAttentionBackend(Backend):
         score_mod = call.score_mod if not call.score_varies else varying_score(call, plan, values)
         entry, options, lse, gqa, detach, pinned = (call.entry, call.kernel_options, call.lse,
                                                     plan.gqa, plan.detach, call.pinned)
-        # the compiled code the later layers replay (runtime.replay): the plan's first call's,
+        # the compiled code the later layers replay (kernels.replay): the plan's first call's,
         # where its score and block mask are this launch's, else this launch's first call's
         replay, resolved = call.replay, False
 

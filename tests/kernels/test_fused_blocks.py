@@ -89,6 +89,24 @@ def test_one_compiled_program_serves_every_length():
     assert counters["stats"]["unique_graphs"] - before <= 2
 
 
+def test_a_program_at_a_new_length_runs_its_cached_code_without_entering_dynamo():
+    """A growing cache's mask at a new length every step: once the program has compiled for
+    dynamic lengths, a new length needs no compile, and its call runs the cached code its
+    guards accept (kernels.replay.run_cached) with no dynamo cache lookup; every mask stays
+    exact."""
+    from test_replay import dynamo_lookups
+    torch._dynamo.reset()
+    spec = flexspec.parse("causal & doc")
+
+    def build(kv_len):
+        ids = (torch.arange(kv_len) // 97 + torch.tensor([[0], [1]])).contiguous()
+        case = Case(spec, Shape(2, 2, 1, 130, kv_len, 16), {"doc_ids": ids})
+        return lambda: assert_same_block_mask(
+            fused(case), to_block_mask(exact_classes(case), case.sizes, case.block), str(case))
+    build(300)(), build(301)()  # the second length compiles for dynamic lengths
+    assert [dynamo_lookups(build(kv_len)) for kv_len in (302, 433, 640)] == [0, 0, 0]
+
+
 def test_grids_beyond_the_limit_are_left_to_the_eager_builder():
     assert fused_blocks.fits({"Q_LEN": 131072, "KV_LEN": 131072}, (128, 128), batch=8, heads=1)
     assert not fused_blocks.fits({"Q_LEN": 131072, "KV_LEN": 131072}, (128, 128), batch=32,

@@ -1,6 +1,8 @@
-"""runtime.replay: a step's later layers run the compiled code its first layer's call ran,
-without dynamo's guards, only where their inputs agree with the first layer's in what those
-guards check; anything else takes the compiled call. Results equal the float64 reference."""
+"""kernels.replay: compiled calls run the cached code dynamo's guards accept without dynamo's
+frame evaluation, and go through dynamo (which may compile) for anything else; a step's later
+layers run the compiled code its first layer's call ran, without dynamo's guards, only where
+their inputs agree with the first layer's in what those guards check; anything else takes the
+compiled call. Results equal the float64 reference."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ import pytest
 import torch
 
 import flexspec
-from flexspec.runtime import flexattention, replay
-from flexspec.runtime.replay import Replay, cached_code
+from flexspec.kernels import replay
+from flexspec.runtime import flexattention
+from flexspec.kernels.generations import call_compiled, call_with_settings
+from flexspec.kernels.replay import MISSED, Replay, cached_code, run_cached
 from flexspec.testing import Shape
 
 
@@ -43,6 +47,105 @@ def test_the_cached_code_runs_without_dynamo_and_computes_the_same(compiled_sum)
     assert cached_code(entry, (*args, 1)) is None
 
 
+def dynamo_lookups(function) -> int:
+    """How many times ``function()`` entered dynamo's cache lookup (the profiler's event)."""
+    from torch.profiler import profile
+    with profile() as profiled:
+        function()
+    return sum(event.name == "TorchDynamo Cache Lookup" for event in profiled.events())
+
+
+def test_a_call_the_guards_accept_runs_the_cached_code_without_entering_dynamo(compiled_sum):
+    entry, args = compiled_sum
+    fresh = tuple(torch.randn(2, 3, 4) for _ in range(3))
+    assert dynamo_lookups(lambda: entry(*fresh, 2.0)) == 1  # what the profile counts
+    for call in (lambda: call_compiled(entry, *fresh, 2.0),
+                 lambda: call_with_settings({"recompile_limit": 3}, entry, *fresh, 2.0)):
+        assert dynamo_lookups(call) == 0
+        torch.testing.assert_close(call(), scaled_sum(*fresh, 2.0))
+    torch.testing.assert_close(run_cached(entry, (*fresh, 2.0)), scaled_sum(*fresh, 2.0))
+
+
+def test_a_call_no_cached_code_accepts_goes_through_dynamo_and_compiles(compiled_sum):
+    """Arguments the guards refuse (another dtype, grad mode, constant, or a length the compile
+    specialised) are not run from the cache: the call compiles, and the new code then serves."""
+    entry, (q, k, v, factor) = compiled_sum
+    compiles = []
+    torch._dynamo.reset()
+    entry = torch.compile(scaled_sum, backend=lambda graph, inputs: compiles.append(1)
+                          or graph.forward)
+    entry(q, k, v, factor)
+    refused = [(q.double(), k.double(), v.double(), factor), (q, k, v, 3.0)]
+    for args in refused:
+        assert run_cached(entry, args) is MISSED
+        torch.testing.assert_close(call_compiled(entry, *args), scaled_sum(*args))
+        assert run_cached(entry, args) is not MISSED
+    assert len(compiles) == 3
+    with torch.no_grad():
+        assert run_cached(entry, (q, k, v, factor)) is MISSED
+    assert run_cached(entry, (q.requires_grad_(), k, v, factor)) is MISSED
+
+
+def test_no_cached_run_where_dynamo_would_not_run_cached_code(compiled_sum, monkeypatch):
+    entry, args = compiled_sum
+    assert run_cached(entry, args) is not MISSED
+    with torch.compiler.set_stance("force_eager"):
+        assert run_cached(entry, args) is MISSED
+    # inside an outer compile the call is traced into the outer graph, never run from a cache
+    seen = []
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def outer(q, k, v):
+        out = run_cached(entry, (q, k, v, 2.0))
+        seen.append(out is MISSED)
+        return (entry(q, k, v, 2.0) if out is MISSED else out) + 1
+    torch.testing.assert_close(outer(*args[:3]), scaled_sum(*args) + 1)
+    assert seen == [True]
+    # not a compiled function; a call that does not fit its parameters
+    assert run_cached(scaled_sum, args) is MISSED
+    assert run_cached(entry, (*args, 1)) is MISSED
+    # dynamo dropped its code (torch._dynamo.reset): through dynamo, which compiles again
+    torch._dynamo.reset()
+    assert run_cached(entry, args) is MISSED
+    torch.testing.assert_close(call_compiled(entry, *args), scaled_sum(*args))
+    assert run_cached(entry, args) is not MISSED
+    monkeypatch.setattr(replay, "_debug_get_cache_entry_list", None)
+    assert run_cached(entry, args) is MISSED
+
+
+def test_a_closure_s_variables_are_what_the_guards_read():
+    """A compiled closure (as flexspec's block-mask programs are): its cached code runs while
+    the closure's variables are what it was compiled for, and a changed variable is refused
+    (dynamo guards on it), so the call compiles anew."""
+    torch._dynamo.reset()
+    factor = 2.0
+
+    def closure(x):
+        return x * factor
+
+    entry = torch.compile(closure, backend="eager")
+    x = torch.randn(3)
+    entry(x)
+    torch.testing.assert_close(run_cached(entry, (x,)), x * 2.0)
+    factor = 3.0
+    assert run_cached(entry, (x,)) is MISSED
+    torch.testing.assert_close(call_compiled(entry, x), x * 3.0)
+    torch.testing.assert_close(run_cached(entry, (x,)), x * 3.0)
+
+
+def test_a_dynamic_program_at_a_new_length_runs_cached_and_equals_the_plain_function():
+    torch._dynamo.reset()
+    compiles = []
+    entry = torch.compile(scaled_sum, backend=lambda graph, inputs: compiles.append(1)
+                          or graph.forward, dynamic=True)
+    for length in (5, 9, 300, 1, 2):
+        args = tuple(torch.randn(2, 3, length) for _ in range(3))
+        out = call_compiled(entry, *args)
+        torch.testing.assert_close(out, scaled_sum(*args))
+    # one compile for every length of 2 or more, one for the length 1 torch specialises
+    assert len(compiles) == 2
+
+
 def test_a_replay_runs_only_for_inputs_that_agree_with_the_first_call(compiled_sum):
     entry, (q, k, v, factor) = compiled_sum
     found = Replay.of(entry, (q, k, v, factor))
@@ -68,6 +171,9 @@ def test_a_replay_runs_only_for_inputs_that_agree_with_the_first_call(compiled_s
     finally:
         torch.use_deterministic_algorithms(deterministic)
     with torch.no_grad():
+        assert found.run((other[1], other[1].clone(), other[2], factor)) is None
+    # a compile stance under which dynamo runs no compiled code
+    with torch.compiler.set_stance("force_eager"):
         assert found.run((other[1], other[1].clone(), other[2], factor)) is None
 
 

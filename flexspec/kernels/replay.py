@@ -1,0 +1,190 @@
+"""Running the code dynamo compiled for flexspec's own compiled functions without going through
+dynamo's frame evaluation: checked by dynamo's guards (:func:`run_cached`, every call of
+:mod:`flexspec.kernels.generations`), or replayed with no guards at all for the later layers of
+a model step (:class:`Replay`).
+
+A call of a ``torch.compile``d function enters dynamo's frame evaluation: Python wrappers that
+set dynamo's callback and stance around the call, then the guards of each cached code until
+one accepts the arguments (the profiler's "TorchDynamo Cache Lookup"). For a call that needs no
+compile, :func:`run_cached` does only the last part: it finds the cached code whose guards (the
+same guard managers dynamo evaluates) accept the arguments and runs it as a plain function.
+That skips the wrappers, which took most of a compiled call's host overhead on our CPU
+(docs/performance.md). A call no cached code accepts goes through dynamo as before, and may
+compile.
+
+A later layer of a step calls the same function with the same score, block mask and options as
+the first layer, on q, k and v of the same signature
+(:func:`flexspec.runtime.step.launch_signature`). :class:`Replay` keeps the code the first
+call's guards accepted and runs it for a later layer that passes the very same score, block
+mask and options and whose q, k and v agree with that call's in everything else dynamo guards
+on: each tensor's type, dispatch keys and ``requires_grad``, which of q, k and v are one object,
+and the global state (grad and autocast modes, deterministic algorithms...: dynamo's own
+``GlobalStateGuard``) and torch-function modes. A layer that differs in any of these takes the
+compiled call. Repeated calls of one plan outside a step replay the same way
+(:func:`flexspec.runtime.flexattention.warm_call`).
+
+Neither runs where dynamo would not run the cached code as it is: while dynamo traces (the call
+is then part of an outer graph), under a compile stance other than the default (``force_eager``
+and the like), or on a torch whose dynamo lacks the internals used here.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+
+import torch
+
+try:
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._C._dynamo.guards import GlobalStateGuard
+    from torch._dynamo import eval_frame as _eval_frame
+except ImportError:  # a torch without these internals: no replays
+    _debug_get_cache_entry_list = GlobalStateGuard = _eval_frame = None
+
+# The errors that mean this torch's dynamo is not laid out as expected: no replay then.
+_UNEXPECTED = (AttributeError, TypeError, ValueError, RuntimeError, KeyError)
+
+
+def tensor_facts(q, k, v) -> tuple:
+    """What dynamo guards on per tensor beyond a launch's signature (type, dispatch keys,
+    ``requires_grad``), which of q, k and v are the same object (dynamo passes such an argument
+    once), and the depth of the torch-function mode stack."""
+    return (type(q), type(k), type(v), torch._C._dispatch_keys(q), torch._C._dispatch_keys(k),
+            torch._C._dispatch_keys(v), q.requires_grad, k.requires_grad, v.requires_grad,
+            q is k, q is v, k is v, torch._C._len_torch_function_stack())
+
+
+class _Compiled:
+    """What :func:`run_cached` keeps of one compiled function: the function it compiles, its
+    code, its parameters' names and defaults, and the plain function made of each cached code."""
+
+    def __init__(self, original: types.FunctionType):
+        self.original = original
+        self.code = original.__code__
+        self.names = self.code.co_varnames[:self.code.co_argcount]
+        self.defaults = original.__defaults__ or ()
+        # a frame's locals include the variables of the closure, and guards may read them
+        self.free = tuple(zip(self.code.co_freevars, original.__closure__ or ()))
+        self.functions: dict = {}  # cached code -> the plain function that runs it
+
+    def arguments(self, args: tuple) -> dict | None:
+        """The call's frame locals as the guards read them: its arguments by parameter name
+        and the closure's variables (``None`` for a call that does not fit the parameters)."""
+        names, defaults = self.names, self.defaults
+        if len(args) > len(names) or len(args) + len(defaults) < len(names):
+            return None
+        given = dict(zip(names, args))
+        if len(args) < len(names):
+            given.update((name, value) for name, value in zip(
+                names[len(names) - len(defaults):], defaults) if name not in given)
+        for name, cell in self.free:
+            given[name] = cell.cell_contents
+        return given
+
+    def accepted(self, given: dict):
+        """The plain function of the cached code whose guards accept ``given``, or ``None``."""
+        for cached in _debug_get_cache_entry_list(self.code):
+            if cached.guard_manager.check(given):
+                function = self.functions.get(cached.code)
+                if function is None:
+                    if len(self.functions) >= _FUNCTIONS_KEPT:  # codes dynamo has dropped
+                        self.functions.clear()
+                    original = self.original
+                    function = self.functions[cached.code] = types.FunctionType(
+                        cached.code, original.__globals__, original.__name__,
+                        original.__defaults__, original.__closure__)
+                return function
+        return None
+
+
+# Plain functions kept per compiled function: more than dynamo's recompile limit, so that only
+# codes a torch._dynamo.reset() dropped are ever cleared.
+_FUNCTIONS_KEPT = 32
+
+_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _compiled(entry) -> _Compiled | None:
+    """What :func:`run_cached` keeps of ``entry`` (a ``torch.compile``d function), or ``None``
+    for anything else."""
+    try:
+        return _COMPILED[entry]
+    except KeyError:
+        pass
+    except TypeError:  # not weakly referable: not a compiled function
+        return None
+    original = getattr(entry, "_torchdynamo_orig_callable", None)
+    if not isinstance(original, types.FunctionType):
+        return None
+    found = _COMPILED[entry] = _Compiled(original)
+    return found
+
+
+def _runs_cached_code() -> bool:
+    """Whether dynamo, called now, would run cached code as it is (see the module docstring)."""
+    return (_debug_get_cache_entry_list is not None and not torch.compiler.is_compiling()
+            and getattr(getattr(_eval_frame, "_stance", None), "stance", None) == "default")
+
+
+def cached_code(entry, args: tuple):
+    """The code dynamo compiled for ``entry(*args)`` (a ``torch.compile``d function, already
+    called with these arguments), as a plain function of the same arguments that runs it with
+    no guard evaluation; ``None`` where no cached code's guards accept the arguments or dynamo's
+    internals are not as expected."""
+    if not _runs_cached_code():
+        return None
+    compiled = _compiled(entry)
+    if compiled is None:
+        return None
+    try:
+        given = compiled.arguments(args)
+        return None if given is None else compiled.accepted(given)
+    except _UNEXPECTED:  # ValueError: a closure's variable not yet bound
+        return None
+
+
+MISSED = object()
+"""What :func:`run_cached` gives for a call it did not run."""
+
+
+def run_cached(entry, args: tuple):
+    """``entry(*args)`` (``entry`` a ``torch.compile``d function) run by the cached code whose
+    guards accept the arguments, without dynamo's frame evaluation (see the module docstring);
+    :data:`MISSED` where no cached code accepts them (the call may compile: make it through
+    dynamo) or dynamo would not run cached code now."""
+    function = cached_code(entry, args)
+    return MISSED if function is None else function(*args)
+
+
+class Replay:
+    """The compiled code of one call, for later calls with the same score, block mask and
+    options (see the module docstring): :meth:`run` gives ``None`` where a call must take the
+    compiled call. It keeps those arguments alive (they are compared by identity)."""
+
+    def __init__(self, function, args: tuple):
+        self.function = function
+        self.state = GlobalStateGuard()
+        self.facts = tensor_facts(*args[:3])
+        self.others = args[3:]  # the score, block mask, options...: the very same objects
+
+    @classmethod
+    def of(cls, entry, args: tuple) -> "Replay | None":
+        """The replay of ``entry(*args)`` (q, k and v its first three arguments), just run, or
+        ``None`` where it has none."""
+        function = cached_code(entry, args)
+        return None if function is None else cls(function, args)
+
+    def run(self, args: tuple):
+        """The output of the compiled code on ``args``, or ``None`` where their arguments after
+        q, k and v are not the first call's very objects, their tensors or the global state
+        differ from the first call's in what dynamo guards on, or dynamo would not run cached
+        code now."""
+        others = args[3:]
+        if len(others) != len(self.others) or any(
+                given is not seen for given, seen in zip(others, self.others)):
+            return None
+        if not self.state.check() or tensor_facts(*args[:3]) != self.facts \
+                or not _runs_cached_code():
+            return None
+        return self.function(*args)
