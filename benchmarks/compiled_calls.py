@@ -1,7 +1,10 @@
-"""Host time of flexspec's compiled calls that need no compile, run by the cached code dynamo's
-guards accept (flexspec.kernels.replay.run_cached) and through dynamo's frame evaluation.
+"""Host time of flexspec's compiled calls that need no compile, as flexspec makes them (the
+cached code dynamo's guards accept, flexspec.kernels.replay.run_cached, or, for a block-mask
+program called again at the same shapes, the code kept for them with no guards,
+flexspec.kernels.replay.ExactReplays) and through dynamo's frame evaluation.
 
-Two kinds of call, each timed both ways in alternating rounds (``--calls`` calls each, medians):
+Three kinds of call, each timed both ways in alternating rounds (``--calls`` calls each,
+medians):
 
 * ``growing step``: a model step of ``--layers`` layers at a new key length every step, as a
   growing cache's decoding makes them: a new plan, a new block mask, the first layer's compiled
@@ -9,7 +12,9 @@ Two kinds of call, each timed both ways in alternating rounds (``--calls`` calls
 * ``mask program``: the compiled block-mask program of ``causal & key_padding`` (left-padded
   rows, as ``generate()`` gives them) at a new key length every call, the program a GPU builds
   a decoding step's block mask with (on the CPU built here by the same program, which flexspec
-  itself uses only on CUDA).
+  itself uses only on CUDA);
+* ``mask program, same shapes``: the same program at one length, with fresh padding every call
+  (as a static cache's steps or a training step's fresh bindings call it).
 
 Inputs: CUDA, one new token (Hq=32, Hkv=8, D=128, bf16, B=8) against a cache that grows from
 ``--cache``; CPU, 130 query rows (shorter calls run on the dense reference there) against a
@@ -47,13 +52,14 @@ WARMUP = 5
 @contextlib.contextmanager
 def through_dynamo(on: bool):
     """Every compiled call through dynamo's frame evaluation (``on``), or as flexspec makes it."""
-    real = generations.run_cached
+    real, exact = generations.run_cached, replay.ExactReplays.call
     if on:
         generations.run_cached = lambda function, args: replay.MISSED
+        replay.ExactReplays.call = lambda self, args, lengths, through: through()
     try:
         yield
     finally:
-        generations.run_cached = real
+        generations.run_cached, replay.ExactReplays.call = real, exact
 
 
 class Growing:
@@ -65,7 +71,7 @@ class Growing:
             batch, heads, kv_heads, self.rows, dim, dtype = 8, 32, 8, 1, 128, torch.bfloat16
         else:
             batch, heads, kv_heads, self.rows, dim, dtype = 1, 4, 2, 130, 16, torch.float32
-        self.lengths = itertools.count(start)
+        self.start, self.lengths = start, itertools.count(start)
         longest = start + calls + 1
         self.q = torch.randn(batch, heads, self.rows, dim, device=device, dtype=dtype,
                              generator=generator)
@@ -88,12 +94,15 @@ class Growing:
                 out = attn(self.q, k, v, step=step)
         return out, length, offset
 
-    def mask(self, mask, block, compiler: str, dynamo: bool):
-        length = next(self.lengths)
+    def mask(self, mask, block, compiler: str, dynamo: bool, grows: bool = True):
+        """The block mask of ``mask`` at the next length (or, unless ``grows``, at the first
+        length again, with a fresh copy of the padding)."""
+        length = next(self.lengths) if grows else self.start
         sizes = {"B": self.q.shape[0], "H": 1, "Q_LEN": self.rows, "KV_LEN": length}
+        valid = self.valid[:, :length]
         with through_dynamo(dynamo):
             return fused_blocks.fused_block_mask(
-                mask, sizes, block, {key: self.valid[:, :length] for key in
+                mask, sizes, block, {key: valid if grows else valid.clone() for key in
                                      flexspec.ir.tensor_keys(mask)},
                 self.q.device, batch=sizes["B"], heads=1, compiler=compiler)
 
@@ -121,7 +130,7 @@ def main(argv=None) -> int:
         return 1
     start = args.cache if device.type == "cuda" else 300
     calls = args.calls if device.type == "cuda" else max(1, args.calls // 10)
-    total = 2 * (WARMUP + args.rounds * calls) + 4
+    total = 2 * (WARMUP + args.rounds * calls) + 8
     rows = []
     with torch.no_grad():
         for text in args.specs.split(";"):
@@ -130,7 +139,7 @@ def main(argv=None) -> int:
             last = {}
             functions = {name: (lambda name=name, dynamo=dynamo: last.__setitem__(
                 name, growing.step(attn, args.layers, dynamo)))
-                for name, dynamo in (("through dynamo", True), ("cached", False))}
+                for name, dynamo in (("through dynamo", True), ("flexspec", False))}
             times = alternate(functions, device, calls, args.rounds, warmup=WARMUP)
             for name, (out, length, offset) in last.items():
                 error = check(attn, growing, out, length, offset)
@@ -140,15 +149,22 @@ def main(argv=None) -> int:
             rows.append(row(f"growing step of {args.layers} layers, `{text}`", times))
             print(rows[-1], flush=True)
         mask = flexspec.compile(MASK).ir.mask
-        growing = Growing(device, start, total)
-        functions = {name: (lambda dynamo=dynamo: growing.mask(mask, (128, 128),
-                                                               args.mask_compiler, dynamo))
-                     for name, dynamo in (("through dynamo", True), ("cached", False))}
-        times = alternate(functions, device, calls, args.rounds, warmup=WARMUP)
-        rows.append(row(f"mask program, `{MASK}`", times))
-        print(rows[-1], flush=True)
-    print(f"\n{device.type}, us per call at a new length (median of {args.rounds} rounds)\n")
-    print("| call | through dynamo | cached | saved per call |")
+        for label, grows in (("", True), (", same shapes", False)):
+            growing = Growing(device, start, total)
+            functions = {name: (lambda dynamo=dynamo: growing.mask(
+                mask, (128, 128), args.mask_compiler, dynamo, grows))
+                for name, dynamo in (("through dynamo", True), ("flexspec", False))}
+            if not grows:  # the same mask both ways (the third call replays the kept code)
+                built = [functions["flexspec"]() for _ in range(3)] + [
+                    functions["through dynamo"]()]
+                if not all(torch.equal(one.kv_indices, built[0].kv_indices) for one in built):
+                    print(f"mask program{label}: the two ways built different masks")
+                    return 1
+            times = alternate(functions, device, calls, args.rounds, warmup=WARMUP)
+            rows.append(row(f"mask program{label}, `{MASK}`", times))
+            print(rows[-1], flush=True)
+    print(f"\n{device.type}, us per call (median of {args.rounds} rounds)\n")
+    print("| call | through dynamo | flexspec | saved per call |")
     print("|---|---:|---:|---:|")
     print("\n".join(rows))
     return 0
@@ -156,9 +172,9 @@ def main(argv=None) -> int:
 
 def row(name: str, times: dict) -> str:
     plain = statistics.median(times["through dynamo"])
-    cached = statistics.median(times["cached"])
-    saved = median_difference(times["through dynamo"], times["cached"])
-    return f"| {name} | {plain:.1f} | {cached:.1f} | {saved:+.1f} |"
+    ours = statistics.median(times["flexspec"])
+    saved = median_difference(times["through dynamo"], times["flexspec"])
+    return f"| {name} | {plain:.1f} | {ours:.1f} | {saved:+.1f} |"
 
 
 if __name__ == "__main__":

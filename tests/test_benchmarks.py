@@ -287,16 +287,18 @@ def test_the_compiled_calls_benchmark_runs_on_the_cpu(capsys):
     """benchmarks/compiled_calls.py turns flexspec's cached runs off by name
     (kernels.generations.run_cached): a rename there must fail here, not on the lent GPU; both
     ways must equal the reference (the script's own check), and the switch must be restored."""
-    from flexspec.kernels import generations
+    from flexspec.kernels import generations, replay
     spec = importlib.util.spec_from_file_location("benchmark_compiled_calls",
                                                   ROOT / "benchmarks" / "compiled_calls.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    real = generations.run_cached
+    real, exact = generations.run_cached, replay.ExactReplays.call
     assert module.main(["--device", "cpu", "--rounds", "1", "--calls", "10", "--layers", "2",
                         "--specs", "causal + softcap(30)", "--mask-compiler", "eager"]) == 0
     assert generations.run_cached is real
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert [row.split("|")[1].strip() for row in rows[-2:]] == [
-        "growing step of 2 layers, `causal + softcap(30)`", "mask program, `causal & key_padding`"]
+    assert [row.split("|")[1].strip() for row in rows[-3:]] == [
+        "growing step of 2 layers, `causal + softcap(30)`", "mask program, `causal & key_padding`",
+        "mask program, same shapes, `causal & key_padding`"]
+    assert replay.ExactReplays.call is exact
     torch._dynamo.reset()

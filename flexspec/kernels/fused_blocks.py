@@ -17,7 +17,9 @@ causal, positions), is what refinement finds anyway.
 
 One program serves a (mask, block size, batch and head extents, device); lengths and tensor
 shapes are symbolic, so new lengths do not recompile (torch specialises a length of 1, which
-decoding's Q_LEN = 1 gets as a second program).
+decoding's Q_LEN = 1 gets as a second program). A call at new lengths runs the code dynamo's
+guards accept without the rest of dynamo's call path, and calls that repeat their shapes and
+lengths run the code kept for them with no guards (:mod:`flexspec.kernels.replay`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from flexspec.kernels.block_tables import (EMPTY, FULL, PARTIAL, from_tables, in
                                            sorted_rows, tile_grid)
 from flexspec.kernels.blocks import tile_rows
 from flexspec.kernels.generations import FAST_GUARDS, call_with_settings
+from flexspec.kernels.replay import ExactReplays
 from flexspec.limits import MAX_FUSED_TILES
 
 # The torch.compile backend of the programs ("eager" traces the same graph, dynamic lengths
@@ -104,6 +107,9 @@ def _program(mask: ir.Expr, block: tuple, batch: int, heads: int, device: str, c
     own = build.__code__.replace(co_name=f"flexspec_block_mask_{next(_programs)}")
     build = types.FunctionType(own, build.__globals__, own.co_name, None, build.__closure__)
     compiled = torch.compile(build, backend=compiler, dynamic=True, fullgraph=True)
+    # calls that repeat their shapes and lengths (a static cache's steps, a training step's
+    # fresh bindings) run the code of the first such call with no guard evaluation
+    replays = ExactReplays(compiled)
 
     def run(tensors: dict, sizes: dict) -> tuple:
         try:
@@ -112,7 +118,9 @@ def _program(mask: ir.Expr, block: tuple, batch: int, heads: int, device: str, c
             # specialisation), and its guards are then built under FAST_GUARDS, unless another
             # thread is compiling (a step's mask does not wait seconds for its lock)
             with torch.no_grad():
-                return call_with_settings(FAST_GUARDS, compiled, tensors, sizes, wait=False)
+                return replays.call((tensors, sizes), tuple(sizes.values()),
+                                    lambda: call_with_settings(FAST_GUARDS, compiled, tensors,
+                                                               sizes, wait=False))
         except Exception as error:  # noqa: BLE001 - narrowed below
             if not compile_error(error):
                 raise

@@ -1,7 +1,8 @@
 """Running the code dynamo compiled for flexspec's own compiled functions without going through
 dynamo's frame evaluation: checked by dynamo's guards (:func:`run_cached`, every call of
 :mod:`flexspec.kernels.generations`), or replayed with no guards at all for the later layers of
-a model step (:class:`Replay`).
+a model step (:class:`Replay`) and for a block-mask program's calls that repeat their shapes
+(:class:`ExactReplays`).
 
 A call of a ``torch.compile``d function enters dynamo's frame evaluation: Python wrappers that
 set dynamo's callback and stance around the call, then the guards of each cached code until
@@ -30,6 +31,7 @@ and the like), or on a torch whose dynamo lacks the internals used here.
 
 from __future__ import annotations
 
+import threading
 import types
 import weakref
 
@@ -188,3 +190,93 @@ class Replay:
                 or not _runs_cached_code():
             return None
         return self.function(*args)
+
+
+def signature(args: tuple) -> tuple | None:
+    """Everything dynamo's guards can tell apart in ``args`` (tensors, dicts and lists of them,
+    and plain numbers and strings), or ``None`` for arguments of any other kind: each tensor's
+    type, dispatch keys, dtype, device, shape, strides, storage offset and ``requires_grad``,
+    every number's value, which tensors are one object, and the depth of the torch-function
+    mode stack. Two calls with one signature pass the same guards, given the same global state
+    (:class:`ExactReplays` checks that apart)."""
+    seen: dict = {}
+    try:
+        parts = _signature(args, seen)
+    except _Unsupported:
+        return None
+    return parts, torch._C._len_torch_function_stack()
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _signature(value, seen: dict):
+    if isinstance(value, torch.Tensor):
+        # a tensor passed twice is one input to dynamo: its first place stands for it
+        first = seen.setdefault(id(value), len(seen))
+        return (type(value), torch._C._dispatch_keys(value).raw_repr(), value.dtype, value.device,
+                value.shape, value.stride(), value.storage_offset(), value.requires_grad, first)
+    if type(value) in (int, float, bool, str) or value is None:
+        return type(value), value
+    if type(value) is dict:
+        return dict, tuple((key, _signature(item, seen)) for key, item in value.items())
+    if type(value) in (tuple, list):
+        return type(value), tuple(_signature(item, seen) for item in value)
+    raise _Unsupported
+
+
+# Signatures kept per compiled function: a few shapes (a training step's, a static cache's),
+# then the oldest out; as many again remembered as seen once, and as many lengths.
+_SIGNATURES_KEPT = 8
+
+
+class ExactReplays:
+    """The cached code of one compiled function per exact :func:`signature` of its arguments,
+    run with no guard evaluation for later calls of that signature made in the same global
+    state (grad and autocast modes, deterministic algorithms...: dynamo's own
+    ``GlobalStateGuard``): what calls that repeat their shapes (a static cache's decoding
+    steps, a training step's fresh bindings) skip of dynamo's work per call. The function must
+    read nothing else that can change (its closure's variables stay as they are).
+
+    Calls that never repeat (a growing cache's new length at every step) should pay next to
+    nothing for it: each call names its ``lengths`` (any cheap key that changes with them), a
+    signature is computed only for lengths seen before, and a signature's code is kept at its
+    second call."""
+
+    def __init__(self, entry):
+        self.entry = entry
+        self._kept: dict = {}  # signature -> (plain function, GlobalStateGuard)
+        self._seen: dict = {}  # signatures called once, in order
+        self._lengths: dict = {}  # the lengths of the last calls, in order
+        self._lock = threading.Lock()  # threads may share the function: one change at a time
+
+    def call(self, args: tuple, lengths, through):
+        """``entry(*args)``: by the code kept for ``args``' signature where the global state is
+        the one it was kept in and dynamo would run cached code now, else by ``through()``
+        (the call through dynamo's guards, which may compile)."""
+        if lengths not in self._lengths:
+            with self._lock:
+                _bounded_put(self._lengths, lengths, None)
+            return through()
+        key = signature(args)
+        found = None if key is None else self._kept.get(key)
+        if found is not None and found[1].check() and _runs_cached_code():
+            return found[0](*args)
+        out = through()
+        if key is not None and found is None:
+            if self._seen.pop(key, False) is None:  # its second call: keep its code
+                function = cached_code(self.entry, args)
+                if function is not None:
+                    with self._lock:
+                        _bounded_put(self._kept, key, (function, GlobalStateGuard()))
+            else:
+                with self._lock:
+                    _bounded_put(self._seen, key, None)
+        return out
+
+
+def _bounded_put(kept: dict, key, value) -> None:
+    if len(kept) >= _SIGNATURES_KEPT:
+        kept.pop(next(iter(kept)))
+    kept[key] = value

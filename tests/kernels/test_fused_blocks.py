@@ -107,6 +107,32 @@ def test_a_program_at_a_new_length_runs_its_cached_code_without_entering_dynamo(
     assert [dynamo_lookups(build(kv_len)) for kv_len in (302, 433, 640)] == [0, 0, 0]
 
 
+def test_fresh_bindings_of_one_shape_replay_the_program_with_no_guards(monkeypatch):
+    """A training step's fresh document ids (one shape, new values): from the fourth step the
+    program runs the code kept for their signature (kernels.replay.ExactReplays), with no
+    guard evaluation (no call made through them) and no dynamo cache lookup, and every mask is
+    exact for its own ids."""
+    from test_replay import dynamo_lookups
+    torch._dynamo.reset()
+    guarded = []
+    real = fused_blocks.call_with_settings
+    monkeypatch.setattr(fused_blocks, "call_with_settings",
+                        lambda *args, **kwargs: guarded.append(1) or real(*args, **kwargs))
+    spec = flexspec.parse("causal & doc")
+    generator = torch.Generator().manual_seed(0)
+
+    def build():
+        ids = torch.sort(torch.randint(0, 5, (2, 400), generator=generator)).values
+        case = Case(spec, Shape(2, 2, 1, 400, 400, 16), {"doc_ids": ids})
+        return lambda: assert_same_block_mask(
+            fused(case), to_block_mask(exact_classes(case), case.sizes, case.block), str(case))
+    for _ in range(3):
+        build()()
+    assert len(guarded) == 3
+    assert [dynamo_lookups(build()) for _ in range(3)] == [0, 0, 0]
+    assert len(guarded) == 3
+
+
 def test_grids_beyond_the_limit_are_left_to_the_eager_builder():
     assert fused_blocks.fits({"Q_LEN": 131072, "KV_LEN": 131072}, (128, 128), batch=8, heads=1)
     assert not fused_blocks.fits({"Q_LEN": 131072, "KV_LEN": 131072}, (128, 128), batch=32,

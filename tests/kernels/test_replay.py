@@ -13,7 +13,7 @@ import flexspec
 from flexspec.kernels import replay
 from flexspec.runtime import flexattention
 from flexspec.kernels.generations import call_compiled, call_with_settings
-from flexspec.kernels.replay import MISSED, Replay, cached_code, run_cached
+from flexspec.kernels.replay import MISSED, ExactReplays, Replay, cached_code, run_cached, signature
 from flexspec.testing import Shape
 
 
@@ -144,6 +144,95 @@ def test_a_dynamic_program_at_a_new_length_runs_cached_and_equals_the_plain_func
         torch.testing.assert_close(out, scaled_sum(*args))
     # one compile for every length of 2 or more, one for the length 1 torch specialises
     assert len(compiles) == 2
+
+
+def summed(tensors, sizes):
+    return tensors["a"][: sizes["n"]] * 2 + tensors["b"][: sizes["n"]]
+
+
+@pytest.fixture
+def exact():
+    """A compiled function of a dict of tensors and a dict of lengths (as a block-mask program
+    is), its ExactReplays, and a call of it that counts the calls made through dynamo."""
+    torch._dynamo.reset()
+    entry = torch.compile(summed, backend="eager", dynamic=True)
+    replays = ExactReplays(entry)
+    through = []
+
+    def call(tensors, sizes):
+        def via_dynamo():
+            through.append(1)
+            return call_compiled(entry, tensors, sizes)
+        return replays.call((tensors, sizes), tuple(sizes.values()), via_dynamo)
+    return call, through
+
+
+def fresh(length=6, **like):
+    return {name: torch.randn(length, **like) for name in "ab"}
+
+
+def test_calls_that_repeat_their_signature_run_the_kept_code_without_dynamo(exact):
+    call, through = exact
+    for _ in range(3):  # the lengths' first call, the signature's first, its second (kept)
+        tensors = fresh()
+        torch.testing.assert_close(call(tensors, {"n": 5}), summed(tensors, {"n": 5}))
+    assert len(through) == 3
+    for _ in range(3):  # fresh tensors of the same signature
+        tensors = fresh()
+        assert dynamo_lookups(lambda: call(tensors, {"n": 5})) == 0
+        torch.testing.assert_close(call(tensors, {"n": 5}), summed(tensors, {"n": 5}))
+    assert len(through) == 3
+
+
+def test_a_call_that_differs_in_what_the_guards_read_goes_through_dynamo(exact):
+    call, through = exact
+    for _ in range(3):
+        call(fresh(), {"n": 5})
+    through.clear()
+    tensors = fresh()
+    same = {"a": tensors["a"], "b": tensors["a"]}  # one tensor twice: one input to dynamo
+    others = [({"a": tensors["a"], "b": tensors["b"].double()}, {"n": 5}),
+              ({"a": tensors["a"].requires_grad_(), "b": tensors["b"]}, {"n": 5}),
+              (same, {"n": 5}), ({"a": tensors["b"], "b": tensors["a"][::1]}, {"n": 4}),
+              ({"a": torch.randn(12)[::2], "b": tensors["b"]}, {"n": 5}),
+              ({"b": tensors["b"], "a": tensors["a"]}, {"n": 5})]
+    for tensors, sizes in others:
+        torch.testing.assert_close(call(tensors, sizes), summed(tensors, sizes))
+    assert len(through) == len(others)
+    through.clear()
+    with torch.no_grad(), torch.autocast("cpu"):  # global state, each apart
+        call(fresh(), {"n": 5})
+    with torch.compiler.set_stance("force_eager"):
+        call(fresh(), {"n": 5})
+    assert len(through) == 2
+    call(fresh(), {"n": 5})
+    assert len(through) == 2  # still kept
+
+
+def test_lengths_that_never_repeat_cost_no_signature(exact, monkeypatch):
+    call, through = exact
+    computed = []
+    real = replay.signature
+    monkeypatch.setattr(replay, "signature", lambda args: computed.append(1) or real(args))
+    for length in range(2, 30):
+        tensors = fresh(40)
+        torch.testing.assert_close(call(tensors, {"n": length}), summed(tensors, {"n": length}))
+    assert not computed and len(through) == 28
+
+
+def test_a_signature_tells_apart_what_dynamo_guards_on():
+    x = torch.randn(4, 3)
+    assert signature(({"x": x}, 5)) == signature(({"x": torch.randn(4, 3)}, 5))
+    different = [({"x": x.t().contiguous().t()}, 5), ({"x": x[1:]}, 5), ({"x": x.half()}, 5),
+                 ({"x": torch.nn.Parameter(x)}, 5), ({"x": x}, 6), ({"x": x}, 5.0),
+                 ({"y": x}, 5), ((x,), 5), ({"x": x, "z": x}, 5)]
+    signatures = {signature(args) for args in different}
+    assert len(signatures) == len(different) and signature(({"x": x}, 5)) not in signatures
+    with torch.inference_mode():
+        inference = torch.randn(4, 3)
+    assert signature(({"x": inference}, 5)) != signature(({"x": x}, 5))
+    # arguments of another kind: no signature (the call goes through dynamo)
+    assert signature((object(),)) is None and signature(({"x": [x, {1}]},)) is None
 
 
 def test_a_replay_runs_only_for_inputs_that_agree_with_the_first_call(compiled_sum):
