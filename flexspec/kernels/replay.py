@@ -38,11 +38,12 @@ import weakref
 import torch
 
 try:
-    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, get_eval_frame_callback
     from torch._C._dynamo.guards import GlobalStateGuard
     from torch._dynamo import eval_frame as _eval_frame
+    from torch._dynamo import utils as _dynamo_utils
 except ImportError:  # a torch without these internals: no replays
-    _debug_get_cache_entry_list = GlobalStateGuard = _eval_frame = None
+    _debug_get_cache_entry_list = GlobalStateGuard = _eval_frame = _dynamo_utils = None
 
 # The errors that mean this torch's dynamo is not laid out as expected: no replay then.
 _UNEXPECTED = (AttributeError, TypeError, ValueError, RuntimeError, KeyError)
@@ -92,12 +93,59 @@ class _Compiled:
                 if function is None:
                     if len(self.functions) >= _FUNCTIONS_KEPT:  # codes dynamo has dropped
                         self.functions.clear()
-                    original = self.original
-                    function = self.functions[cached.code] = types.FunctionType(
-                        cached.code, original.__globals__, original.__name__,
-                        original.__defaults__, original.__closure__)
+                    function = self.functions[cached.code] = self.plain(cached.code)
                 return function
         return None
+
+    def plain(self, code: types.CodeType) -> types.FunctionType:
+        """The plain function that runs ``code`` (a cached code of the compiled function). Its
+        globals are those of the compiled function the code names, taken now (dynamo's names
+        for its graphs and imports, which it never rebinds, and the module's own), with
+        ``torch._dynamo.utils`` read through :class:`_OutsideDynamo`."""
+        namespace = self.original.__globals__
+        names = {name: namespace[name] for name in _global_names(code) if name in namespace}
+        names.update((name, _OUTSIDE_DYNAMO) for name, value in names.items()
+                     if value is _dynamo_utils)
+        names.update((name, namespace[name]) for name in ("__builtins__", "__name__")
+                     if name in namespace)
+        original = self.original
+        return types.FunctionType(code, names, original.__name__, original.__defaults__,
+                                  original.__closure__)
+
+
+def _global_names(code: types.CodeType) -> set:
+    """The names ``code`` and the code objects inside it may read as globals."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names |= _global_names(constant)
+    return names
+
+
+class _OutsideDynamo:
+    """``torch._dynamo.utils`` as cached code run outside dynamo reads it: the helpers that
+    read a tensor's sizes and strides as plain calls. dynamo's own wrap each in a guard against
+    being traced, about 1 us a call on our CPU, and the code of a call at dynamic lengths makes
+    one call per length it reads (16 for a FlexAttention call with a block mask). Everything
+    else is dynamo's own."""
+
+    def __getattr__(self, name):
+        return getattr(_dynamo_utils, name)
+
+    @staticmethod
+    def call_size(x, i):
+        return x.size(i)
+
+    @staticmethod
+    def call_stride(x, i):
+        return x.stride(i)
+
+    @staticmethod
+    def call_storage_offset(x):
+        return x.storage_offset()
+
+
+_OUTSIDE_DYNAMO = _OutsideDynamo()
 
 
 # Plain functions kept per compiled function: more than dynamo's recompile limit, so that only
@@ -124,9 +172,11 @@ def _compiled(entry) -> _Compiled | None:
 
 
 def _runs_cached_code() -> bool:
-    """Whether dynamo, called now, would run cached code as it is (see the module docstring)."""
+    """Whether dynamo, called now, would run cached code as it is (see the module docstring),
+    and no dynamo callback is set, which would take the plain function's frames for its own."""
     return (_debug_get_cache_entry_list is not None and not torch.compiler.is_compiling()
-            and getattr(getattr(_eval_frame, "_stance", None), "stance", None) == "default")
+            and getattr(getattr(_eval_frame, "_stance", None), "stance", None) == "default"
+            and not get_eval_frame_callback())
 
 
 def cached_code(entry, args: tuple):

@@ -109,8 +109,31 @@ def test_no_cached_run_where_dynamo_would_not_run_cached_code(compiled_sum, monk
     assert run_cached(entry, args) is MISSED
     torch.testing.assert_close(call_compiled(entry, *args), scaled_sum(*args))
     assert run_cached(entry, args) is not MISSED
+    # while dynamo's callback is set (code after a graph break of a user's compiled function),
+    # it would take the plain function's frames for its own
+    monkeypatch.setattr(replay, "get_eval_frame_callback", lambda: object())
+    assert run_cached(entry, args) is MISSED
     monkeypatch.setattr(replay, "_debug_get_cache_entry_list", None)
     assert run_cached(entry, args) is MISSED
+
+
+def test_cached_code_reads_sizes_without_dynamo_s_wrapped_helpers(monkeypatch):
+    """The code of a call at dynamic lengths reads each length through torch._dynamo.utils'
+    call_size, wrapped against tracing (a microsecond a call): the plain function reads them
+    directly, and computes the same."""
+    torch._dynamo.reset()
+    entry = torch.compile(scaled_sum, backend="eager", dynamic=True)
+    args = tuple(torch.randn(2, 3, 7) for _ in range(3))
+    entry(*args)
+    code = replay._compiled(entry)
+    assert any("call_size" in cached.code.co_names
+               for cached in replay._debug_get_cache_entry_list(code.code))
+
+    def refused(*args):
+        raise AssertionError("dynamo's wrapped helper called")
+    monkeypatch.setattr(torch._dynamo.utils, "call_size", refused)
+    fresh = tuple(torch.randn(2, 3, 11) for _ in range(3))
+    torch.testing.assert_close(run_cached(entry, fresh), scaled_sum(*fresh))
 
 
 def test_a_closure_s_variables_are_what_the_guards_read():
