@@ -1,16 +1,17 @@
 """Host time of a model step's later layer: the launch its first layer resolved, with the
-compiled kernel's code replayed without dynamo's guards (flexspec.kernels.replay) and without
-the replay (every layer's call goes through dynamo's cache lookup).
+compiled kernel's code replayed without dynamo's guards (flexspec.kernels.replay.Replay), run
+after a check of its guards only (flexspec.kernels.replay.run_cached), and through dynamo's
+frame evaluation.
 
 For each spec, one step's later-layer call ``attn(q, k, v, step=step)`` is timed in alternating
-rounds (``--calls`` calls each, medians), both ways, on the same inputs:
+rounds (``--calls`` calls each, medians), all three ways, on the same inputs:
 
 * CUDA: one new token against a ``--cache`` long cache (Hq=32, Hkv=8, D=128, bf16, B=8); the
   calls are queued without synchronising inside a round, so the time is the host's;
 * CPU: 130 query rows (shorter calls run on the dense reference there) against 512 keys,
-  float32, B=1: the kernel's own time is in both columns, the difference is the host's.
+  float32, B=1: the kernel's own time is in every column, the differences are the host's.
 
-The outputs of both ways are compared with flexspec's float64 reference. The last lines
+The outputs of every way are compared with flexspec's float64 reference. The last lines
 printed are the table (markdown).
 
     python benchmarks/step_replay.py --device cuda --cache 32768
@@ -20,6 +21,7 @@ printed are the table (markdown).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 from pathlib import Path
@@ -29,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flexspec  # noqa: E402
+from flexspec.kernels import generations, replay  # noqa: E402
 from flexspec.runtime import flexattention  # noqa: E402
 from gpu import alternate, median_difference  # noqa: E402
 
@@ -48,9 +51,27 @@ def inputs(device, cache: int) -> tuple:
     return q, k, torch.randn_like(k), cache - rows
 
 
-def later_layer(text, q, k, v, offset, replays: bool):
+WAYS = {"replayed": (True, True), "guards checked": (False, True),
+        "through dynamo": (False, False)}
+
+
+@contextlib.contextmanager
+def checked_runs(on: bool):
+    """Compiled calls that run the cached code their guards accept (``on``) or go through
+    dynamo."""
+    real = generations.run_cached
+    if not on:
+        generations.run_cached = lambda function, args: replay.MISSED
+    try:
+        yield
+    finally:
+        generations.run_cached = real
+
+
+def later_layer(text, q, k, v, offset, replays: bool, checked: bool):
     """A step whose launch is resolved (with or without a replay), and its later-layer call (an
-    Attention of its own each way: a plan keeps the replay of its first call)."""
+    Attention of its own each way: a plan keeps the replay of its first call), whose compiled
+    calls run the cached code their guards accept or go through dynamo (``checked``)."""
     attn = flexspec.compile(text)
     step = flexspec.Step(q_offset=offset)
     real = flexattention.Replay.of
@@ -61,7 +82,11 @@ def later_layer(text, q, k, v, offset, replays: bool):
         attn(q, k, v, step=step)  # resolves the launch
     finally:
         flexattention.Replay.of = real
-    return lambda: attn(q, k, v, step=step)
+
+    def call():
+        with checked_runs(checked):
+            return attn(q, k, v, step=step)
+    return call
 
 
 def main(argv=None) -> int:
@@ -81,8 +106,8 @@ def main(argv=None) -> int:
     rows = []
     with torch.no_grad():
         for text in args.specs.split(";"):
-            functions = {"replayed": later_layer(text, q, k, v, offset, True),
-                         "through dynamo": later_layer(text, q, k, v, offset, False)}
+            functions = {name: later_layer(text, q, k, v, offset, *way)
+                         for name, way in WAYS.items()}
             want = flexspec.compile(text).reference(q[:1], k[:1], v[:1], q_offset=offset)
             for name, fn in functions.items():
                 error = (fn()[:1].double() - want).abs().max().item()
@@ -90,13 +115,16 @@ def main(argv=None) -> int:
                     print(f"{text} ({name}): max error {error:.3g} against the reference")
                     return 1
             times = alternate(functions, device, calls, args.rounds, warmup=5)
-            replayed = statistics.median(times["replayed"])
-            plain = statistics.median(times["through dynamo"])
-            saved = median_difference(times["through dynamo"], times["replayed"])
-            rows.append(f"| `{text}` | {plain:.1f} | {replayed:.1f} | {saved:+.1f} |")
+            plain = times["through dynamo"]
+            cells = [f"{statistics.median(plain):.1f}"] + [
+                f"{statistics.median(times[name]):.1f} "
+                f"({median_difference(times[name], plain):+.1f})"
+                for name in ("guards checked", "replayed")]
+            rows.append(f"| `{text}` | " + " | ".join(cells) + " |")
             print(rows[-1], flush=True)
-    print(f"\n{device.type}, us per later-layer call (median of {args.rounds} rounds)\n")
-    print("| spec | through dynamo | replayed | saved per call |")
+    print(f"\n{device.type}, us per later-layer call (median of {args.rounds} rounds; in "
+          "brackets, the median difference to the call through dynamo)\n")
+    print("| spec | through dynamo | guards checked | replayed |")
     print("|---|---:|---:|---:|")
     print("\n".join(rows))
     return 0

@@ -246,9 +246,10 @@ def test_context_parallel_benchmark_runs_each_rank_in_turn_on_one_device(monkeyp
 
 
 def test_the_step_replay_benchmark_runs_on_the_cpu(monkeypatch, capsys):
-    """benchmarks/step_replay.py reaches into flexspec's internals (the replay it turns off):
-    a rename there must fail here, not on the lent GPU. Both of its ways must equal the
-    reference (the script's own check) and the replayed way must have replayed."""
+    """benchmarks/step_replay.py reaches into flexspec's internals (the replay and the checked
+    runs it turns off): a rename there must fail here, not on the lent GPU. All of its ways
+    must equal the reference (the script's own check), the replayed way must have replayed, and
+    the checked runs must be back on after it."""
     spec = importlib.util.spec_from_file_location("benchmark_step_replay",
                                                   ROOT / "benchmarks" / "step_replay.py")
     module = importlib.util.module_from_spec(spec)
@@ -261,8 +262,10 @@ def test_the_step_replay_benchmark_runs_on_the_cpu(monkeypatch, capsys):
     assert module.main(["--device", "cpu", "--rounds", "1", "--calls", "40",
                         "--specs", "causal + softcap(30)"]) == 0
     assert replayed
+    from flexspec.kernels import generations, replay
+    assert generations.run_cached is replay.run_cached
     row = capsys.readouterr().out.strip().splitlines()[-1]
-    assert row.startswith("| `causal + softcap(30)` |")
+    assert row.startswith("| `causal + softcap(30)` |") and len(row.split("|")) == 6
     torch._dynamo.reset()
 
 

@@ -70,6 +70,7 @@ class _Compiled:
         # a frame's locals include the variables of the closure, and guards may read them
         self.free = tuple(zip(self.code.co_freevars, original.__closure__ or ()))
         self.functions: dict = {}  # cached code -> the plain function that runs it
+        self.last = None  # the cached code accepted last
 
     def arguments(self, args: tuple) -> dict | None:
         """The call's frame locals as the guards read them: its arguments by parameter name
@@ -86,14 +87,21 @@ class _Compiled:
         return given
 
     def accepted(self, given: dict):
-        """The plain function of the cached code whose guards accept ``given``, or ``None``."""
-        for cached in _debug_get_cache_entry_list(self.code):
+        """The plain function of the cached code whose guards accept ``given``, or ``None``.
+        The code accepted last is tried first (dynamo moves the entry that served a call to
+        the front of its list, which these calls, made without dynamo, do not)."""
+        entries = _debug_get_cache_entry_list(self.code)
+        last = self.last
+        if last is not None and len(entries) > 1:
+            entries = sorted(entries, key=lambda cached: cached.code is not last)
+        for cached in entries:
             if cached.guard_manager.check(given):
                 function = self.functions.get(cached.code)
                 if function is None:
                     if len(self.functions) >= _FUNCTIONS_KEPT:  # codes dynamo has dropped
                         self.functions.clear()
                     function = self.functions[cached.code] = self.plain(cached.code)
+                self.last = cached.code
                 return function
         return None
 

@@ -136,6 +136,35 @@ def test_cached_code_reads_sizes_without_dynamo_s_wrapped_helpers(monkeypatch):
     torch.testing.assert_close(run_cached(entry, fresh), scaled_sum(*fresh))
 
 
+def test_the_code_accepted_last_is_checked_first(compiled_sum, monkeypatch):
+    """dynamo moves the entry that served a call to the front of its list; calls made without
+    dynamo do not, so run_cached tries the code it ran last first, and a call that entry's
+    guards refuse still finds another."""
+    entry, args = compiled_sum
+    real = replay._debug_get_cache_entry_list(replay._compiled(entry).code)[0]
+    checked = []
+
+    class Entry:
+        def __init__(self, name, accepts):
+            self.code = real.code.replace(co_name=name)  # a code of its own
+            self.guard_manager = self
+            self.name, self.accepts = name, accepts
+
+        def check(self, given):
+            checked.append(self.name)
+            return self.accepts(given)
+
+    entries = [Entry("refuses", lambda given: given["factor"] == 3.0),
+               Entry("accepts", lambda given: given["factor"] == 2.0)]
+    monkeypatch.setattr(replay, "_debug_get_cache_entry_list", lambda code: entries)
+    for _ in range(2):
+        torch.testing.assert_close(run_cached(entry, args), scaled_sum(*args))
+    assert checked == ["refuses", "accepts", "accepts"]
+    checked.clear()
+    assert run_cached(entry, (*args[:3], 5.0)) is MISSED
+    assert checked == ["accepts", "refuses"]
+
+
 def test_a_closure_s_variables_are_what_the_guards_read():
     """A compiled closure (as flexspec's block-mask programs are): its cached code runs while
     the closure's variables are what it was compiled for, and a changed variable is refused
