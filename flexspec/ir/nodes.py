@@ -14,6 +14,7 @@ Nodes are frozen dataclasses, so an IR value is its own cache key. This module i
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Literal, Union
@@ -349,6 +350,7 @@ def tensor_key(t: Tensor) -> str:
     return to_text(t) if t.origin == "builtin" else t.name
 
 
+@functools.lru_cache(maxsize=1024)  # planning asks at every new length of a growing cache
 def tensor_keys(e: Expr) -> frozenset:
     """The keys (:func:`tensor_key`) of the tensors ``e`` reads.
 

@@ -23,7 +23,6 @@ from flexspec import ir
 from flexspec.errors import BindingError, SpecError
 from flexspec.ir import tensor_key
 from flexspec.ir.overflow import check_int_ranges, largest, length_buckets, position_ranges
-from flexspec.ir.specialize import declared_shape
 from flexspec.limits import dense_fits
 from flexspec.runtime.backends import REGISTRY, choose
 from flexspec.runtime.bindings import Tensors
@@ -50,17 +49,24 @@ def make_mask_plan(*, tensors: Tensors, masks: BlockMasks, sizes: dict, bindings
     values, spec = tensors.gather(sizes, bindings, device, mask_only=mask_only)
     lookups = LookupCheck(spec, sizes, values)
     check_ranges(spec, sizes, "int64")
-    slots = _slots(spec, sizes, bindings)
+    slots = _slots(spec, bindings)
     return InputPlan(sizes=sizes, spec=spec, fixed=_fixed(values, slots), slots=slots,
                      masks=masks.bind(spec, sizes, device), lookups=lookups)
 
 
-def _slots(spec: ir.AttentionIR, sizes: dict, bindings: dict) -> tuple:
+def _slots(spec: ir.AttentionIR, bindings: dict) -> tuple:
     """A :class:`Slot` per tensor of ``spec`` that the call passes by name: its bindings, and
     learnable tensors given by name."""
-    named = [t for t in spec.bindings() if t.name in bindings]
-    named += [t for t in spec.tensors() if t.origin == "learnable" and t.name in bindings]
-    return tuple(Slot(t.name, tensor_key(t), len(declared_shape(t, sizes))) for t in named)
+    # the same slots at every length (a declared rank does not depend on the sizes, whose
+    # dimensions the bindings were checked against when they were gathered)
+    return _named_slots(spec, tuple(bindings))
+
+
+@functools.lru_cache(maxsize=256)
+def _named_slots(spec: ir.AttentionIR, names: tuple) -> tuple:
+    named = [t for t in spec.bindings() if t.name in names]
+    named += [t for t in spec.tensors() if t.origin == "learnable" and t.name in names]
+    return tuple(Slot(t.name, tensor_key(t), len(t.shape)) for t in named)
 
 
 def _fixed(values: dict, slots: tuple) -> dict:
@@ -184,7 +190,7 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, blo
     device = q.device
     values, spec = tensors.gather(sizes, bindings, device, learnables)
     lookups = LookupCheck(spec, sizes, values)
-    slots = _slots(spec, sizes, bindings)
+    slots = _slots(spec, bindings)
     grad_on = torch.is_grad_enabled()
     if not grad_on:  # see InputPlan.detach
         values = {key: value.detach() for key, value in values.items()}
@@ -225,8 +231,17 @@ def _prepared(plan: Plan, values: dict, masks: BlockMasks) -> Plan:
     fallback = None
     if prepared.hands_back is not None:
         fallback = _fallback(plan, values, masks, prepared.hands_back)
-    return dataclasses.replace(plan, state=prepared.state, fallback=fallback,
-                               needs_values=bool(plan.lookups) or prepared.needs_values)
+    return _with(plan, state=prepared.state, fallback=fallback,
+                 needs_values=bool(plan.lookups) or prepared.needs_values)
+
+
+def _with(plan: Plan, **changes) -> Plan:
+    """``dataclasses.replace(plan, **changes)`` without re-running the frozen dataclass's
+    ``__init__`` (Plan has no ``__post_init__``; a growing cache makes a plan every step)."""
+    made = object.__new__(type(plan))
+    made.__dict__.update(plan.__dict__)
+    made.__dict__.update(changes)
+    return made
 
 
 def _fallback(plan: Plan, values: dict, masks: BlockMasks, why: str):

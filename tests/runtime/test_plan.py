@@ -217,6 +217,23 @@ def test_bindings_are_slots_and_everything_else_is_fixed():
     assert plan.masks.key == plan.masks.key.__class__(plan.masks.key.token, 1, 1, (doc,))
 
 
+def test_a_plan_with_its_prepared_state_is_what_dataclasses_replace_makes():
+    """_prepared copies the draft plan without re-running its __init__: the same as
+    dataclasses.replace while Plan (and InputPlan) have no __post_init__."""
+    import dataclasses
+    from flexspec.runtime.contract import InputPlan, Plan
+    assert not any(hasattr(cls, "__post_init__") for cls in (Plan, InputPlan))
+    q, k, v = qkv()
+    plan = plan_for("causal & document", q, k, v, doc_ids=torch.zeros(40, dtype=torch.int64))
+    changes = {"state": object(), "fallback": None, "needs_values": True}
+    made, replaced = planning._with(plan, **changes), dataclasses.replace(plan, **changes)
+    assert type(made) is Plan and made is not plan
+    assert made.__dict__ == replaced.__dict__
+    assert plan.state is not changes["state"]  # the draft is left as it was
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.state = None
+
+
 def test_the_plan_s_mask_key_is_its_spec_s_on_its_device():
     text = "causal & document"
     q, k, v = qkv(Q_LEN=40)
