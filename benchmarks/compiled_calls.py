@@ -3,7 +3,7 @@ cached code dynamo's guards accept, flexspec.kernels.replay.run_cached, or, for 
 program called again at the same shapes, the code kept for them with no guards,
 flexspec.kernels.replay.ExactReplays) and through dynamo's frame evaluation.
 
-Three kinds of call, each timed both ways in alternating rounds (``--calls`` calls each,
+Four kinds of call, each timed both ways in alternating rounds (``--calls`` calls each,
 medians):
 
 * ``growing step``: a model step of ``--layers`` layers at a new key length every step, as a
@@ -14,7 +14,10 @@ medians):
   a decoding step's block mask with (on the CPU built here by the same program, which flexspec
   itself uses only on CUDA);
 * ``mask program, same shapes``: the same program at one length, with fresh padding every call
-  (as a static cache's steps or a training step's fresh bindings call it).
+  (as a static cache's steps or a training step's fresh bindings call it);
+* ``mask program, decoding's form``: the program of the partial form FlexAttention's decoding
+  kernel reads, at a new length every call (built at the length rounded up to whole tiles, so
+  that its calls repeat their signature for a tile's worth of steps).
 
 Inputs: CUDA, one new token (Hq=32, Hkv=8, D=128, bf16, B=8) against a cache that grows from
 ``--cache``; CPU, 130 query rows (shorter calls run on the dense reference there) against a
@@ -94,9 +97,10 @@ class Growing:
                 out = attn(self.q, k, v, step=step)
         return out, length, offset
 
-    def mask(self, mask, block, compiler: str, dynamo: bool, grows: bool = True):
+    def mask(self, mask, block, compiler: str, dynamo: bool, grows: bool = True,
+             partial: bool = False):
         """The block mask of ``mask`` at the next length (or, unless ``grows``, at the first
-        length again, with a fresh copy of the padding)."""
+        length again, with a fresh copy of the padding), in decoding's form with ``partial``."""
         length = next(self.lengths) if grows else self.start
         sizes = {"B": self.q.shape[0], "H": 1, "Q_LEN": self.rows, "KV_LEN": length}
         valid = self.valid[:, :length]
@@ -104,7 +108,7 @@ class Growing:
             return fused_blocks.fused_block_mask(
                 mask, sizes, block, {key: valid if grows else valid.clone() for key in
                                      flexspec.ir.tensor_keys(mask)},
-                self.q.device, batch=sizes["B"], heads=1, compiler=compiler)
+                self.q.device, batch=sizes["B"], heads=1, compiler=compiler, partial=partial)
 
 
 def check(attn, growing: Growing, out, length: int, offset: int) -> float:
@@ -149,10 +153,11 @@ def main(argv=None) -> int:
             rows.append(row(f"growing step of {args.layers} layers, `{text}`", times))
             print(rows[-1], flush=True)
         mask = flexspec.compile(MASK).ir.mask
-        for label, grows in (("", True), (", same shapes", False)):
+        for label, grows, partial in (("", True, False), (", same shapes", False, False),
+                                      (", decoding's form", True, True)):
             growing = Growing(device, start, total)
             functions = {name: (lambda dynamo=dynamo: growing.mask(
-                mask, (128, 128), args.mask_compiler, dynamo, grows))
+                mask, (128, 128), args.mask_compiler, dynamo, grows, partial))
                 for name, dynamo in (("through dynamo", True), ("flexspec", False))}
             if not grows:  # the same mask both ways (the third call replays the kept code)
                 built = [functions["flexspec"]() for _ in range(3)] + [

@@ -300,8 +300,9 @@ def test_the_compiled_calls_benchmark_runs_on_the_cpu(capsys):
                         "--specs", "causal + softcap(30)", "--mask-compiler", "eager"]) == 0
     assert generations.run_cached is real
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert [row.split("|")[1].strip() for row in rows[-3:]] == [
+    assert [row.split("|")[1].strip() for row in rows[-4:]] == [
         "growing step of 2 layers, `causal + softcap(30)`", "mask program, `causal & key_padding`",
-        "mask program, same shapes, `causal & key_padding`"]
+        "mask program, same shapes, `causal & key_padding`",
+        "mask program, decoding's form, `causal & key_padding`"]
     assert replay.ExactReplays.call is exact
     torch._dynamo.reset()

@@ -63,12 +63,62 @@ def fused_block_mask(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, de
     read, named = _inputs(mask)
     reads = {key: tensors[key] for key in read}
     lengths = {name: int(sizes[name]) for name in ir.SIZE_VARS}
+    if partial:
+        reads, lengths["KV_LEN"] = _whole_tiles(mask, reads, lengths["KV_LEN"], block[1])
     # B and H where the mask does not name them are the program's own extents: a call with 16
     # heads and Attention.block_mask with 1 would otherwise be two signatures, the second a
     # recompile (which inside a CUDA graph capture fails)
     lengths.update((name, extent) for name, extent in (("B", batch), ("H", heads))
                    if name not in named)
     return from_tables(program(reads, lengths), sizes, block, mask_mod)
+
+
+def _whole_tiles(mask: ir.Expr, reads: dict, kv_len: int, kv_block: int) -> tuple:
+    """``(reads, KV_LEN)`` the partial form's program builds with: KV_LEN rounded up to whole
+    tiles, and the tensors declared ``KV_LEN`` long padded to it, where ``mask`` reads KV_LEN
+    only as such tensors' length (else as given). The partial form lists no full tile, and a
+    tile is left out only where no key of it (those past KV_LEN included) is visible, so the
+    tiles listed are those of the keys that exist, or at most the last one more, whose keys
+    past the end the kernel never reads. A decoding step's lengths then repeat for a tile's
+    worth of steps, and so does its program's signature: those calls replay it with no guard
+    evaluation (:class:`flexspec.kernels.replay.ExactReplays`)."""
+    whole = -(-kv_len // kv_block) * kv_block
+    dims = _kv_dims(mask)
+    if whole == kv_len or dims is None:
+        return reads, kv_len
+    padded = dict(reads)
+    for key, (rank, tensor_dims) in dims:
+        value = padded[key]
+        if not tensor_dims:
+            continue
+        if value.dim() != rank:  # not laid out as declared: built as given
+            return reads, kv_len
+        for dim in tensor_dims:
+            if value.shape[dim] == kv_len:  # a dimension of size 1 broadcasts: left alone
+                pad = [0, 0] * (rank - 1 - dim) + [0, whole - kv_len]
+                value = torch.nn.functional.pad(value, pad)
+        padded[key] = value
+    return padded, whole
+
+
+@functools.lru_cache(maxsize=None)
+def _kv_dims(mask: ir.Expr) -> tuple | None:
+    """For each tensor ``mask`` reads, ``(key, (its declared rank, the dimensions declared
+    KV_LEN long))``; ``None`` where the mask reads KV_LEN otherwise (itself, or in another
+    dimension's declaration)."""
+    if "KV_LEN" in ir.direct_vars(mask):
+        return None
+    found = {}
+    for node in ir.walk(mask):
+        if isinstance(node, ir.Tensor):
+            dims = []
+            for dim, declared in enumerate(node.shape):
+                if declared == ir.Var("KV_LEN"):
+                    dims.append(dim)
+                elif "KV_LEN" in ir.free_vars(declared):
+                    return None
+            found[ir.tensor_key(node)] = (len(node.shape), tuple(dims))
+    return tuple(sorted(found.items()))
 
 
 class Untraceable(Exception):
