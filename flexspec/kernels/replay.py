@@ -38,12 +38,17 @@ import weakref
 import torch
 
 try:
-    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, get_eval_frame_callback
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._C._dynamo.guards import GlobalStateGuard
     from torch._dynamo import eval_frame as _eval_frame
     from torch._dynamo import utils as _dynamo_utils
 except ImportError:  # a torch without these internals: no replays
     _debug_get_cache_entry_list = GlobalStateGuard = _eval_frame = _dynamo_utils = None
+try:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+except ImportError:  # flexspec's own calls run with none set (runtime.calls disables dynamo)
+    def get_eval_frame_callback():
+        return None
 
 # The errors that mean this torch's dynamo is not laid out as expected: no replay then.
 _UNEXPECTED = (AttributeError, TypeError, ValueError, RuntimeError, KeyError)
