@@ -9,9 +9,10 @@ set dynamo's callback and stance around the call, then the guards of each cached
 one accepts the arguments (the profiler's "TorchDynamo Cache Lookup"). For a call that needs no
 compile, :func:`run_cached` does only the last part: it finds the cached code whose guards (the
 same guard managers dynamo evaluates) accept the arguments and runs it as a plain function.
-That skips the wrappers, which took most of a compiled call's host overhead on our CPU
-(docs/performance.md). A call no cached code accepts goes through dynamo as before, and may
-compile.
+That skips the wrappers, and the trace-guarded helpers through which the code of a call at
+dynamic lengths reads each length (:class:`_OutsideDynamo`), but not the guards themselves
+(docs/performance.md says what each part costs). A call no cached code accepts goes through
+dynamo as before, and may compile.
 
 A later layer of a step calls the same function with the same score, block mask and options as
 the first layer, on q, k and v of the same signature
@@ -24,9 +25,10 @@ and the global state (grad and autocast modes, deterministic algorithms...: dyna
 compiled call. Repeated calls of one plan outside a step replay the same way
 (:func:`flexspec.runtime.flexattention.warm_call`).
 
-Neither runs where dynamo would not run the cached code as it is: while dynamo traces (the call
-is then part of an outer graph), under a compile stance other than the default (``force_eager``
-and the like), or on a torch whose dynamo lacks the internals used here.
+None of them runs where dynamo would not run the cached code as it is: while dynamo traces
+(the call is then part of an outer graph), under a compile stance other than the default
+(``force_eager`` and the like), while a dynamo callback is set (it would take the plain
+function's frames for its own), or on a torch whose dynamo lacks the internals used here.
 """
 
 from __future__ import annotations
@@ -116,9 +118,8 @@ class _Compiled:
         for its graphs and imports, which it never rebinds, and the module's own), with
         ``torch._dynamo.utils`` read through :class:`_OutsideDynamo`."""
         namespace = self.original.__globals__
-        names = {name: namespace[name] for name in _global_names(code) if name in namespace}
-        names.update((name, _OUTSIDE_DYNAMO) for name, value in names.items()
-                     if value is _dynamo_utils)
+        names = {name: _OUTSIDE_DYNAMO if namespace[name] is _dynamo_utils else namespace[name]
+                 for name in _global_names(code) if name in namespace}
         names.update((name, namespace[name]) for name in ("__builtins__", "__name__")
                      if name in namespace)
         original = self.original
@@ -138,9 +139,8 @@ def _global_names(code: types.CodeType) -> set:
 class _OutsideDynamo:
     """``torch._dynamo.utils`` as cached code run outside dynamo reads it: the helpers that
     read a tensor's sizes and strides as plain calls. dynamo's own wrap each in a guard against
-    being traced, about 1 us a call on our CPU, and the code of a call at dynamic lengths makes
-    one call per length it reads (16 for a FlexAttention call with a block mask). Everything
-    else is dynamo's own."""
+    being traced (its cost per call is in docs/performance.md), and the code of a call at
+    dynamic lengths makes one call per length it reads. Everything else is dynamo's own."""
 
     def __getattr__(self, name):
         return getattr(_dynamo_utils, name)
@@ -260,8 +260,9 @@ def signature(args: tuple) -> tuple | None:
     and plain numbers and strings), or ``None`` for arguments of any other kind: each tensor's
     type, dispatch keys, dtype, device, shape, strides, storage offset and ``requires_grad``,
     every number's value, which tensors are one object, and the depth of the torch-function
-    mode stack. Two calls with one signature pass the same guards, given the same global state
-    (:class:`ExactReplays` checks that apart)."""
+    mode stack: all that the guards of a function of such arguments read of them, so two calls
+    with one signature pass the same guards, given the same global state (which
+    :class:`ExactReplays` checks apart) and the same closure."""
     seen: dict = {}
     try:
         parts = _signature(args, seen)

@@ -67,8 +67,9 @@ def test_a_call_the_guards_accept_runs_the_cached_code_without_entering_dynamo(c
 
 
 def test_a_call_no_cached_code_accepts_goes_through_dynamo_and_compiles(compiled_sum):
-    """Arguments the guards refuse (another dtype, grad mode, constant, or a length the compile
-    specialised) are not run from the cache: the call compiles, and the new code then serves."""
+    """Arguments the guards refuse (another dtype or constant, the grad mode, a tensor that
+    requires gradients) are not run from the cache: the call compiles, and the new code then
+    serves."""
     entry, (q, k, v, factor) = compiled_sum
     compiles = []
     torch._dynamo.reset()
@@ -119,7 +120,7 @@ def test_no_cached_run_where_dynamo_would_not_run_cached_code(compiled_sum, monk
 
 def test_cached_code_reads_sizes_without_dynamo_s_wrapped_helpers(monkeypatch):
     """The code of a call at dynamic lengths reads each length through torch._dynamo.utils'
-    call_size, wrapped against tracing (a microsecond a call): the plain function reads them
+    call_size, wrapped against tracing (host time at every call): the plain function reads them
     directly, and computes the same."""
     torch._dynamo.reset()
     entry = torch.compile(scaled_sum, backend="eager", dynamic=True)
