@@ -107,6 +107,16 @@ def test_a_program_at_a_new_length_runs_its_cached_code_without_entering_dynamo(
     assert [dynamo_lookups(build(kv_len)) for kv_len in (302, 433, 640)] == [0, 0, 0]
 
 
+def count_guarded_calls(monkeypatch) -> list:
+    """Each call of a block-mask program made through dynamo's guards (checked or through
+    dynamo itself) appends to it; a replay with no guard evaluation does not."""
+    guarded = []
+    real = fused_blocks.call_with_settings
+    monkeypatch.setattr(fused_blocks, "call_with_settings",
+                        lambda *args, **kwargs: guarded.append(1) or real(*args, **kwargs))
+    return guarded
+
+
 def test_fresh_bindings_of_one_shape_replay_the_program_with_no_guards(monkeypatch):
     """A training step's fresh document ids (one shape, new values): from the fourth step the
     program runs the code kept for their signature (kernels.replay.ExactReplays), with no
@@ -114,10 +124,7 @@ def test_fresh_bindings_of_one_shape_replay_the_program_with_no_guards(monkeypat
     exact for its own ids."""
     from test_replay import dynamo_lookups
     torch._dynamo.reset()
-    guarded = []
-    real = fused_blocks.call_with_settings
-    monkeypatch.setattr(fused_blocks, "call_with_settings",
-                        lambda *args, **kwargs: guarded.append(1) or real(*args, **kwargs))
+    guarded = count_guarded_calls(monkeypatch)
     spec = flexspec.parse("causal & doc")
     generator = torch.Generator().manual_seed(0)
 
@@ -140,10 +147,7 @@ def test_a_decoding_step_s_partial_form_replays_for_a_tile_s_worth_of_lengths(mo
     Every mask lists the tiles each row needs; a mask that reads KV_LEN itself is built at the
     exact length."""
     torch._dynamo.reset()
-    guarded = []
-    real = fused_blocks.call_with_settings
-    monkeypatch.setattr(fused_blocks, "call_with_settings",
-                        lambda *args, **kwargs: guarded.append(1) or real(*args, **kwargs))
+    guarded = count_guarded_calls(monkeypatch)
     spec = flexspec.parse("doc & ~causal")
     for kv_len in range(300, 310):
         ids = (torch.arange(kv_len) // 70 + torch.tensor([[0], [1]])).contiguous()
