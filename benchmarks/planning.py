@@ -11,6 +11,11 @@ and v, gathering the bindings (checked, specialized), the lookups' range proofs,
 choice, the block-mask handle, and the backend's prepared state. It reads private state of
 :class:`flexspec.runtime.Attention` (its calls): a diagnostic, not an API.
 
+A first table times the block mask a plan's prepared state holds for a decoded token that sees
+every key (a spec that hides nothing, in the decoding kernel's partial form) at a new length:
+as the runtime makes it (the tables kept per grid of tiles) against the eager builder at every
+length (what the runtime did before).
+
     python benchmarks/planning.py --device cuda
     python benchmarks/planning.py --device cpu --plans 200
 """
@@ -27,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flexspec  # noqa: E402
+from flexspec.kernels.block_tables import as_partial  # noqa: E402
 from flexspec.runtime import masks, plan  # noqa: E402
 from flexspec.runtime.bindings import Tensors  # noqa: E402
 
@@ -81,6 +87,36 @@ def planner(text: str, device, dtype, cache: int, count: int):
     return plan_one
 
 
+def hiding_nothing(device, cache: int, count: int) -> tuple:
+    """Mean microseconds of the partial-form block mask of a mask that hides nothing at
+    ``count`` new key lengths from ``cache`` on (B=8, H=32, one query row): as
+    runtime.masks makes it, and built by the eager builder at every length."""
+    spec = flexspec.ir.AttentionIR(flexspec.ir.TRUE, flexspec.ir.SCORE, "start")
+    made = masks.BlockMasks("exact", (128, 128))
+
+    def sizes(i):
+        return {"B": 8, "H": 32, "Q_LEN": 1, "KV_LEN": cache + i}
+
+    def kept(i):
+        return made.bind(spec, sizes(i), device, partial=True).get({}, device)
+
+    def built(i):
+        return as_partial(masks.build_block_mask(spec.mask, sizes(i), (128, 128), {}, device,
+                                                 batch=1, heads=1))
+    means = []
+    for way in (kept, built):
+        way(count)  # outside the timed lengths
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        for i in range(count):
+            way(i)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        means.append((time.perf_counter() - started) / count * 1e6)
+    return tuple(means)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -94,6 +130,11 @@ def main(argv=None) -> int:
         return 1
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     warm = 20
+    kept, built = hiding_nothing(device, args.cache, args.plans)
+    print(f"\n{device.type}, us per decoding block mask of a spec that hides nothing at a new "
+          f"key length (mean of {args.plans})\n")
+    print("| kept per grid | built at every length |\n|---:|---:|")
+    print(f"| {kept:.0f} | {built:.0f} |")
     rows = []
     with torch.no_grad():
         for text in args.specs.split(";"):

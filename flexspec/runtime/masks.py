@@ -17,7 +17,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, noop
 
 from flexspec import ir
 from flexspec.errors import BindingError
-from flexspec.kernels.block_tables import as_partial, tables, tile_grid
+from flexspec.kernels.block_tables import as_partial, from_tables, tables, tile_grid
 from flexspec.kernels import fused_blocks
 from flexspec.kernels.blocks import build_block_mask
 from flexspec.kernels.lower import lower
@@ -43,6 +43,8 @@ PROBATION_SIZE = 2
 # Tokens kept for masks at given sizes, the oldest out first: a growing cache asks for a new
 # one at every length, and a process that serves for days must not keep them all.
 TOKENS_KEPT = 4096
+# Tables of the mask that hides nothing kept per grid of tiles (see BlockMasks._hiding_nothing).
+EVERY_KEY_GRIDS_KEPT = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +134,8 @@ class BlockMasks:
         self._lock = threading.Lock()
         self._untraceable: set = set()  # mask ids the fused program could not trace
         self._built_once: set = set()  # mask ids the fused program has built
+        # grid of tiles -> the tables of the mask that hides nothing (see _hiding_nothing)
+        self._every_key: collections.OrderedDict = collections.OrderedDict()
 
     def key(self, spec: ir.AttentionIR, sizes: dict, device, dialect: str = "torch",
             partial: bool = False) -> MaskKey:
@@ -216,6 +220,8 @@ class BlockMasks:
                captured: bool) -> BlockMask:
         self._check_size(key, sizes)
         mask_mod, _ = lower(spec, dialect=key.dialect).make_mods(sizes, values)
+        if spec.mask == ir.TRUE and self.mode != "dense":
+            return self._hiding_nothing(spec, sizes, device, key, mask_mod)
         if self.mode == "dense":
             block_mask = create_block_mask(mask_mod or noop_mask, key.batch, key.heads,
                                            sizes["Q_LEN"], sizes["KV_LEN"], device=device,
@@ -244,6 +250,32 @@ class BlockMasks:
                                           batch=key.batch, heads=key.heads, mask_mod=mask_mod,
                                           exact=self.mode == "exact")
         return block_mask
+
+    def _hiding_nothing(self, spec: ir.AttentionIR, sizes: dict, device, key: MaskKey,
+                        mask_mod) -> BlockMask:
+        """The block mask of a mask that hides nothing: what a decoded token that sees every
+        key runs with, at a new length every step of a growing cache. Its tiles depend only on
+        the grid (tile counts, and whether the last row and column of tiles run past the
+        ends), so the eager builder (launches and host reads) runs once per grid, and each
+        length gets a BlockMask of the kept tables."""
+        bq, bk = self.block_size
+        nq, nk = tile_grid(sizes, self.block_size)
+        grid = (key.batch, key.heads, nq, nk, sizes["Q_LEN"] % bq != 0,
+                sizes["KV_LEN"] % bk != 0, str(device), key.partial)
+        with self._lock:
+            found = self._every_key.get(grid)
+        if found is None:
+            built = build_block_mask(spec.mask, sizes, self.block_size, {}, device,
+                                     batch=key.batch, heads=key.heads,
+                                     exact=self.mode == "exact")
+            found = tables(as_partial(built) if key.partial else built)
+            # tables made inside a CUDA graph capture live in its memory pool: not kept
+            if not in_graph_memory(device):
+                with self._lock:
+                    self._every_key[grid] = found
+                    if len(self._every_key) > EVERY_KEY_GRIDS_KEPT:
+                        self._every_key.popitem(last=False)
+        return from_tables(found, sizes, self.block_size, mask_mod)
 
     def _not_capturable(self, key: MaskKey, sizes: dict) -> str:
         """Why a mask that reads tensors cannot be built inside a CUDA graph capture: only the

@@ -10,6 +10,8 @@ PARTIAL). Rebuilds are counted by wrapping the builders the module calls.
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention.flex_attention import create_mask
 
@@ -259,6 +261,63 @@ def test_a_spec_without_a_mask_gets_an_all_full_block_mask_in_every_mode():
         assert block_mask.shape == (1, 1, 48, 32)
         assert (tile_classes(block_mask) == FULL).all()
         assert create_mask(block_mask.mask_mod, 1, 1, 48, 32).all()
+
+
+def _same_grid_length(length: int, block: int) -> int:
+    """Another length of the same number of tiles whose last tile runs past the end as
+    ``length``'s does (``length`` itself where there is none)."""
+    tiles = -(-length // block)
+    if length % block == 0:
+        return length
+    others = [n for n in range((tiles - 1) * block + 1, tiles * block) if n != length]
+    return others[0] if others else length
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 600), st.integers(1, 600), st.sampled_from([(16, 16), (64, 32), (128, 128)]),
+       st.booleans(), st.sampled_from(["exact", "intervals"]), st.integers(1, 3), st.integers(1, 3))
+def test_a_mask_that_hides_nothing_is_built_once_per_grid_and_equals_a_build(
+        q_len, kv_len, block, partial, mode, batch, heads):
+    """A spec without a mask (what a decoded token that sees every key runs): its block mask
+    at a length is made from the tables kept for its grid of tiles, built at another length of
+    that grid first, and equals the eager builder's at that length (in the decoding kernel's
+    partial form too), with the length's own seq_lengths."""
+    spec = ir.AttentionIR(ir.TRUE, ir.SCORE, "start")
+    cache = BlockMasks(mode, block)
+    sizes = {"B": batch, "H": heads, "Q_LEN": q_len, "KV_LEN": kv_len}
+    other = {**sizes, "Q_LEN": _same_grid_length(q_len, block[0]),
+             "KV_LEN": _same_grid_length(kv_len, block[1])}
+    cpu = torch.device("cpu")
+    cache.bind(spec, other, cpu, partial=partial).get({}, cpu)
+    made = cache.bind(spec, sizes, cpu, partial=partial).get({}, cpu)
+    built = masks.build_block_mask(ir.TRUE, sizes, block, {}, cpu, batch=1, heads=1,
+                                   exact=mode == "exact")
+    built = as_partial(built) if partial else built
+    assert made.seq_lengths == (q_len, kv_len)
+    assert torch.equal(tile_classes(made), tile_classes(built))
+    if not partial and mode == "exact":
+        dense = torch.ones(1, 1, q_len, kv_len, dtype=torch.bool)
+        assert torch.equal(tile_classes(made), reference_classes(dense, block))
+
+
+def test_a_growing_cache_s_mask_that_hides_nothing_builds_once_per_grid(monkeypatch):
+    """Decoding with every key seen, at key lengths 1001 to 1020: one build for the lengths of
+    8 tiles (1001-1023), one for 1024 (no tile past the end); every mask equals the build at its
+    own length. Inside a CUDA graph capture the tables are built every time, never kept."""
+    analysis = Builds(monkeypatch, "build_block_mask")
+    spec = ir.AttentionIR(ir.TRUE, ir.SCORE, "start")
+    cache, cpu = BlockMasks("exact", (128, 128)), torch.device("cpu")
+    for kv_len in list(range(1001, 1021)) + [1024]:
+        made = cache.bind(spec, {"B": 8, "H": 32, "Q_LEN": 1, "KV_LEN": kv_len}, cpu,
+                          partial=True).get({}, cpu)
+        assert made.seq_lengths == (1, kv_len)
+        assert made.kv_num_blocks.tolist() == [[[8]]] and made.full_kv_num_blocks is None
+    assert len(analysis) == 2
+    monkeypatch.setattr(masks, "in_graph_memory", lambda device: True)
+    for kv_len in (1100, 1101):
+        cache.bind(spec, {"B": 8, "H": 32, "Q_LEN": 1, "KV_LEN": kv_len}, cpu,
+                   partial=True).get({}, cpu)
+    assert len(analysis) == 4
 
 
 def test_a_block_mask_too_large_to_build_is_a_binding_error(monkeypatch):
