@@ -18,7 +18,7 @@ import threading
 import torch
 from torch._dynamo.mutation_guard import GenerationTracker
 
-from flexspec.kernels.replay import MISSED, run_cached
+from flexspec.kernels.replay import MISSED, Replay, run_cached
 
 # What dynamo builds the guards of flexspec's compiles with: the guards on symbolic lengths (a
 # growing cache's) checked in C++ rather than by a Python function, which took tens of
@@ -38,6 +38,17 @@ def call_compiled(function, *args):
     accept the arguments, else through dynamo, with dynamo's generation as it was before."""
     out = run_cached(function, args)
     return _through_dynamo(function, args) if out is MISSED else out
+
+
+def call_kept(function, *args) -> tuple:
+    """``(output, replay)``: :func:`call_compiled`, and the :class:`Replay` of the cached code
+    that made the output (``None`` where no cached code accepts the arguments, even after the
+    call). A call that needs no compile checks the guards once, where :func:`call_compiled`
+    then ``Replay.of`` would check them twice."""
+    found = Replay.of(function, args)
+    if found is not None:
+        return found.function(*args), found
+    return _through_dynamo(function, args), Replay.of(function, args)
 
 
 def _through_dynamo(function, args: tuple):

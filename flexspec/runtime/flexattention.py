@@ -15,7 +15,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexspec import ir
 from flexspec.ir import rewrites
-from flexspec.kernels.generations import call_compiled
+from flexspec.kernels.generations import call_compiled, call_kept
 from flexspec.kernels.lower import Lowered, lower
 from flexspec.runtime import compiled
 from flexspec.runtime.capture import in_graph_memory
@@ -180,14 +180,14 @@ def warm_call(call: FlexCall, args: tuple):
         if out is not None:
             call.replay_served = True
             return out
-    out = call_compiled(call.entry, *args)
-    if call.replays:
-        if replay is None or call.replay_served:
-            call.replay, call.replay_served = Replay.of(call.entry, args), False
-            call.replays = call.replay is not None  # None: this torch has no replays
-        else:
-            call.replay, call.replays = None, False
-    return out
+    if call.replays and (replay is None or call.replay_served):
+        out, call.replay = call_kept(call.entry, *args)
+        call.replay_served = False
+        call.replays = call.replay is not None  # None: this torch has no replays
+        return out
+    if call.replays:  # the code kept last never served a call
+        call.replay, call.replays = None, False
+    return call_compiled(call.entry, *args)
 
 
 class FlexAttentionBackend(Backend):
@@ -276,10 +276,10 @@ class FlexAttentionBackend(Backend):
             out = replay.run(args) if replay is not None else None
             if out is not None:
                 call.replay_served = True
-            else:
+            elif resolved:
                 out = call_compiled(entry, *args)
-                if not resolved:
-                    replay, resolved = Replay.of(entry, args), True
+            else:
+                (out, replay), resolved = call_kept(entry, *args), True
             return compiled.split_lse(out) if lse is not None else out
         return launch
 
@@ -316,15 +316,21 @@ class FlexAttentionBackend(Backend):
                 if call.decoding:
                     compiled.mark_batch_static(q, k, v)
                 sizes = plan.sizes
+                # in a step, the code that runs this call is kept for the next layer, which
+                # launches it (kernels.replay): found before the call where no compile is
+                # needed, so that its guards are checked once
+                stepping = step is not None and step is not NO_STEP
+                found = Replay.of(call.entry, args) if stepping else None
                 with timed(f"first call of '{plan.text}' on backend '{self.name}' at "
                            f"B={sizes['B']} H={sizes['H']} Q_LEN={sizes['Q_LEN']} "
                            f"KV_LEN={sizes['KV_LEN']}, which compiles its kernel where new"):
-                    out = compiled.run_compiled(call.entry, *args)
+                    out = (found.function(*args) if found is not None
+                           else compiled.run_compiled(call.entry, *args))
             except compiled.CompileLimitError:
                 raise
             except Exception as err:  # noqa: BLE001 - inductor's errors have no stable type
                 return self.compile_failed(plan, err)
-            if step is not None and step is not NO_STEP:  # the step's next layer launches
-                call.replay = Replay.of(call.entry, args)
+            if stepping:
+                call.replay = found or Replay.of(call.entry, args)
             call.warm = True
         return compiled.split_lse(out) if call.lse is not None else out

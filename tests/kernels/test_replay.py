@@ -12,7 +12,7 @@ import torch
 import flexspec
 from flexspec.kernels import replay
 from flexspec.runtime import flexattention
-from flexspec.kernels.generations import call_compiled, call_with_settings
+from flexspec.kernels.generations import call_compiled, call_kept, call_with_settings
 from flexspec.kernels.replay import MISSED, ExactReplays, Replay, cached_code, run_cached, signature
 from flexspec.testing import Shape
 
@@ -85,6 +85,28 @@ def test_a_call_no_cached_code_accepts_goes_through_dynamo_and_compiles(compiled
     with torch.no_grad():
         assert run_cached(entry, (q, k, v, factor)) is MISSED
     assert run_cached(entry, (q.requires_grad_(), k, v, factor)) is MISSED
+
+
+def test_a_kept_call_checks_the_guards_once_and_keeps_the_code_that_ran(compiled_sum,
+                                                                        monkeypatch):
+    """call_kept: a call the cached code's guards accept runs that code and returns its Replay
+    after one guard check; a call that compiles goes through dynamo, then keeps the new code."""
+    entry, (q, k, v, factor) = compiled_sum
+    checks = []
+    real = replay.cached_code
+    monkeypatch.setattr(replay, "cached_code",
+                        lambda entry, args: checks.append(1) or real(entry, args))
+    fresh = tuple(torch.randn(2, 3, 4) for _ in range(3))
+    out, kept = call_kept(entry, *fresh, factor)
+    torch.testing.assert_close(out, scaled_sum(*fresh, factor))
+    assert len(checks) == 1 and dynamo_lookups(lambda: call_kept(entry, *fresh, factor)) == 0
+    torch.testing.assert_close(kept.run((*fresh, factor)), scaled_sum(*fresh, factor))
+    checks.clear()
+    other = (q.double(), k.double(), v.double(), factor)
+    out, kept = call_kept(entry, *other)  # a new dtype: compiles
+    torch.testing.assert_close(out, scaled_sum(*other))
+    assert kept is not None and len(checks) == 2
+    torch.testing.assert_close(kept.run(other), scaled_sum(*other))
 
 
 def test_no_cached_run_where_dynamo_would_not_run_cached_code(compiled_sum, monkeypatch):
@@ -331,11 +353,13 @@ def test_a_torch_without_dynamo_s_internals_has_no_replays(compiled_sum, monkeyp
 
 
 def count_compiled_calls(monkeypatch) -> list:
-    """Each call of a compiled FlexAttention entry through dynamo appends to it."""
+    """Each call of a compiled FlexAttention entry that is not a replay (made through its
+    guards, checked or by dynamo) appends to it."""
     counted = []
-    real = flexattention.call_compiled
-    monkeypatch.setattr(flexattention, "call_compiled",
-                        lambda *args: counted.append(1) or real(*args))
+    for name in ("call_compiled", "call_kept"):
+        real = getattr(flexattention, name)
+        monkeypatch.setattr(flexattention, name,
+                            lambda *args, _real=real: counted.append(1) or _real(*args))
     return counted
 
 
