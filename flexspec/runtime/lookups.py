@@ -123,11 +123,12 @@ class LookupCheck:
     def check(self, values: dict) -> None:
         if self._in_range_by_known_values(values):
             return
-        found = self._identity(values)
+        read = self._read_tensors(values)
+        found = tuple(identity(value) for value in read)
         if None in found:  # an inference tensor, whose changes cannot be seen: always checked
             check_lookups(self.spec, self.sizes, values, self.unproven)
             return
-        self._checked.get(found, [values[tensor_key(t)] for t, _, _ in self.unproven],
+        self._checked.get(found, read,
                           lambda: check_lookups(self.spec, self.sizes, values, self.unproven))
 
     def _in_range_by_known_values(self, values: dict) -> bool:
@@ -150,5 +151,10 @@ class LookupCheck:
                 return False
         return True
 
-    def _identity(self, values: dict) -> tuple:
-        return tuple(identity(values[tensor_key(t)]) for t, _, _ in self.unproven)
+    def _read_tensors(self, values: dict) -> list:
+        """The values a check of the unproven lookups reads: each looked-up tensor and the
+        tensors its index reads (a new ``q_offset`` with the same ``doc_ids`` is checked
+        anew)."""
+        keys = [tensor_key(t) for t, _, _ in self.unproven]
+        keys += [key for reads in self._reads for key in reads]
+        return [values[key] for key in dict.fromkeys(keys)]

@@ -181,3 +181,26 @@ def test_an_offset_given_as_an_int_is_checked_by_its_known_value_without_a_read(
     read.clear()
     attn(q, k, k, q_offset=torch.tensor([50, 57]), doc_ids=ids)
     assert read
+
+
+def test_a_lookup_is_checked_again_when_a_tensor_its_index_reads_changes():
+    """The check of ``doc_ids[b, q + q_offset[b]]`` is kept by the identity of every tensor it
+    read: a new ``q_offset`` tensor, or one changed in place, is checked anew though
+    ``doc_ids`` is the same (a check kept by ``doc_ids`` alone let a later offset read past
+    the ids)."""
+    attn = flexspec.compile("causal & doc", backend="reference")
+    ids = (torch.arange(60) // 25).expand(2, 60)
+    k = torch.randn(2, 2, 60, 8)
+    q = torch.randn(2, 4, 2, 8)
+    offset = torch.tensor([50, 57])
+    torch.testing.assert_close(attn(q, k, k, q_offset=offset, doc_ids=ids),
+                               attn.reference(q, k, k, q_offset=offset, doc_ids=ids))
+    with pytest.raises(BindingError, match=r"'doc_ids' is indexed by q \+ q_offset\[b\].* "
+                                           r"reaches 50\.\.60"):
+        attn(q, k, k, q_offset=torch.tensor([50, 59]), doc_ids=ids)
+    offset[1] = 59  # in place: the same tensor, a new version
+    with pytest.raises(BindingError, match=r"reaches 50\.\.60"):
+        attn(q, k, k, q_offset=offset, doc_ids=ids)
+    offset[1] = 58
+    torch.testing.assert_close(attn(q, k, k, q_offset=offset, doc_ids=ids),
+                               attn.reference(q, k, k, q_offset=offset, doc_ids=ids))
