@@ -12,7 +12,8 @@ import torch
 
 
 def identity(value: torch.Tensor) -> tuple | None:
-    """What identifies a tensor's contents: its memory, layout and version counter. Not
+    """What identifies a tensor's contents: its memory, layout, dtype, device and version
+    counter (a view of the same memory as another dtype is another tensor). Not
     ``id()``: bindings arrive as fresh views (leading dimensions added), so their ids never
     repeat. Whoever keys a cache by it keeps the tensor alive, so no other tensor can reuse its
     memory while the entry exists; an in-place change bumps the version shared by all views.
@@ -22,7 +23,7 @@ def identity(value: torch.Tensor) -> tuple | None:
     if value.is_inference():
         return None
     return (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
-            tuple(value.stride()), value._version)
+            tuple(value.stride()), value.dtype, value.device, value._version)
 
 
 class KeptByIdentity:

@@ -150,6 +150,14 @@ def test_the_same_unchanged_strided_view_gets_the_same_copy():
     assert changed is not first and changed[0, 0] == 100 and first[0, 0] == 0
 
 
+def test_a_strided_view_of_the_same_memory_as_another_dtype_gets_its_own_copy():
+    """A copy is kept by the view's identity, dtype included: a bool mask and its uint8 view
+    share memory, layout and version, and each gets a copy of its own dtype."""
+    mask = torch.tensor([[True, False, True, True]] * 3)[:, ::2]
+    assert contiguous(mask).dtype == torch.bool
+    assert contiguous(mask.view(torch.uint8)).dtype == torch.uint8
+
+
 def test_strided_views_that_need_their_graph_or_hide_their_changes_are_copied_every_time():
     grad = torch.randn(4, 4, requires_grad=True)
     assert contiguous(grad[:, :2]) is not contiguous(grad[:, :2])

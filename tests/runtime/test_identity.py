@@ -9,7 +9,7 @@ import torch
 from flexspec.runtime.identity import KeptByIdentity, identity, known_range, meta, remember_range
 
 
-def test_the_identity_of_a_tensor_is_its_memory_layout_and_version():
+def test_the_identity_of_a_tensor_is_its_memory_layout_dtype_and_version():
     base = torch.arange(12).reshape(3, 4)
     assert identity(base) == identity(base) == identity(base.view(3, 4))
     assert identity(base) != identity(base.clone())           # other memory
@@ -17,6 +17,8 @@ def test_the_identity_of_a_tensor_is_its_memory_layout_and_version():
     assert identity(base[:2]) != identity(base[:1])           # other shape
     square = torch.zeros(3, 3)
     assert identity(square) != identity(square.t())           # other strides
+    floats = torch.zeros(4)
+    assert identity(floats) != identity(floats.view(torch.int32))  # other dtype, same memory
     before = identity(base)
     base.add_(1)                                              # in place: a new version
     assert identity(base) != before
