@@ -609,7 +609,7 @@ def test_decode_calls_run_on_the_decoding_kernel_at_every_batch_size():
             TOLERANCE[torch.bfloat16], batch
     plan = next(p for p in attn._calls.plans.values() if p.sizes["B"] == 3)
     assert plan.state.decoding and plan.state.kernel_options["num_stages"] == 3
-    assert plan.state.last[1].full_kv_num_blocks is None
+    assert plan.state.last[-1].full_kv_num_blocks is None
 
 
 @pytest.mark.parametrize("text", ["causal_bottom_right & (window(300) | sink(4)) + alibi",

@@ -14,7 +14,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexspec import ir
-from flexspec.ir import rewrites
+from flexspec.ir import rewrites, tensor_key
 from flexspec.kernels.generations import call_compiled, call_kept
 from flexspec.kernels.lower import Lowered, lower
 from flexspec.runtime import compiled
@@ -42,9 +42,13 @@ class FlexCall:
     masks: object = None                     # the plan's PlanMasks, in the kernel's form
     decoding: bool = False                   # runs on the decoding kernel (see decodes)
     mask_bindings: tuple = ()                # names of the bindings the mask reads
-    block_mask: BlockMask | None = None      # the block mask when the mask reads no binding
-    # ((tensor, version) of the mask's bindings, block mask) of the last call: one tuple,
-    # replaced whole, so that concurrent calls never pair one call's bindings with another's mask
+    # the learnable tables the mask reads (a module's parameters, changed in place by an
+    # optimizer step): their block mask is rebuilt when one changes
+    mask_tables: tuple = ()
+    block_mask: BlockMask | None = None      # the block mask when the mask reads neither
+    # ((tensor, version) of the mask's bindings, versions of its tables, block mask) of the
+    # last call: one tuple, replaced whole, so that concurrent calls never pair one call's
+    # bindings with another's mask
     last: tuple | None = None
     score_varies: bool = True                # the score_mod captures this call's bindings
     score_mod: object = None
@@ -62,10 +66,22 @@ class FlexCall:
     replay_served: bool = False
     replays: bool = True
 
+    @property
+    def mask_varies(self) -> bool:
+        """Whether the block mask may differ between calls (it reads a binding or a table)."""
+        return bool(self.mask_bindings or self.mask_tables)
+
+    def seen(self, bindings: dict) -> tuple:
+        """What :meth:`last_block_mask` compares: the mask's bindings with their versions, and
+        its tables' versions."""
+        return (tuple((bindings[name], version(bindings[name])) for name in self.mask_bindings),
+                tuple(version(table) for table in self.mask_tables))
+
     def last_block_mask(self, bindings: dict) -> BlockMask | None:
         """The previous call's block mask when the mask's bindings are the very tensors of that
-        call, unchanged in place since (same object, same version counter): the cache lookup
-        (storage identity, hashing) is then skipped. ``None`` otherwise."""
+        call and they and its tables are unchanged in place since (same object, same version
+        counter): the cache lookup (storage identity, hashing) is then skipped. ``None``
+        otherwise."""
         last = self.last  # read once: another thread may replace it meanwhile
         if last is None:
             return None
@@ -73,7 +89,10 @@ class FlexCall:
             given = bindings[name]
             if given is not value or seen is None or version(given) != seen:
                 return None  # another tensor, an inference tensor, or changed in place
-        return last[1]
+        for table, seen in zip(self.mask_tables, last[1]):
+            if seen is None or version(table) != seen:
+                return None
+        return last[2]
 
 
 # FlexAttention runs calls of fewer query rows than this with its decoding kernel (split-KV)
@@ -232,9 +251,13 @@ class FlexAttentionBackend(Backend):
         call = FlexCall(lowered=lowered, entry=compiled.compiled_entry(lowered, purpose),
                         kernel_options=options, masks=masks, decoding=decoding,
                         lse=compiled.lse_request(plan.request.lse), scale_values=scale_values)
+        slot_keys = {slot.key for slot in plan.slots}
         call.mask_bindings = tuple(slot.name for slot in plan.slots
                                    if slot.key in masks.reads)
-        if not call.mask_bindings and needs_block_mask(plan):
+        learnable = {tensor_key(t) for t in plan.spec.tensors() if t.origin == "learnable"}
+        call.mask_tables = tuple(values[key] for key in masks.reads
+                                 if key in learnable and key not in slot_keys)
+        if not call.mask_varies and needs_block_mask(plan):
             call.block_mask = masks.get(values, plan.device)
         score_keys = plan.score_keys
         float64 = any(values[key].dtype == torch.float64 for key in score_keys)
@@ -245,7 +268,7 @@ class FlexAttentionBackend(Backend):
 
     def warm(self, plan: Plan, values: dict) -> None:
         call: FlexCall = plan.state
-        if call.mask_bindings:
+        if call.mask_varies:
             try:
                 call.masks.get(values, plan.device)
             except BindingError:
@@ -257,7 +280,7 @@ class FlexAttentionBackend(Backend):
         call: FlexCall = plan.state
         if not call.warm:
             return None  # its first call compiles, and a failed compile hands it back
-        if not call.mask_bindings:
+        if not call.mask_varies:
             block_mask = call.block_mask
         else:  # built inside a capture (see run), else the cached one of these tensors
             block_mask = call.masks.get(values or plan.values(bindings), plan.device)
@@ -285,7 +308,7 @@ class FlexAttentionBackend(Backend):
 
     def run(self, plan: Plan, q, k, v, scale, bindings, values, step=None):
         call: FlexCall = plan.state
-        if not call.mask_bindings:
+        if not call.mask_varies:
             block_mask = call.block_mask
         else:
             # inside a CUDA graph capture (or the warm-up before one) the mask is built, so that
@@ -294,11 +317,10 @@ class FlexAttentionBackend(Backend):
             captured = in_graph_memory(q.device)
             block_mask = None if captured else call.last_block_mask(bindings)
             if block_mask is None:
-                seen = tuple((bindings[name], version(bindings[name]))
-                             for name in call.mask_bindings)
+                seen = call.seen(bindings)
                 block_mask = call.masks.get(values or plan.values(bindings), q.device)
                 if not captured:
-                    call.last = (seen, block_mask)
+                    call.last = (*seen, block_mask)
         score_mod = call.score_mod if not call.score_varies else varying_score(call, plan, values)
         if plan.detach:
             q, k, v = q.detach(), k.detach(), v.detach()

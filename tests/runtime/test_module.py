@@ -243,3 +243,40 @@ def test_a_step_reaches_spec_attention():
     # without the step's offset the rows stand elsewhere: the offset changes the answer
     assert not torch.allclose(want, module.attention.reference(q, k, v, doc_ids=ids,
                                                                rel_bias_table=table))
+
+
+def _masked_attention(q, k, v, allowed):
+    """Dense float64 attention with a boolean mask [B or 1, H, Q_LEN, KV_LEN]: the reference
+    written here, independent of flexspec."""
+    scores = (q.double() @ k.double().transpose(-1, -2)) / q.shape[-1] ** 0.5
+    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return (weights @ v.double()).to(q.dtype)
+
+
+def test_a_mask_that_reads_a_learnable_table_follows_its_changes_in_place():
+    """A table the mask reads changes in place (as an optimizer step changes a parameter):
+    the next call, alone or in a model step's layers, hides the keys the new values hide.
+    256 positions, so the CPU runs the compiled kernel with its block mask (whose empty and
+    full tiles were decided once from the first values)."""
+    library = _library('mask gate(t: float[H] = learnable(H, init="zeros")) = '
+                       't[h] >= 0.0 | kv < 3')
+    module = flexspec.SpecAttention("causal & gate", num_heads=2, library=library)
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 256, 16) for _ in range(3))
+    positions = torch.arange(256)
+    causal = positions[:, None] >= positions[None, :]
+    sink = causal & (positions[None, :] < 3)
+    with torch.no_grad():
+        torch.testing.assert_close(module(q, k, v), _masked_attention(
+            q, k, v, torch.stack([causal, causal])[None]))
+        module.tables["gate_t"][1] = -1.0  # head 1 now sees only the first three keys
+        want = _masked_attention(q, k, v, torch.stack([causal, sink])[None])
+        torch.testing.assert_close(module(q, k, v), want)
+        step = flexspec.Step()
+        for _ in range(3):  # a step's later layers take its first layer's launch
+            torch.testing.assert_close(module(q, k, v, step=step), want)
+        module.tables["gate_t"][1] = 0.5
+        step = flexspec.Step()
+        for _ in range(3):
+            torch.testing.assert_close(module(q, k, v, step=step), _masked_attention(
+                q, k, v, torch.stack([causal, causal])[None]))
