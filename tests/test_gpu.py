@@ -1148,3 +1148,36 @@ def test_a_cache_view_decodes_with_aligned_strides_once_lengths_turn_dynamic(gro
             TOLERANCE[torch.bfloat16], n
     assert compiles <= 2 and strides
     assert all(_a_multiple_of_16(term) for term in strides), strides
+
+
+def test_a_static_decode_with_documents_and_a_moving_tensor_offset_never_reads_back():
+    """``causal & doc`` reads ``doc_ids`` at ``q + q_offset[b]``, which only the offset's values
+    keep in range. A static cache's decode steps give a new offset tensor every step: its
+    lookups are asserted on the device (lookups.assert_lookups), not read back, so after the
+    first calls no step synchronises with the host; every row equals the float64 reference."""
+    torch._dynamo.reset()
+    attn = flexspec.compile("causal & doc")
+    batch, capacity = 2, 2000
+    q = torch.randn(batch, 8, 1, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, 2, capacity, 64, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    ids = (torch.arange(capacity, device="cuda") // 300).expand(batch, -1).contiguous()
+    lengths = torch.tensor([700, 1200], device="cuda")
+    outputs = []
+    with torch.no_grad():
+        for step in range(24):
+            if step == 4:  # compiled by now
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = attn(q, k, v, q_offset=lengths - 1, kv_lengths=lengths, doc_ids=ids)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            outputs.append((lengths.tolist(), out))
+            lengths += 1
+    for (ends, out) in outputs[::5]:
+        for row, n in enumerate(ends):
+            ref = attn.reference(q[row:row + 1].double(), k[row:row + 1, :, :n].double(),
+                                 v[row:row + 1, :, :n].double(), q_offset=n - 1,
+                                 doc_ids=ids[row:row + 1, :n])
+            assert _relative_error(out[row:row + 1], ref) < TOLERANCE[torch.bfloat16], (n, row)
+    torch._dynamo.reset()

@@ -1,18 +1,22 @@
 """The range checks of a spec's tensor lookups: an index that leaves its tensor makes a kernel
 read garbage (an inductor error on the CPU). Interval analysis proves most lookups in range once
 per spec and shape (:func:`unproven_lookups`); the others are evaluated exactly on every point
-they read (:func:`check_lookups`), and :class:`LookupCheck` skips values checked last."""
+they read (:func:`check_lookups`; on a CUDA device without reading them back,
+:func:`assert_lookups`), and :class:`LookupCheck` skips values checked last."""
 
 from __future__ import annotations
 
 import functools
 import math
 
+import torch
+
 from flexspec import ir, limits
 from flexspec.errors import BindingError
 from flexspec.ir import tensor_key
 from flexspec.ir.intervals import bounds, index_ranges, lookup_ranges
 from flexspec.kernels.evaluate import evaluate, index_grid
+from flexspec.runtime.capture import in_graph_memory
 from flexspec.runtime.identity import KeptByIdentity, identity, known_range
 
 # Sets of values a plan's lookups were checked on, kept (see LookupCheck).
@@ -66,6 +70,32 @@ def check_lookups(spec: ir.AttentionIR, sizes: dict, values: dict,
     """
     if unproven is None:
         unproven = unproven_lookups(spec, tuple(sorted(sizes.items())), shapes_key(values))
+    where = f"for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}"
+    for tensor, dim, index, size, low, high in _index_bounds(spec, sizes, values, unproven):
+        low, high = int(low), int(high)
+        if low < 0 or high >= size:
+            raise BindingError(
+                f"'{tensor.name}' is indexed by {index} in dimension {dim}, which reaches "
+                f"{low}..{high} {where}, but that dimension has {size} entries")
+
+
+def assert_lookups(spec: ir.AttentionIR, sizes: dict, values: dict, unproven: tuple) -> None:
+    """:func:`check_lookups` without reading a value back: each index's range is computed on
+    the values' device and asserted there (``torch._assert_async``), so a call on a GPU never
+    waits for it, and a captured step checks it at every replay. An index out of range stops
+    the program with a device-side assertion that names the lookup, where the CPU raises a
+    :class:`BindingError`."""
+    where = f"for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}"
+    for tensor, dim, index, size, low, high in _index_bounds(spec, sizes, values, unproven):
+        torch._assert_async(torch.logical_and(low >= 0, high < size),
+                            f"flexspec: '{tensor.name}' is indexed by {index} in dimension "
+                            f"{dim} outside its {size} entries {where}")
+
+
+def _index_bounds(spec: ir.AttentionIR, sizes: dict, values: dict, unproven: tuple):
+    """``(tensor, dim, index, size, low, high)`` of each unproven lookup that reads any point,
+    ``low`` and ``high`` 0-d tensors on the values' device (a :class:`BindingError` for an
+    index with more points than the limit)."""
     extent = {var: sizes[size] for var, size in _EXTENTS.items()}
     where = f"for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}"
     for tensor, dim, index in unproven:
@@ -76,26 +106,32 @@ def check_lookups(spec: ir.AttentionIR, sizes: dict, values: dict,
             continue
         limits.check_index_points(math.prod(dims), tensor.name, dim, str(index), size, where,
                                   error=BindingError)
-        low, high = _index_range(index, dims, values, values[tensor_key(tensor)].device)
-        if low < 0 or high >= size:
-            raise BindingError(
-                f"'{tensor.name}' is indexed by {index} in dimension {dim}, which reaches "
-                f"{low}..{high} {where}, but that dimension has {size} entries")
+        low, high = _range_on_device(index, dims, values, values[tensor_key(tensor)].device)
+        yield tensor, dim, index, size, low, high
 
 
 def _index_range(index: ir.Expr, dims: list, values: dict, device) -> tuple:
-    """``(min, max)`` of ``index`` over the grid of ``dims`` (b, h, q, kv), evaluated in slices
-    of the longest axis holding at most :data:`flexspec.limits.EXACT_INDEX_CHECK_LIMIT` points
-    each, so memory stays bounded at any length."""
+    """``(min, max)`` of ``index`` over the grid of ``dims`` (b, h, q, kv), as ints."""
+    low, high = _range_on_device(index, dims, values, device)
+    return int(low), int(high)
+
+
+def _range_on_device(index: ir.Expr, dims: list, values: dict, device) -> tuple:
+    """``(min, max)`` of ``index`` over the grid of ``dims`` (b, h, q, kv) as 0-d tensors on
+    ``device``, evaluated in slices of the longest axis holding at most
+    :data:`flexspec.limits.EXACT_INDEX_CHECK_LIMIT` points each, so memory stays bounded at
+    any length."""
     grid = index_grid(*dims, device=device)
     axis = max(range(4), key=lambda i: dims[i])
     name = ("b", "h", "q", "kv")[axis]
     step = max(1, limits.EXACT_INDEX_CHECK_LIMIT // (math.prod(dims) // dims[axis]))
-    low, high = math.inf, -math.inf
+    low = high = None
     for start in range(0, dims[axis], step):
         part = {**grid, name: grid[name].narrow(axis, start, min(step, dims[axis] - start))}
         found = evaluate(index, part, values)
-        low, high = min(low, int(found.min())), max(high, int(found.max()))
+        part_low, part_high = found.min(), found.max()
+        low = part_low if low is None else torch.minimum(low, part_low)
+        high = part_high if high is None else torch.maximum(high, part_high)
     return low, high
 
 
@@ -124,12 +160,17 @@ class LookupCheck:
         if self._in_range_by_known_values(values):
             return
         read = self._read_tensors(values)
-        found = tuple(identity(value) for value in read)
-        if None in found:  # an inference tensor, whose changes cannot be seen: always checked
-            check_lookups(self.spec, self.sizes, values, self.unproven)
+        # on a CUDA device a read back would wait for the device at every decoding step
+        checker = assert_lookups if read[0].device.type == "cuda" else check_lookups
+        # inside a CUDA graph capture (or its warm-up) the assertion is recorded, to run at
+        # every replay with whatever the tensors hold then
+        found = None if in_graph_memory(read[0].device) else \
+            tuple(identity(value) for value in read)
+        if found is None or None in found:  # an inference tensor: its changes cannot be seen
+            checker(self.spec, self.sizes, values, self.unproven)
             return
         self._checked.get(found, read,
-                          lambda: check_lookups(self.spec, self.sizes, values, self.unproven))
+                          lambda: checker(self.spec, self.sizes, values, self.unproven))
 
     def _in_range_by_known_values(self, values: dict) -> bool:
         """Whether interval analysis keeps every unproven lookup in range once the tensors its

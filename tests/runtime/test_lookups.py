@@ -14,6 +14,7 @@ import torch
 
 import flexspec
 from flexspec import ir, limits
+from flexspec.ir import tensor_key
 from flexspec.lang.library import load_text
 from flexspec import BindingError
 from flexspec.runtime import lookups
@@ -204,3 +205,46 @@ def test_a_lookup_is_checked_again_when_a_tensor_its_index_reads_changes():
     offset[1] = 58
     torch.testing.assert_close(attn(q, k, k, q_offset=offset, doc_ids=ids),
                                attn.reference(q, k, k, q_offset=offset, doc_ids=ids))
+
+
+def test_asserting_lookups_on_the_device_passes_in_range_and_names_the_lookup_outside():
+    """assert_lookups (what a CUDA call uses: no value read back) computes each unproven
+    index's range on the values' device and asserts it there; on the CPU the assertion
+    raises at once, which shows what a GPU's device-side assertion says."""
+    attn = flexspec.compile("causal & doc", backend="reference")
+    spec = attn._calls.placement.tensors_for({"q_offset": 0}).ir
+    sizes = {"B": 2, "H": 1, "Q_LEN": 2, "KV_LEN": 60}
+    keys = {t.name: tensor_key(t) for t in spec.tensors()}
+    ids = (torch.arange(60) // 25).expand(2, 60)
+    unproven = lookups.unproven_lookups(spec, tuple(sorted(sizes.items())),
+                                        (("doc_ids", (2, 60)), ("q_offset", (2,))))
+    assert unproven
+    fine = {keys["doc_ids"]: ids, keys["q_offset"]: torch.tensor([50, 58])}
+    lookups.assert_lookups(spec, sizes, fine, unproven)
+    outside = {keys["doc_ids"]: ids, keys["q_offset"]: torch.tensor([50, 59])}
+    with pytest.raises(RuntimeError, match=r"flexspec: 'doc_ids' is indexed by q \+ "
+                                           r"q_offset\[b\] in dimension 1 outside its 60 "
+                                           r"entries for Q_LEN=2, KV_LEN=60"):
+        lookups.assert_lookups(spec, sizes, outside, unproven)
+
+
+def test_inside_a_graph_capture_every_call_checks_its_lookups(monkeypatch):
+    """Inside a CUDA graph capture (or its warm-up) a lookup's check is made at every call,
+    never skipped as checked before: the capture records it, for the values each replay
+    holds."""
+    attn = flexspec.compile("causal & doc", backend="reference")
+    ids = (torch.arange(60) // 25).expand(2, 60)
+    k = torch.randn(2, 2, 60, 8)
+    q = torch.randn(2, 4, 2, 8)
+    offset = torch.tensor([50, 57])
+    attn(q, k, k, q_offset=offset, doc_ids=ids)
+    checked = []
+    real = lookups.check_lookups
+    monkeypatch.setattr(lookups, "check_lookups",
+                        lambda *args, **kwargs: checked.append(1) or real(*args, **kwargs))
+    attn(q, k, k, q_offset=offset, doc_ids=ids)
+    assert checked == []  # the same unchanged tensors: checked before
+    monkeypatch.setattr(lookups, "in_graph_memory", lambda device: True)
+    for _ in range(2):
+        attn(q, k, k, q_offset=offset, doc_ids=ids)
+    assert checked == [1, 1]
