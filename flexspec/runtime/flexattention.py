@@ -52,8 +52,8 @@ class FlexCall:
     last: tuple | None = None
     score_varies: bool = True                # the score_mod captures this call's bindings
     score_mod: object = None
-    # (values, score_mod) of the last call whose score_mod captured its bindings: one tuple,
-    # replaced whole (see last)
+    # (values, versions of its float64 ones, score_mod) of the last call whose score_mod
+    # captured its bindings: one tuple, replaced whole (see last)
     last_score: tuple | None = None
     lse: dict | None = None                  # compiled.lse_request(return_lse)
     scale_values: dict = field(default_factory=dict)  # the scale as a tensor (rewrites.scaled)
@@ -175,16 +175,20 @@ def wide_decode_chunks(q, k, v) -> list | None:
 def varying_score(call: FlexCall, plan: Plan, values: dict):
     """The score_mod of a call whose score reads its bindings: the last call's when its values
     are the very same tensors (the closure reads them at launch, so changes in place count;
-    a decoded token at a repeated offset finds its position tensors again), else a new one."""
+    a decoded token at a repeated offset finds its position tensors again) and its float64
+    tables, which it reads as float32 copies, are unchanged in place since; else a new one."""
     last = call.last_score  # read once: another thread may replace it meanwhile
     if last is not None and last[0].keys() == values.keys() and all(
-            values[key] is seen for key, seen in last[0].items()):
-        return last[1]
+            values[key] is seen for key, seen in last[0].items()) and all(
+            seen is not None and version(values[key]) == seen for key, seen in last[1].items()):
+        return last[2]
     # the kernel computes scores in float32: a float64 table would turn them into float64
-    kernel_values = {key: value.float() if value.dtype == torch.float64 else value
+    copied = {key: version(value) for key, value in values.items()
+              if value.dtype == torch.float64}
+    kernel_values = {key: value.float() if key in copied else value
                      for key, value in values.items()}
     score_mod = call.lowered.make_mods(plan.sizes, {**kernel_values, **call.scale_values})[1]
-    call.last_score = (dict(values), score_mod)
+    call.last_score = (dict(values), copied, score_mod)
     return score_mod
 
 

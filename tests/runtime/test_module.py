@@ -280,3 +280,26 @@ def test_a_mask_that_reads_a_learnable_table_follows_its_changes_in_place():
         for _ in range(3):
             torch.testing.assert_close(module(q, k, v, step=step), _masked_attention(
                 q, k, v, torch.stack([causal, causal])[None]))
+
+
+def test_a_float64_score_table_changed_in_place_reaches_the_next_call():
+    """The kernel reads a float64 table as a float32 copy: after the module's float64 table
+    changes in place, the next call makes a new copy (it was served the first call's score,
+    and with it the first values). Against attention with the tilt written out in the test."""
+    library = _library('score tilt(w: float[H] = learnable(H, init="zeros")) = '
+                       'score + w[h] * (kv - q)')
+    module = flexspec.SpecAttention("causal + tilt", num_heads=2, library=library,
+                                    dtype=torch.float64)
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 200, 16) for _ in range(3))
+    positions = torch.arange(200)
+    causal = (positions[:, None] >= positions[None, :])[None, None]
+    distance = (positions[None, :] - positions[:, None]).double()
+    for tilt in ([0.0, 0.0], [0.05, -0.03], [0.1, -0.06]):
+        with torch.no_grad():
+            module.tables["tilt_w"].copy_(torch.tensor(tilt, dtype=torch.float64))
+            scores = (q.double() @ k.double().transpose(-1, -2)) / 4.0 \
+                + torch.tensor(tilt, dtype=torch.float64)[None, :, None, None] * distance
+            weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+            torch.testing.assert_close(module(q, k, v), (weights @ v.double()).float(),
+                                       rtol=1e-4, atol=1e-4)
