@@ -167,6 +167,9 @@ class Plan(InputPlan):
     needs_values: bool = False      # calls gather their tensor values (see values)
     state: object = None
     fallback: object = None
+    # the learnable tensors the call gave, kept alive: the plan's key holds their ids, which a
+    # new tensor could otherwise take once they are freed (a module's replaced parameters)
+    learnables: tuple = ()
 
 
 @dataclass(frozen=True)

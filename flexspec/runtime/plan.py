@@ -220,7 +220,8 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, blo
                  choice=choice, backend=REGISTRY[choice.backend], fixed=_fixed(values, slots),
                  slots=slots, score_keys=score_keys, lookups=lookups,
                  masks=masks.bind(spec, sizes, device, REGISTRY[choice.backend].dialect),
-                 gqa=k.shape[1] != q.shape[1], detach=not grad_on, scale=scale)
+                 gqa=k.shape[1] != q.shape[1], detach=not grad_on, scale=scale,
+                 learnables=tuple(learnables.values()) if learnables else ())
     return _prepared(draft, values, masks)
 
 

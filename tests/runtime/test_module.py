@@ -303,3 +303,23 @@ def test_a_float64_score_table_changed_in_place_reaches_the_next_call():
             weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
             torch.testing.assert_close(module(q, k, v), (weights @ v.double()).float(),
                                        rtol=1e-4, atol=1e-4)
+
+
+def test_a_plan_keeps_the_tables_it_was_made_for_so_that_no_new_table_takes_their_id():
+    """A plan is kept under its tables' ids. Under no_grad it runs on detached views, so it
+    also holds the tables themselves: a replaced parameter, freed, could otherwise leave its id
+    to a new table, which would then find the old plan and its old values. Then the new table
+    gives its own output."""
+    import gc
+    import weakref
+    library = _library('score tilt(w: float[H] = learnable(H, init="zeros")) = '
+                       'score + w[h] * (kv - q)')
+    module = flexspec.SpecAttention("causal + tilt", num_heads=2, library=library)
+    q, k, v = (torch.randn(1, 2, 200, 16) for _ in range(3))
+    with torch.no_grad():
+        first = module(q, k, v)
+        old = weakref.ref(module.tables["tilt_w"])
+        module.tables["tilt_w"] = torch.nn.Parameter(torch.tensor([0.1, -0.1]))
+        gc.collect()
+        assert old() is not None
+        assert not torch.allclose(module(q, k, v), first)

@@ -559,3 +559,25 @@ def test_a_step_keeps_the_segments_of_each_ids_tensor_apart(fa4_interface):
             q.double(), k.double(), v.double(), doc_ids=ids), rtol=1e-4, atol=1e-5)
     assert [call[1] for call in fa4_interface] == \
         [[0, 60, 150, 300], [0, 100, 150, 170, 300], [0, 60, 150, 300]]
+
+
+def test_a_step_keeps_the_segments_of_each_ids_tensor_by_its_identity(monkeypatch):
+    """The native backend's documents per step: made once for views of the same unchanged ids
+    (each call gathers a fresh view), apart for other ids, and anew after an in-place change;
+    the ids are kept alive with them, so no later tensor can take their place."""
+    from flexspec.runtime.backends import native
+    made = []
+    real = native.document_segments
+    monkeypatch.setattr(native, "document_segments",
+                        lambda ids: made.append(ids.clone()) or real(ids))
+    step = flexspec.Step()
+    first = torch.tensor([[0, 0, 1, 1, 1, 2]])
+    other = torch.tensor([[0, 1, 1, 1, 1, 1]])
+    a = native._step_segments(step, first.view(1, 6), 1, 6)
+    assert native._step_segments(step, first.view(1, 6), 1, 6) is a and len(made) == 1
+    b = native._step_segments(step, other, 1, 6)
+    assert b[0].tolist() == [0, 1, 6] and a[0].tolist() == [0, 2, 5, 6] and len(made) == 2
+    first[0, 5] = 1  # in place: a new version
+    assert native._step_segments(step, first, 1, 6)[0].tolist() == [0, 2, 6]
+    assert native._step_segments(step, torch.tensor([[0, 1, 0, 0, 0, 0]]), 1, 6) \
+        == native.NOT_RUNS

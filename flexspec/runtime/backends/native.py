@@ -27,6 +27,7 @@ from flexspec.limits import fits_int
 from flexspec.runtime import fa4
 from flexspec.runtime.capture import capturing
 from flexspec.runtime.contract import Backend, Prepared, Replan
+from flexspec.runtime.identity import identity
 from flexspec.runtime.step import NO_STEP
 
 # Why a call with documents may be handed back (see the module docstring).
@@ -65,6 +66,17 @@ def document_segments(ids: torch.Tensor) -> tuple | None:
     first = torch.nonzero_static(starts.reshape(-1), size=count).reshape(-1)
     total = torch.full((1,), batch * length, dtype=first.dtype, device=ids.device)
     return torch.cat((first, total)).to(torch.int32), longest
+
+
+def _step_segments(step, ids: torch.Tensor, batch: int, length: int):
+    """:func:`document_segments` of ``ids`` (or :data:`NOT_RUNS`), made once per step for the
+    same unchanged ids: kept by their identity, with the ids alive (a key by ``id()`` of a view
+    made for one call could be taken by another call's ids once the view is freed)."""
+    seen = identity(ids)
+    if seen is None:  # an inference tensor: its changes cannot be seen
+        return document_segments(ids.expand(batch, length)) or NOT_RUNS
+    return step.shared(("segments", seen, batch, length),
+                       lambda: (ids, document_segments(ids.expand(batch, length)) or NOT_RUNS))[1]
 
 
 def _runs_are_distinct(ids: torch.Tensor, starts: torch.Tensor) -> bool:
@@ -127,9 +139,7 @@ class NativeBackend(Backend):
             if segments is None:
                 if capturing(q.device):
                     raise Replan(CAPTURED)
-                segments = step.shared(("segments", id(ids), batch, length),
-                                       lambda: document_segments(ids.expand(batch, length))
-                                       or NOT_RUNS)
+                segments = _step_segments(step, ids, batch, length)
                 if segments is NOT_RUNS:
                     raise Replan(NOT_RUNS)
         if plan.detach:
