@@ -137,10 +137,11 @@ def _range_on_device(index: ir.Expr, dims: list, values: dict, device) -> tuple:
 
 class LookupCheck:
     """The lookups of one plan that interval analysis could not prove in range, checked by
-    value: on the values of a call unless they are tensors checked already, unchanged (the
-    last :data:`CHECKED_KEPT` sets of them: calls that take turns, such as the runs of batch
-    rows of a wide decode call, are each checked once, not on every call, each check a host
-    read)."""
+    value: on the values of a call unless the tensors the check reads (the looked-up ones and
+    those their indices read) are ones checked already, unchanged (the last
+    :data:`CHECKED_KEPT` sets of them: calls that take turns, such as the runs of batch rows of
+    a wide decode call, are each checked once, not on every call). A check reads the indices'
+    ranges back on the CPU and asserts them on a CUDA device (:func:`assert_lookups`)."""
 
     def __init__(self, spec: ir.AttentionIR, sizes: dict, values: dict):
         """Proves what it can and checks the rest on ``values`` (those of the call that makes
