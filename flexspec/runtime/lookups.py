@@ -70,7 +70,7 @@ def check_lookups(spec: ir.AttentionIR, sizes: dict, values: dict,
     """
     if unproven is None:
         unproven = unproven_lookups(spec, tuple(sorted(sizes.items())), shapes_key(values))
-    where = f"for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}"
+    where = _where(sizes)
     for tensor, dim, index, size, low, high in _index_bounds(spec, sizes, values, unproven):
         low, high = int(low), int(high)
         if low < 0 or high >= size:
@@ -85,11 +85,16 @@ def assert_lookups(spec: ir.AttentionIR, sizes: dict, values: dict, unproven: tu
     waits for it, and a captured step checks it at every replay. An index out of range stops
     the program with a device-side assertion that names the lookup, where the CPU raises a
     :class:`BindingError`."""
-    where = f"for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}"
+    where = _where(sizes)
     for tensor, dim, index, size, low, high in _index_bounds(spec, sizes, values, unproven):
         torch._assert_async(torch.logical_and(low >= 0, high < size),
                             f"flexspec: '{tensor.name}' is indexed by {index} in dimension "
                             f"{dim} outside its {size} entries {where}")
+
+
+def _where(sizes: dict) -> str:
+    """The lengths a lookup's error names."""
+    return f"for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}"
 
 
 def _index_bounds(spec: ir.AttentionIR, sizes: dict, values: dict, unproven: tuple):
@@ -97,7 +102,7 @@ def _index_bounds(spec: ir.AttentionIR, sizes: dict, values: dict, unproven: tup
     ``low`` and ``high`` 0-d tensors on the values' device (a :class:`BindingError` for an
     index with more points than the limit)."""
     extent = {var: sizes[size] for var, size in _EXTENTS.items()}
-    where = f"for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}"
+    where = _where(sizes)
     for tensor, dim, index in unproven:
         size = values[tensor_key(tensor)].shape[dim]
         used = ir.free_vars(index)
@@ -106,17 +111,11 @@ def _index_bounds(spec: ir.AttentionIR, sizes: dict, values: dict, unproven: tup
             continue
         limits.check_index_points(math.prod(dims), tensor.name, dim, str(index), size, where,
                                   error=BindingError)
-        low, high = _range_on_device(index, dims, values, values[tensor_key(tensor)].device)
+        low, high = _index_range(index, dims, values, values[tensor_key(tensor)].device)
         yield tensor, dim, index, size, low, high
 
 
 def _index_range(index: ir.Expr, dims: list, values: dict, device) -> tuple:
-    """``(min, max)`` of ``index`` over the grid of ``dims`` (b, h, q, kv), as ints."""
-    low, high = _range_on_device(index, dims, values, device)
-    return int(low), int(high)
-
-
-def _range_on_device(index: ir.Expr, dims: list, values: dict, device) -> tuple:
     """``(min, max)`` of ``index`` over the grid of ``dims`` (b, h, q, kv) as 0-d tensors on
     ``device``, evaluated in slices of the longest axis holding at most
     :data:`flexspec.limits.EXACT_INDEX_CHECK_LIMIT` points each, so memory stays bounded at
