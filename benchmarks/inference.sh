@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# The inference measurements of issue 26 in one device call (about 9 minutes on an H200): the
-# GPU tests of decoding, steps and the static cache, then the benchmarks whose tables go into
-# docs/performance.md. Each part has its own time limit, so that one slow part leaves the
-# others their time; logs go to $OUT (the device tool brings them back), the tables are
+# The inference measurements of issues 26 and 27, in parts that each fit a device call: the GPU
+# tests of decoding, steps, replays and the static cache, then the benchmarks whose tables go
+# into docs/performance.md. Each part has its own time limit, so that one slow part leaves the
+# others their time; logs go to $OUT (the device tool brings them back), and the tables are
 # printed last.
 #
-#   bash benchmarks/inference.sh            # from the repository root, on the GPU machine
+#   bash benchmarks/inference.sh                 # the parts "tests host" (about 8 minutes)
+#   bash benchmarks/inference.sh kernels model   # the decode tables and generate() (9 minutes)
+#   bash benchmarks/inference.sh paged           # paged decode and mixed batches
 #
+# Parts: tests (the GPU tests of this area), host (host time of a step's calls: replays,
+# compiled calls without dynamo, planning), kernels (decode steps and warm calls), model
+# (transformers' generate()), paged (paged caches, `causal & doc` with a moving offset).
 # lark travels as a wheel (.whl, see the device tool's notes); FA4 is optional (its columns
 # stay empty without it).
 set -uo pipefail
@@ -17,25 +22,48 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
+logs=()
 part() {  # part SECONDS NAME COMMAND...
     local seconds=$1 name=$2
     shift 2
-    echo "== $name"
+    echo "== $name ($(date +%T))"
     timeout "$seconds" "$@" > "$out/$name.log" 2>&1
     echo "   exit $? (log: $name.log)"
+    logs+=("$name")
 }
 
-part 170 tests python3 -m pytest -m gpu tests/test_gpu.py -n 8 -q -p no:cacheprovider \
-    -k "decod or step or static or captured or lengths or warm or window or generate" \
-    -rf --tb=line
-part 110 decode_step python3 benchmarks/decode_step.py --layers 8 --cache 32768 --batch 8
-part 160 decode python3 benchmarks/decode.py --caches 32768 --batches 8
-part 130 generate python3 benchmarks/generate.py --models mistral --attention sdpa flexspec \
-    --tokens 32
+[ $# -eq 0 ] && set -- tests host
+for what in "$@"; do
+    case "$what" in
+        tests)
+            part 240 tests python3 -m pytest -m gpu tests/test_gpu.py -n 8 -q \
+                -p no:cacheprovider -rfE --tb=short -k "decod or step or static or captured \
+or lengths or warm or window or generate or replay or no_dynamo_call or offset or serving" ;;
+        host)
+            part 90 step_replay python3 benchmarks/step_replay.py --device cuda --rounds 9
+            part 90 compiled_calls python3 benchmarks/compiled_calls.py --device cuda --rounds 9
+            part 60 planning python3 benchmarks/planning.py --device cuda --plans 200 ;;
+        kernels)
+            part 110 decode_step python3 benchmarks/decode_step.py --layers 8 --cache 32768 \
+                --batch 8
+            part 200 decode python3 benchmarks/decode.py --caches 32768 131072 --batches 8 ;;
+        model)
+            part 200 generate python3 benchmarks/generate.py --models llama mistral \
+                --attention sdpa flexspec --tokens 32 --modes dynamic ;;
+        paged)
+            part 200 paged python3 benchmarks/paged.py --caches 4096 32768 --batches 8 \
+                --pages 16 64
+            part 120 paged_doc python3 benchmarks/paged.py --specs "causal & doc" \
+                --caches 32768 --batches 8 64 --pages 64 ;;
+        *) echo "unknown part '$what' (tests, host, kernels, model, paged)" >&2; exit 2 ;;
+    esac
+done
 
-for name in tests decode_step decode generate; do
+for name in "${logs[@]}"; do
     echo
     echo "## $name"
-    grep -E "^\||passed|failed" "$out/$name.log" | tail -20
+    grep -E "^\||passed|failed|Error" "$out/$name.log" | tail -24
 done

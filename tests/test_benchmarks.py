@@ -306,3 +306,28 @@ def test_the_compiled_calls_benchmark_runs_on_the_cpu(capsys):
         "mask program, decoding's form, `causal & key_padding`"]
     assert replay.ExactReplays.call is exact
     torch._dynamo.reset()
+
+
+def _script_commands(text: str) -> list:
+    """``(script, flags)`` of each ``python3 benchmarks/NAME.py ...`` command of a shell
+    script, its continuation lines joined."""
+    joined = text.replace("\\\n", " ")
+    commands = []
+    for line in joined.splitlines():
+        words = line.split()
+        for at, word in enumerate(words):
+            if word.startswith("benchmarks/") and word.endswith(".py"):
+                flags = [w for w in words[at + 1:] if w.startswith("--")]
+                commands.append((word, flags))
+    return commands
+
+
+def test_the_gpu_session_script_calls_benchmarks_with_flags_they_take():
+    """benchmarks/inference.sh is what a session with a GPU runs in one device call: a flag a
+    benchmark no longer takes would cost that call, so each must be one its parser declares."""
+    commands = _script_commands((ROOT / "benchmarks" / "inference.sh").read_text())
+    assert len(commands) >= 8, commands
+    for script, flags in commands:
+        source = (ROOT / script).read_text()
+        for flag in flags:
+            assert f'"{flag}"' in source, f"{script} declares no {flag}"
