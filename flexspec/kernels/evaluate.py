@@ -64,22 +64,27 @@ def query_offsets(q_offset, batch: int, device="cpu") -> torch.Tensor:
     return offsets.to(INT).reshape(-1, 1, 1, 1)
 
 
-def evaluate(expr: ir.Expr, grid: dict, tensors: dict) -> torch.Tensor:
+def evaluate(expr: ir.Expr, grid: dict, tensors: dict, *, reads_checked: bool = True) \
+        -> torch.Tensor:
     """The value of ``expr`` as a tensor broadcastable to ``[B, H, Q_LEN, KV_LEN]``.
 
     ``grid`` holds the index grids and sizes of :func:`index_grid`, and ``score`` (a float64
     ``[B, H, Q_LEN, KV_LEN]`` tensor) when the expression reads it. ``tensors`` maps
-    :func:`flexspec.ir.tensor_key` to each tensor's value.
+    :func:`flexspec.ir.tensor_key` to each tensor's value. With ``reads_checked`` a tensor read
+    outside its shape is a :class:`SpecError`, which reads a value back from the device; without
+    it, for a caller that asserts its lookups on the device (a GPU call that must not wait, or
+    a CUDA graph capture, where reading back is not allowed), nothing is read back.
     """
     device = grid["b"].device if "b" in grid else "cpu"
-    return _Evaluator(grid, tensors, device).eval(expr)
+    return _Evaluator(grid, tensors, device, reads_checked).eval(expr)
 
 
 class _Evaluator:
-    def __init__(self, grid: dict, tensors: dict, device):
+    def __init__(self, grid: dict, tensors: dict, device, reads_checked: bool = True):
         self.grid = grid
         self.tensors = tensors
         self.device = device
+        self.reads_checked = reads_checked
 
     def eval(self, node: ir.Expr) -> torch.Tensor:
         rule = _RULES.get(type(node))
@@ -139,7 +144,8 @@ class _Evaluator:
             # declared 1 long too (KV_LEN = 1), whose index is read as it is and must be 0 (as
             # the kernels read it: flexspec.ir.specialize)
             index.append(torch.zeros_like(i) if size == 1 and want != 1 else i)
-        if any(((i < 0) | (i >= size)).any() for i, size in zip(index, value.shape)):
+        if self.reads_checked and any(((i < 0) | (i >= size)).any()
+                                      for i, size in zip(index, value.shape)):
             raise SpecError(f"'{ir.to_text(node)}' reads outside tensor '{key}' of shape "
                             f"{list(value.shape)}")
         result = value[tuple(index)]

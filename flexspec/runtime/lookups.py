@@ -86,7 +86,8 @@ def assert_lookups(spec: ir.AttentionIR, sizes: dict, values: dict, unproven: tu
     the program with a device-side assertion that names the lookup, where the CPU raises a
     :class:`BindingError`."""
     where = _where(sizes)
-    for tensor, dim, index, size, low, high in _index_bounds(spec, sizes, values, unproven):
+    for tensor, dim, index, size, low, high in _index_bounds(spec, sizes, values, unproven,
+                                                             reads_checked=False):
         torch._assert_async(torch.logical_and(low >= 0, high < size),
                             f"flexspec: '{tensor.name}' is indexed by {index} in dimension "
                             f"{dim} outside its {size} entries {where}")
@@ -97,10 +98,13 @@ def _where(sizes: dict) -> str:
     return f"for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}"
 
 
-def _index_bounds(spec: ir.AttentionIR, sizes: dict, values: dict, unproven: tuple):
+def _index_bounds(spec: ir.AttentionIR, sizes: dict, values: dict, unproven: tuple, *,
+                  reads_checked: bool = True):
     """``(tensor, dim, index, size, low, high)`` of each unproven lookup that reads any point,
     ``low`` and ``high`` 0-d tensors on the values' device (a :class:`BindingError` for an
-    index with more points than the limit)."""
+    index with more points than the limit). Without ``reads_checked`` nothing is read back,
+    not even to check the reads inside an index (``q + q_offset[b]``): each of those is an
+    unproven lookup of its own, asserted too, or one proven in range."""
     extent = {var: sizes[size] for var, size in _EXTENTS.items()}
     where = _where(sizes)
     for tensor, dim, index in unproven:
@@ -111,11 +115,13 @@ def _index_bounds(spec: ir.AttentionIR, sizes: dict, values: dict, unproven: tup
             continue
         limits.check_index_points(math.prod(dims), tensor.name, dim, str(index), size, where,
                                   error=BindingError)
-        low, high = _index_range(index, dims, values, values[tensor_key(tensor)].device)
+        low, high = _index_range(index, dims, values, values[tensor_key(tensor)].device,
+                                 reads_checked)
         yield tensor, dim, index, size, low, high
 
 
-def _index_range(index: ir.Expr, dims: list, values: dict, device) -> tuple:
+def _index_range(index: ir.Expr, dims: list, values: dict, device,
+                 reads_checked: bool = True) -> tuple:
     """``(min, max)`` of ``index`` over the grid of ``dims`` (b, h, q, kv) as 0-d tensors on
     ``device``, evaluated in slices of the longest axis holding at most
     :data:`flexspec.limits.EXACT_INDEX_CHECK_LIMIT` points each, so memory stays bounded at
@@ -127,7 +133,7 @@ def _index_range(index: ir.Expr, dims: list, values: dict, device) -> tuple:
     low = high = None
     for start in range(0, dims[axis], step):
         part = {**grid, name: grid[name].narrow(axis, start, min(step, dims[axis] - start))}
-        found = evaluate(index, part, values)
+        found = evaluate(index, part, values, reads_checked=reads_checked)
         part_low, part_high = found.min(), found.max()
         low = part_low if low is None else torch.minimum(low, part_low)
         high = part_high if high is None else torch.maximum(high, part_high)

@@ -52,10 +52,10 @@ def test_the_range_of_an_index_is_evaluated_in_slices_of_bounded_size(monkeypatc
     sizes = []
     real = lookups.evaluate
 
-    def evaluate(index, grid, values):
+    def evaluate(index, grid, values, **options):
         sizes.append(math.prod(torch.broadcast_shapes(*(t.shape for t in grid.values()
                                                         if isinstance(t, torch.Tensor)))))
-        return real(index, grid, values)
+        return real(index, grid, values, **options)
 
     monkeypatch.setattr(limits, "EXACT_INDEX_CHECK_LIMIT", limit)
     monkeypatch.setattr(lookups, "evaluate", evaluate)
@@ -227,6 +227,27 @@ def test_asserting_lookups_on_the_device_passes_in_range_and_names_the_lookup_ou
                                            r"q_offset\[b\] in dimension 1 outside its 60 "
                                            r"entries for Q_LEN=2, KV_LEN=60"):
         lookups.assert_lookups(spec, sizes, outside, unproven)
+
+
+def test_asserting_lookups_reads_no_value_back(monkeypatch):
+    """A read back is a host synchronisation on a GPU, and not allowed at all inside a CUDA
+    graph capture (the H200 refused the capture of a ``causal & doc`` decode step while the
+    evaluation of ``q + q_offset[b]`` checked its read of ``q_offset`` on the host): nothing in
+    assert_lookups may turn a tensor into a Python value."""
+    attn = flexspec.compile("causal & doc", backend="reference")
+    spec = attn._calls.placement.tensors_for({"q_offset": 0}).ir
+    sizes = {"B": 2, "H": 1, "Q_LEN": 2, "KV_LEN": 60}
+    keys = {t.name: tensor_key(t) for t in spec.tensors()}
+    values = {keys["doc_ids"]: (torch.arange(60) // 25).expand(2, 60),
+              keys["q_offset"]: torch.tensor([50, 58])}
+    unproven = lookups.unproven_lookups(spec, tuple(sorted(sizes.items())),
+                                        (("doc_ids", (2, 60)), ("q_offset", (2,))))
+
+    def read_back(*args):
+        raise AssertionError("a value was read back")
+    for name in ("__bool__", "__int__", "__index__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, read_back)
+    lookups.assert_lookups(spec, sizes, values, unproven)
 
 
 def test_inside_a_graph_capture_every_call_checks_its_lookups(monkeypatch):
