@@ -5,7 +5,7 @@
 # others their time; logs go to $OUT (the device tool brings them back), and the tables are
 # printed last.
 #
-#   bash benchmarks/inference.sh                 # the parts "tests host" (about 8 minutes)
+#   bash benchmarks/inference.sh                 # the parts "tests host" (about 9 minutes)
 #   bash benchmarks/inference.sh kernels model   # the decode tables and generate() (9 minutes)
 #   bash benchmarks/inference.sh paged           # paged decode and mixed batches
 #
@@ -39,12 +39,12 @@ part() {  # part SECONDS NAME COMMAND...
 for what in "$@"; do
     case "$what" in
         tests)
-            part 240 tests python3 -m pytest -m gpu tests/test_gpu.py -n 8 -q \
+            part 220 tests python3 -m pytest -m gpu tests/test_gpu.py -n 8 -q \
                 -p no:cacheprovider -rfE --tb=short -k "decod or step or static or captured \
 or lengths or warm or window or generate or replay or no_dynamo_call or offset or serving" ;;
         host)
             part 90 step_replay python3 benchmarks/step_replay.py --device cuda --rounds 9
-            part 90 compiled_calls python3 benchmarks/compiled_calls.py --device cuda --rounds 9
+            part 150 compiled_calls python3 benchmarks/compiled_calls.py --device cuda --rounds 9
             part 60 planning python3 benchmarks/planning.py --device cuda --plans 200 ;;
         kernels)
             part 110 decode_step python3 benchmarks/decode_step.py --layers 8 --cache 32768 \
