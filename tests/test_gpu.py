@@ -594,7 +594,6 @@ def test_decode_calls_run_on_the_decoding_kernel_at_every_batch_size():
     static batch, which dynamo made dynamic after a second batch size (every later decode call
     then ran on the main kernel): flexspec keeps it static, and each batch size compiles the
     decoding kernel, equal to the reference."""
-    from torch._inductor.utils import run_and_get_code
     torch._dynamo.reset()
     attn = flexspec.compile("causal & (window(300) | sink(4)) + alibi", backend="flex")
     for batch in (4, 2, 4, 3):
@@ -602,7 +601,7 @@ def test_decode_calls_run_on_the_decoding_kernel_at_every_batch_size():
         k, v = (torch.randn(batch, 2, 3000, 64, device="cuda", dtype=torch.bfloat16)
                 for _ in range(2))
         with torch.no_grad():
-            out, code = run_and_get_code(lambda: attn(q, k, v, q_offset=2999))
+            out, code = _run_and_get_new_code(lambda: attn(q, k, v, q_offset=2999))
         if code:  # a batch size met before has its kernel already
             assert any("SPLIT_KV" in source for source in code), batch  # the decoding template
         assert _relative_error(out, attn.reference(q, k, v, q_offset=2999)) < \
@@ -1000,7 +999,6 @@ def test_decoded_reads_stay_on_the_decoding_kernel_after_chunks_of_another_cache
     main kernel's time for its size (docs/performance.md, nineteenth session): each decoded
     read that compiles must compile the decoding template, and every read equals the
     reference."""
-    from torch._inductor.utils import run_and_get_code
     torch._dynamo.reset()
     attn = flexspec.compile("causal")
     generator = torch.Generator().manual_seed(3)
@@ -1018,7 +1016,7 @@ def test_decoded_reads_stay_on_the_decoding_kernel_after_chunks_of_another_cache
             q = torch.randn(slots.shape[0], 8, count, 64, generator=generator).to(
                 "cuda", torch.bfloat16)
             with torch.no_grad():
-                out, code = run_and_get_code(lambda: attn.paged(q, cache, slots))
+                out, code = _run_and_get_new_code(lambda: attn.paged(q, cache, slots))
             if code and count == 1:
                 assert any("SPLIT_KV" in source for source in code), (max_pages, count)
             for row, slot in enumerate(slots.tolist()):
@@ -1035,7 +1033,6 @@ def test_a_pool_of_two_to_the_31_elements_decodes_on_the_decoding_kernel(text):
     indexes in int64 and the decoding kernel does not compile for: read one group of KV heads
     at a time, each call compiles the decoding template, and each decoded row equals the
     float64 reference over its own sequence (alibi: each head its own slope)."""
-    from torch._inductor.utils import run_and_get_code
     torch._dynamo.reset()
     attn = flexspec.compile(text)
     kv_heads, dim, page = 8, 128, 64
@@ -1055,7 +1052,7 @@ def test_a_pool_of_two_to_the_31_elements_decodes_on_the_decoding_kernel(text):
             3, -1).contiguous()
     with torch.no_grad():
         read = attn.paged_read(q, cache, torch.arange(3, device="cuda"), **extra)
-        out, code = run_and_get_code(lambda: read(q))
+        out, code = _run_and_get_new_code(lambda: read(q))
     assert len(read._groups) == 2  # 4 KV heads a call: 2**30 elements
     assert any("SPLIT_KV" in source for source in code)  # the decoding template
     for row, (n, (k, v)) in enumerate(zip(lengths, sequences)):
@@ -1073,7 +1070,6 @@ def test_a_decode_call_over_keys_of_two_to_the_31_elements_runs_on_the_decoding_
     does not compile for. The call runs as two calls of 32 rows, each compiling the decoding
     template, and rows of both runs equal the float64 reference (with their own offsets,
     lengths and doc_ids)."""
-    from torch._inductor.utils import run_and_get_code
     torch._dynamo.reset()
     attn = flexspec.compile(text, backend="flex")
     batch, kv_heads, kv_len, dim = 64, 8, 32768, 128
@@ -1087,7 +1083,7 @@ def test_a_decode_call_over_keys_of_two_to_the_31_elements_runs_on_the_decoding_
         extra["doc_ids"] = (torch.arange(kv_len, device="cuda") // 3000).expand(
             batch, -1).contiguous()
     with torch.no_grad():
-        out, code = run_and_get_code(lambda: attn(q, k, v, q_offset=lengths - 1,
+        out, code = _run_and_get_new_code(lambda: attn(q, k, v, q_offset=lengths - 1,
                                                   kv_lengths=lengths, **extra))
     assert any("SPLIT_KV" in source for source in code)  # the decoding template
     for row in (0, 31, 32, 63):
@@ -1098,6 +1094,19 @@ def test_a_decode_call_over_keys_of_two_to_the_31_elements_runs_on_the_decoding_
         assert _relative_error(out[row:row + 1], ref) < TOLERANCE[torch.bfloat16], row
     del k, v
     torch._dynamo.reset()
+
+
+def _run_and_get_new_code(call):
+    """``call()``'s result and the code inductor wrote or loaded from its cache while it ran,
+    an empty list where nothing compiled. torch's ``run_and_get_code`` resets dynamo first:
+    every call then compiled afresh, static, so tests of recompiles (two compiles at most) or
+    of a later graph's kernel in one entry checked a flow no user runs."""
+    from unittest import mock
+    from torch._inductor.graph import GraphLowering
+    code = []
+    with mock.patch.object(GraphLowering, "save_output_code", code.append):
+        result = call()
+    return result, code
 
 
 def _key_head_strides(code: list) -> list:
@@ -1125,7 +1134,6 @@ def test_a_cache_view_decodes_with_aligned_strides_once_lengths_turn_dynamic(gro
     dynamic lengths, inductor made it a bare symbol and the decoding kernel loaded unaligned,
     three times slower (flexspec.workarounds: dynamic-stride-alignment): the kernels' key
     stride must be a constant or a multiple of 16, two compiles at most, results exact."""
-    from torch._inductor.utils import run_and_get_code
     torch._dynamo.reset()
     # in a buffer the keys' length grows; by concatenation the window's length stays and the
     # cache's stride grows
@@ -1141,7 +1149,7 @@ def test_a_cache_view_decodes_with_aligned_strides_once_lengths_turn_dynamic(gro
         else:  # a new contiguous cache every step, as torch.cat makes it
             k, v = (t[:, :, :n].contiguous() for t in buffer)
         with torch.no_grad():
-            out, code = run_and_get_code(lambda: attn(q, k, v, q_offset=n - 1))
+            out, code = _run_and_get_new_code(lambda: attn(q, k, v, q_offset=n - 1))
         compiles += bool(code)
         strides += _key_head_strides(code)
         assert _relative_error(out, attn.reference(q, k, v, q_offset=n - 1)) < \

@@ -98,7 +98,8 @@ class _Evaluator:
             dtype = torch.bool
         else:
             dtype = INT if isinstance(value, int) else FLOAT
-        return torch.tensor(value, dtype=dtype, device=self.device)
+        # a fill on the device, not a copy from the host, which a CUDA graph capture refuses
+        return torch.full((), value, dtype=dtype, device=self.device)
 
     def _var(self, node: ir.Var) -> torch.Tensor:
         if node.name not in self.grid:
@@ -106,7 +107,7 @@ class _Evaluator:
         value = self.grid[node.name]
         if isinstance(value, torch.Tensor):
             return value.to(FLOAT) if node.name == ir.SCORE_VAR else value
-        return torch.tensor(int(value), dtype=INT, device=self.device)
+        return torch.full((), int(value), dtype=INT, device=self.device)
 
     def _param(self, node: ir.Param) -> torch.Tensor:
         raise SpecError(f"parameter '{node.name}' has no value; only resolved specs can run")
@@ -181,7 +182,7 @@ class _Evaluator:
 
     def _chain(self, entry, args) -> torch.Tensor:
         # the table's Python function of no operands is the neutral element (all() is True)
-        result = torch.tensor(entry.python(), device=self.device)
+        result = torch.full((), entry.python(), dtype=torch.bool, device=self.device)
         combine = entry.torch_fn(torch)
         for arg in args:
             result = combine(result, as_bool(self.eval(arg), arg))

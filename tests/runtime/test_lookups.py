@@ -104,15 +104,10 @@ def test_a_lookup_one_past_the_end_is_refused_and_the_last_entry_is_not(backend)
     short = q[:, :, :15]
     torch.testing.assert_close(attn(short, q, q, t=t), attn.reference(short, q, q, t=t))
 
-# --- q, k, v ---------------------------------------------------------------------------
-
-
-# --- bindings and the tensors a spec reads -------------------------------------------------
-
-
 
 def test_a_lookup_before_the_first_entry_is_refused():
-    attn = flexspec.compile("behind", library=load_text("mask behind(t: float[KV_LEN]) = t[q - 1] > 0.0\n"), backend="reference")
+    library = load_text("mask behind(t: float[KV_LEN]) = t[q - 1] > 0.0\n")
+    attn = flexspec.compile("behind", library=library, backend="reference")
     q = torch.zeros(1, 1, 16, 8)
     with pytest.raises(BindingError, match="^" + re.escape(
             "'t' is indexed by q - 1 in dimension 0, which reaches -1..14 for Q_LEN=16, "
@@ -248,6 +243,28 @@ def test_asserting_lookups_reads_no_value_back(monkeypatch):
     for name in ("__bool__", "__int__", "__index__", "item", "tolist"):
         monkeypatch.setattr(torch.Tensor, name, read_back)
     lookups.assert_lookups(spec, sizes, values, unproven)
+
+
+def test_asserting_lookups_copies_no_constant_from_the_host(monkeypatch):
+    """An unproven index with constants (``2 * q + o[b] + 1``): each constant is filled on the
+    values' device, never made by ``torch.tensor``, a copy from host memory that a CUDA graph
+    capture refuses; out-of-range reads are still asserted."""
+    library = load_text("mask m(t: int[B, KV_LEN], o: int[B]) = t[b, 2 * q + o[b] + 1] >= 0\n")
+    spec = flexspec.compile("m(t, o)", library=library,
+                            backend="reference")._calls.placement.tensors_for({}).ir
+    sizes = {"B": 2, "H": 1, "Q_LEN": 2, "KV_LEN": 60}
+    unproven = lookups.unproven_lookups(spec, tuple(sorted(sizes.items())),
+                                        (("t", (2, 60)), ("o", (2,))))
+    ids = torch.zeros(2, 60, dtype=torch.int64)
+    inside, outside = torch.tensor([50, 56]), torch.tensor([50, 57])
+
+    def copied(*args, **kwargs):
+        raise AssertionError("a tensor was made from host data")
+    monkeypatch.setattr(torch, "tensor", copied)
+    monkeypatch.setattr(torch, "as_tensor", copied)
+    lookups.assert_lookups(spec, sizes, {"t": ids, "o": inside}, unproven)
+    with pytest.raises(RuntimeError, match=r"'t' is indexed by 2 \* q \+ o\[b\] \+ 1"):
+        lookups.assert_lookups(spec, sizes, {"t": ids, "o": outside}, unproven)
 
 
 def test_inside_a_graph_capture_every_call_checks_its_lookups(monkeypatch):
