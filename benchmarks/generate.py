@@ -23,8 +23,14 @@ per call (``static+compiled`` only): one a step means the graph takes an int tha
 step, and each call records again what a replay would run. The last lines printed are the
 table (markdown).
 
+``--profile N`` then runs cProfile over one more timed ``generate()`` of each flexspec row and
+prints the N functions with the most time of their own, in microseconds per new token (the
+profiler's own cost inflates every Python call: read the shares, not the sums), and the same
+for sdpa's row where it was run, so the two host paths can be compared.
+
     python benchmarks/generate.py
     python benchmarks/generate.py --models mistral --modes dynamic --tokens 16
+    python benchmarks/generate.py --models mistral --modes dynamic --tokens 32 --profile 30
 """
 
 from __future__ import annotations
@@ -127,7 +133,26 @@ def fresh(run, *args):
     return run(*args)
 
 
-def measure(kind, implementation, mode, ids, mask, tokens, device) -> dict:
+def profile(built, ids, mask, tokens: int, top: int) -> list:
+    """The ``top`` functions by own time over one ``generate()`` of ``tokens`` new tokens, as
+    lines of microseconds per token (own, cumulative), calls per token and the function."""
+    import cProfile
+    import pstats
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fresh(generate, built, ids, mask, tokens)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    ranked = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    lines = ["  own us/token  cum us/token  calls/token  function"]
+    for (file, line, name), (_, calls, own, cumulative, _) in ranked:
+        where = "/".join(Path(file).parts[-2:]) if file != "~" else ""
+        lines.append(f"  {own / tokens * 1e6:12.1f}  {cumulative / tokens * 1e6:12.1f}  "
+                     f"{calls / tokens:11.1f}  {where}:{line}({name})")
+    return lines
+
+
+def measure(kind, implementation, mode, ids, mask, tokens, device, top: int = 0) -> dict:
     row = {"model": kind, "mode": mode, "attention": implementation}
     try:
         built = model(kind, implementation, device)
@@ -141,6 +166,8 @@ def measure(kind, implementation, mode, ids, mask, tokens, device) -> dict:
         row["ms/token"] = (statistics.median(t for t, _ in long) - statistics.median(short)) \
             / (tokens - 1)
         row["tokens"] = long[0][1][:, ids.shape[1]:].cpu()
+        if top:
+            row["profile"] = profile(built, ids, mask, tokens, top)
     except Exception as err:  # noqa: BLE001 - a failed run is a table cell
         row["ms/token"] = f"fails: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
         print(f"  {kind} {mode} {implementation}: {row['ms/token']}", flush=True)
@@ -153,6 +180,8 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", nargs="+", default=MODES)
     parser.add_argument("--attention", nargs="+", default=IMPLEMENTATIONS)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="print the N functions with the most own time per token")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/generate.py needs a CUDA GPU", file=sys.stderr)
@@ -167,8 +196,14 @@ def main(argv=None) -> int:
     for kind in args.models:
         for mode in args.modes:
             for implementation in args.attention:
-                rows.append(measure(kind, implementation, mode, ids, mask, args.tokens, device))
-                print({k: v for k, v in rows[-1].items() if k != "tokens"}, flush=True)
+                top = args.profile if implementation in ("flexspec", "sdpa") else 0
+                rows.append(measure(kind, implementation, mode, ids, mask, args.tokens, device,
+                                    top))
+                print({k: v for k, v in rows[-1].items() if k not in ("tokens", "profile")},
+                      flush=True)
+                if "profile" in rows[-1]:
+                    print(f"profile: {kind} {mode} {implementation}", *rows[-1]["profile"],
+                          sep="\n", flush=True)
     print("\n| model | mode | attention | ms/token | / sdpa | same as sdpa | graphs recorded |\n"
           "|---|---|---|---|---|---|---|")
     for row in rows:

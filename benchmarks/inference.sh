@@ -11,7 +11,8 @@
 #
 # Parts: tests (the GPU tests of this area), host (host time of a step's calls: replays,
 # compiled calls without dynamo, planning), kernels (decode steps and warm calls), model
-# (transformers' generate()), paged (paged caches, `causal & doc` with a moving offset).
+# (transformers' generate()), profile (where a dynamic-cache generate() token's host time goes,
+# flexspec against sdpa), paged (paged caches, `causal & doc` with a moving offset).
 # lark travels as a wheel (.whl, see the device tool's notes); FA4 is optional (its columns
 # stay empty without it).
 set -uo pipefail
@@ -53,17 +54,20 @@ or lengths or warm or window or generate or replay or no_dynamo_call or offset o
         model)
             part 200 generate python3 benchmarks/generate.py --models llama mistral \
                 --attention sdpa flexspec --tokens 32 --modes dynamic ;;
+        profile)
+            part 150 generate_profile python3 benchmarks/generate.py --models mistral \
+                --attention sdpa flexspec --tokens 32 --modes dynamic --profile 40 ;;
         paged)
             part 200 paged python3 benchmarks/paged.py --caches 4096 32768 --batches 8 \
                 --pages 16 64
             part 120 paged_doc python3 benchmarks/paged.py --specs "causal & doc" \
                 --caches 32768 --batches 8 64 --pages 64 ;;
-        *) echo "unknown part '$what' (tests, host, kernels, model, paged)" >&2; exit 2 ;;
+        *) echo "unknown part '$what' (tests, host, kernels, model, profile, paged)" >&2; exit 2 ;;
     esac
 done
 
 for name in "${logs[@]}"; do
     echo
     echo "## $name"
-    grep -E "^\||passed|failed|Error" "$out/$name.log" | tail -24
+    grep -E "^\||^  |^profile|passed|failed|Error" "$out/$name.log" | tail -100
 done
