@@ -1084,7 +1084,7 @@ def test_a_decode_call_over_keys_of_two_to_the_31_elements_runs_on_the_decoding_
             batch, -1).contiguous()
     with torch.no_grad():
         out, code = _run_and_get_new_code(lambda: attn(q, k, v, q_offset=lengths - 1,
-                                                  kv_lengths=lengths, **extra))
+                                                       kv_lengths=lengths, **extra))
     assert any("SPLIT_KV" in source for source in code)  # the decoding template
     for row in (0, 31, 32, 63):
         n = int(lengths[row])
