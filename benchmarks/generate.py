@@ -25,8 +25,9 @@ table (markdown).
 
 ``--profile N`` then runs cProfile over one more timed ``generate()`` of each flexspec row and
 prints the N functions with the most time of their own, in microseconds per new token (the
-profiler's own cost inflates every Python call: read the shares, not the sums), and the same
-for sdpa's row where it was run, so the two host paths can be compared.
+profiler's own cost inflates every Python call: read the shares, not the sums), then the N of
+flexspec's own functions with the most cumulative time, and the same for sdpa's row where it
+was run, so the two host paths can be compared.
 
     python benchmarks/generate.py
     python benchmarks/generate.py --models mistral --modes dynamic --tokens 16
@@ -134,8 +135,9 @@ def fresh(run, *args):
 
 
 def profile(built, ids, mask, tokens: int, top: int) -> list:
-    """The ``top`` functions by own time over one ``generate()`` of ``tokens`` new tokens, as
-    lines of microseconds per token (own, cumulative), calls per token and the function."""
+    """The ``top`` functions by own time over one ``generate()`` of ``tokens`` new tokens, then
+    flexspec's ``top`` by cumulative time, as lines of microseconds per token (own,
+    cumulative), calls per token and the function."""
     import cProfile
     import pstats
     profiler = cProfile.Profile()
@@ -143,12 +145,17 @@ def profile(built, ids, mask, tokens: int, top: int) -> list:
     fresh(generate, built, ids, mask, tokens)
     profiler.disable()
     stats = pstats.Stats(profiler).stats
-    ranked = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
-    lines = ["  own us/token  cum us/token  calls/token  function"]
-    for (file, line, name), (_, calls, own, cumulative, _) in ranked:
-        where = "/".join(Path(file).parts[-2:]) if file != "~" else ""
-        lines.append(f"  {own / tokens * 1e6:12.1f}  {cumulative / tokens * 1e6:12.1f}  "
-                     f"{calls / tokens:11.1f}  {where}:{line}({name})")
+    by_own = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    ours = [item for item in stats.items() if f"{Path('flexspec')}/" in item[0][0]]
+    by_cumulative = sorted(ours, key=lambda item: -item[1][3])[:top]
+    lines = []
+    for title, ranked in (("by own time", by_own), ("flexspec's, by cumulative time",
+                                                      by_cumulative)):
+        lines.append(f"  {title}\n  own us/token  cum us/token  calls/token  function")
+        for (file, line, name), (_, calls, own, cumulative, _) in ranked:
+            where = "/".join(Path(file).parts[-2:]) if file != "~" else ""
+            lines.append(f"  {own / tokens * 1e6:12.1f}  {cumulative / tokens * 1e6:12.1f}  "
+                         f"{calls / tokens:11.1f}  {where}:{line}({name})")
     return lines
 
 
