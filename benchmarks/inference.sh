@@ -6,13 +6,15 @@
 # printed last.
 #
 #   bash benchmarks/inference.sh                 # the parts "tests host" (about 9 minutes)
-#   bash benchmarks/inference.sh kernels model   # the decode tables and generate() (9 minutes)
-#   bash benchmarks/inference.sh paged           # paged decode and mixed batches
+#   bash benchmarks/inference.sh kernels model   # 32K decode tables and generate() (8 minutes)
+#   bash benchmarks/inference.sh paged           # paged decode at 32K (7 minutes)
 #
 # Parts: tests (the GPU tests of this area), host (host time of a step's calls: replays,
-# compiled calls without dynamo, planning), kernels (decode steps and warm calls), model
-# (transformers' generate()), profile (where a dynamic-cache generate() token's host time goes,
-# flexspec against sdpa), paged (paged caches, `causal & doc` with a moving offset).
+# compiled calls without dynamo, planning), kernels (decode steps and warm calls at 32K), long
+# (warm calls at 128K), model (transformers' generate()), profile (where a dynamic-cache
+# generate() token's host time goes, flexspec against sdpa), paged (paged caches at pages 16
+# and 64, `causal & doc` with a moving offset), mixed (a prefill chunk with decoded tokens).
+# The limits are what each part took on the H200 with some room (2026-12-05).
 # lark travels as a wheel (.whl, see the device tool's notes); FA4 is optional (its columns
 # stay empty without it).
 set -uo pipefail
@@ -40,7 +42,7 @@ part() {  # part SECONDS NAME COMMAND...
 for what in "$@"; do
     case "$what" in
         tests)
-            part 220 tests python3 -m pytest -m gpu tests/test_gpu.py -n 8 -q \
+            part 300 tests python3 -m pytest -m gpu tests/test_gpu.py -n 8 -q \
                 -p no:cacheprovider -rfE --tb=short -k "decod or step or static or captured \
 or lengths or warm or window or generate or replay or no_dynamo_call or offset or serving" ;;
         host)
@@ -50,7 +52,9 @@ or lengths or warm or window or generate or replay or no_dynamo_call or offset o
         kernels)
             part 110 decode_step python3 benchmarks/decode_step.py --layers 8 --cache 32768 \
                 --batch 8
-            part 200 decode python3 benchmarks/decode.py --caches 32768 131072 --batches 8 ;;
+            part 150 decode python3 benchmarks/decode.py --caches 32768 --batches 8 ;;
+        long)
+            part 300 decode_long python3 benchmarks/decode.py --caches 131072 --batches 8 ;;
         model)
             part 200 generate python3 benchmarks/generate.py --models llama mistral \
                 --attention sdpa flexspec --tokens 32 --modes dynamic ;;
@@ -58,11 +62,14 @@ or lengths or warm or window or generate or replay or no_dynamo_call or offset o
             part 150 generate_profile python3 benchmarks/generate.py --models mistral \
                 --attention sdpa flexspec --tokens 32 --modes dynamic --profile 40 ;;
         paged)
-            part 200 paged python3 benchmarks/paged.py --caches 4096 32768 --batches 8 \
-                --pages 16 64
+            part 150 paged_16 python3 benchmarks/paged.py --caches 32768 --batches 8 --pages 16
+            part 150 paged_64 python3 benchmarks/paged.py --caches 32768 --batches 8 --pages 64
             part 120 paged_doc python3 benchmarks/paged.py --specs "causal & doc" \
                 --caches 32768 --batches 8 64 --pages 64 ;;
-        *) echo "unknown part '$what' (tests, host, kernels, model, profile, paged)" >&2; exit 2 ;;
+        mixed)
+            part 200 mixed python3 benchmarks/paged.py --mixed 512 --caches 4096 32768 \
+                --batches 8 --pages 64 ;;
+        *) echo "unknown part '$what' (tests, host, kernels, long, model, profile, paged, mixed)" >&2; exit 2 ;;
     esac
 done
 
