@@ -42,9 +42,10 @@ part() {  # part SECONDS NAME COMMAND...
 for what in "$@"; do
     case "$what" in
         tests)
-            part 300 tests python3 -m pytest -m gpu tests/test_gpu.py -n 8 -q \
+            part 330 tests python3 -m pytest -m gpu tests/test_gpu.py -n 8 -q \
                 -p no:cacheprovider -rfE --tb=short -k "decod or step or static or captured \
-or lengths or warm or window or generate or replay or no_dynamo_call or offset or serving" ;;
+or lengths or warm or window or generate or replay or no_dynamo_call or offset or serving \
+or paged or fresh_document_ids" ;;
         host)
             part 90 step_replay python3 benchmarks/step_replay.py --device cuda --rounds 9
             part 150 compiled_calls python3 benchmarks/compiled_calls.py --device cuda --rounds 9
