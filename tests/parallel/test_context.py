@@ -69,8 +69,16 @@ def _check(rank, world, path, cases, backend):
                 dist.all_reduce(grad)
                 torch.testing.assert_close(grad, single.grad, rtol=1e-4, atol=1e-5,
                                            msg=f"{text} d{name}")
+        _leave_together()
     finally:
         dist.destroy_process_group()
+
+
+def _leave_together() -> None:
+    """Wait for every rank before tearing the group down: a rank that destroyed its gloo group
+    while another still used its connections aborted the other ("terminate called without an
+    active exception", CI on 2026-12-05). Not in a failing rank's path, which must not wait."""
+    dist.barrier()
 
 
 def _spawn(world, tmp_path, cases, backend):
@@ -102,6 +110,7 @@ def _check_chunks(rank, world, path):
                                                         f"{mine.stop - mine.start} of the 515 "
                                                         "positions along dim 1"):
             ContextParallel.from_chunks(attn, length, doc_ids=doc_ids)
+        _leave_together()
     finally:
         dist.destroy_process_group()
 
