@@ -146,7 +146,8 @@ def profile(built, ids, mask, tokens: int, top: int) -> list:
     profiler.disable()
     stats = pstats.Stats(profiler).stats
     by_own = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
-    ours = [item for item in stats.items() if "/flexspec/" in item[0][0]]
+    package = f"{Path(integration.__file__).resolve().parents[1]}/"  # flexspec's directory
+    ours = [item for item in stats.items() if item[0][0].startswith(package)]
     by_cumulative = sorted(ours, key=lambda item: -item[1][3])[:top]
     lines = []
     for title, ranked in (("by own time", by_own), ("flexspec's, by cumulative time",
