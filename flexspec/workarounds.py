@@ -189,7 +189,10 @@ _TABLE = (
         "FlexAttention runs its decoding kernel only for a static batch and head count; dynamo "
         "makes the batch dynamic once it has seen a second batch size, and every later call of "
         "fewer than 128 rows then ran on the main kernel",
-        "calls on the decoding kernel mark their batch and head dimensions static",
+        "calls on the decoding kernel mark their batch and head dimensions static, where "
+        "their strides follow from the inner sizes (dynamo keeps the stride of a dimension "
+        "marked static a constant, guarded exactly: keys read through a window of a cache "
+        "grown by concatenation compiled at every step; runtime.compiled.mark_batch_static)",
         "tests/test_gpu.py::test_decode_calls_run_on_the_decoding_kernel_at_every_batch_size"),
     Workaround(
         "flex-decoding-wide-indices", "torch (inductor)", "torch 2.11.0+cu130, H200",

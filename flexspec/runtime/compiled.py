@@ -137,10 +137,19 @@ def mark_batch_static(*tensors) -> None:
     """Keep the batch and head dimensions of ``tensors`` static when an entry compiles: torch
     runs FlexAttention's decoding kernel only for static ones, and dynamo makes a dimension
     dynamic once it has seen it change (a second batch size), which sent every later decoding
-    call to the main kernel (flexspec.workarounds: flex-decoding-dynamic-batch)."""
-    for tensor in tensors:
-        torch._dynamo.mark_static(tensor, 0)
-        torch._dynamo.mark_static(tensor, 1)
+    call to the main kernel (flexspec.workarounds: flex-decoding-dynamic-batch).
+
+    A dimension whose stride does not follow from the inner sizes (the head stride of keys
+    read through a window of a cache grown by concatenation) stays unmarked: dynamo keeps the
+    stride of a dimension marked static a constant, guarded exactly, so such a decode compiled
+    at every step until the recompile limit. The batch and heads of q, whose sizes torch's
+    choice of kernel reads, are always marked."""
+    for which, tensor in enumerate(tensors):
+        sizes, strides = tensor.shape, tensor.stride()
+        for dim in (0, 1):
+            follows = strides[dim] == sizes[dim + 1] * strides[dim + 1]
+            if which == 0 or follows or sizes[dim] == 1:
+                torch._dynamo.mark_static(tensor, dim)
 
 
 # torch.compile's graph-break switch as a context manager (torch >= 2.9); fullgraph=True's

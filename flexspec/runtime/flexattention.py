@@ -187,9 +187,20 @@ def varying_score(call: FlexCall, plan: Plan, values: dict):
               if value.dtype == torch.float64}
     kernel_values = {key: value.float() if key in copied else value
                      for key, value in values.items()}
-    score_mod = call.lowered.make_mods(plan.sizes, {**kernel_values, **call.scale_values})[1]
+    score_mod = call.lowered.make_mods(plan.sizes, own_tensors(
+        {**kernel_values, **call.scale_values}))[1]
     call.last_score = (dict(values), copied, score_mod)
     return score_mod
+
+
+def own_tensors(values: dict) -> dict:
+    """``values`` with each tensor a view of its own, for a ``score_mod``: dynamo guards on
+    which tensors the score_mod and the block mask's mask_mod share, and a block mask kept from
+    an earlier call shares none with a score_mod made for a later one, so a first call whose
+    two mods read the very same tensors compiled a graph that every later call failed (a
+    recompile of a warm plan, which on a GPU also left FlexAttention's decoding kernel).
+    With views of their own they never share one."""
+    return {key: value.view(value.shape) for key, value in values.items()}
 
 
 def warm_call(call: FlexCall, args: tuple):
@@ -266,7 +277,7 @@ class FlexAttentionBackend(Backend):
         score_keys = plan.score_keys
         float64 = any(values[key].dtype == torch.float64 for key in score_keys)
         if not (score_keys & {slot.key for slot in plan.slots}) and not float64:
-            call.score_mod = lowered.make_mods(plan.sizes, values)[1]
+            call.score_mod = lowered.make_mods(plan.sizes, own_tensors(values))[1]
             call.score_varies = False
         return Prepared(state=call, needs_values=call.score_varies)
 

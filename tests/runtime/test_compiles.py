@@ -74,6 +74,24 @@ def test_a_growing_cache_decodes_for_a_hundred_steps_without_recompiling():
     assert graphs() - before <= 2 and graphs() == warm
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad mode"])
+def test_a_repeated_call_whose_two_mods_read_its_offset_compiles_once(grad):
+    """The mask and the score both read the call's offset (a tensor made from the int
+    ``q_offset``). The first call's mods read the very same tensor, later calls' score_mod a
+    new view of it next to the kept block mask's: dynamo guards on that sharing, so the second
+    identical call compiled again (on a GPU, a warm decode plan then left the decoding kernel).
+    Calls with the same inputs compile once, and stay equal to the reference."""
+    attn = flexspec.compile("causal & (window(300) | sink(4)) + alibi", backend="flex")
+    q, k, v = Shape(2, 8, 2, 128, 1000, 64).qkv(0)
+    before = graphs()
+    with torch.set_grad_enabled(grad):
+        for _ in range(3):
+            out = attn(q, k, v, q_offset=872)
+    assert graphs() - before == 1
+    torch.testing.assert_close(out.detach(), attn.reference(q, k, v, q_offset=872),
+                               rtol=1e-4, atol=1e-4)
+
+
 def test_a_preallocated_cache_runs_with_fixed_shapes():
     """A static cache: the buffers keep their shape, the valid length of each row grows in
     place, and the end-aligned spec places the newest queries at the end of each row."""
@@ -208,12 +226,16 @@ def test_a_cache_view_s_strides_stay_constants_when_lengths_turn_dynamic():
     assert compiled.free_strides(padded, contiguous, contiguous) == ((0, 2, 1, 20),)
 
 
-def test_a_window_of_a_cache_that_grows_by_concatenation_keeps_its_stride_a_multiple_of_16():
+@pytest.mark.parametrize("batch_static", [False, True], ids=["any call", "a decoding call"])
+def test_a_window_of_a_cache_that_grows_by_concatenation_keeps_its_stride_a_multiple_of_16(
+        batch_static):
     """A cache that grows by concatenation (transformers' dynamic cache) read through a window:
     the keys' length stays the window's while their head stride, the cache's length times D,
     changes every step. The entry states it as 16 times a number, which dynamo makes dynamic
     once it changes: one more graph, then none, and inductor still knows the stride a multiple
-    of 16 (flexspec.workarounds: dynamic-stride-alignment)."""
+    of 16 (flexspec.workarounds: dynamic-stride-alignment). A decoding call keeps its batch and
+    heads static (compiled.mark_batch_static), which must not keep that stride static too:
+    dynamo then guarded it exactly, and the H200 compiled every step of such a decode."""
     from torch._inductor.sizevars import SizeVarAllocator
     from flexspec.runtime import compiled
 
@@ -224,11 +246,13 @@ def test_a_window_of_a_cache_that_grows_by_concatenation_keeps_its_stride_a_mult
         shapes = SizeVarAllocator(stride.node.shape_env)
         return True, shapes.statically_known_multiple_of(stride.node.expr, 16)
 
-    run, seen = recorded_entry("window test", symbolic_and_aligned)
-    q = torch.randn(1, 6, 4, 16)
+    run, seen = recorded_entry(f"window test {batch_static}", symbolic_and_aligned)
+    q = torch.randn(2, 6, 4, 16)
     for n in range(300, 306):
-        cache = torch.randn(2, 3, n, 16)  # a new, longer cache every step
-        k, v = cache[0:1, :, n - 100:], cache[1:2, :, n - 100:]
+        # a new, longer cache every step
+        k, v = (torch.randn(2, 3, n, 16)[:, :, n - 100:] for _ in range(2))
+        if batch_static:
+            compiled.mark_batch_static(q, k, v)
         run(q, k, v, None, None, None, True, None, None, compiled.free_strides(q, k, v))
     assert seen == [(False, True)] * 2 + [(True, True)] * 2
 
