@@ -27,7 +27,7 @@ from flexspec.runtime.calls import Calls
 from flexspec.runtime.checks import as_device, check_qkv, given_sizes
 from flexspec.runtime.contract import InputPlan
 from flexspec.runtime.explanation import Explanation, explain_plan
-from flexspec.runtime.flexattention import wide_decode_chunks
+from flexspec.runtime.flexattention import own_tensors, wide_decode_chunks
 from flexspec.runtime.identity import meta
 from flexspec.runtime.jagged import is_jagged, jagged_call, packed_spec
 from flexspec.runtime.tuning import (KernelOptions, Tuned, answer_of, checked_options,
@@ -174,7 +174,7 @@ class Attention:
         block_mask = plan.masks.get(values, device)
         kernel_values = {key: value.float() if value.dtype == torch.float64 else value
                          for key, value in values.items()}
-        return block_mask, lower(plan.spec).make_mods(sizes, kernel_values)[1]
+        return block_mask, lower(plan.spec).make_mods(sizes, own_tensors(kernel_values))[1]
 
     def dense_mask(self, q_len: int, kv_len: int, *, batch: int | None = None,
                    heads: int | None = None, device="cpu", q_offset=None, kv_lengths=None,
