@@ -92,6 +92,39 @@ def test_a_repeated_call_whose_two_mods_read_its_offset_compiles_once(grad):
                                rtol=1e-4, atol=1e-4)
 
 
+def _bindings(text: str) -> dict:
+    """Binding tensors for the specs of the test below (B=2, KV_LEN=300): new objects at
+    every call, the same values."""
+    torch.manual_seed(0)
+    made = {}
+    if "doc" in text:
+        made["doc_ids"] = (torch.arange(300) // 70).expand(2, 300).clone()
+    if "key_padding" in text:
+        made["valid"] = torch.arange(300).expand(2, 300) >= torch.tensor([[0], [37]])
+    if "rel_bias" in text:
+        made["rel_bias_table"] = torch.randn(4, 129)
+    return made
+
+
+@pytest.mark.parametrize("text", ["causal & doc + alibi", "causal & key_padding + softcap(30)",
+                                  "causal & doc + rel_bias(max_distance=64)"])
+def test_calls_with_the_same_or_fresh_bindings_compile_once(text):
+    """Mask and score read bindings and the call's offset: calls repeating the very same
+    tensors, then calls with fresh ones of the same shapes (a training step's new doc_ids, a
+    decode step's new padding), all run on the graph of the first call."""
+    attn = flexspec.compile(text, backend="flex")
+    q, k, v = Shape(2, 4, 2, 128, 300, 16).qkv(0)
+    before = graphs()
+    given = _bindings(text)
+    with torch.no_grad():
+        outs = [attn(q, k, v, q_offset=172, **given) for _ in range(3)]
+        outs += [attn(q, k, v, q_offset=172, **_bindings(text)) for _ in range(2)]
+    assert graphs() - before == 1
+    expected = attn.reference(q, k, v, q_offset=172, **given)
+    for out in outs:
+        torch.testing.assert_close(out, expected.float(), rtol=1e-4, atol=1e-4)
+
+
 def test_a_preallocated_cache_runs_with_fixed_shapes():
     """A static cache: the buffers keep their shape, the valid length of each row grows in
     place, and the end-aligned spec places the newest queries at the end of each row."""
