@@ -29,8 +29,17 @@ profiler's own cost inflates every Python call: read the shares, not the sums), 
 flexspec's own functions with the most cumulative time, and the same for sdpa's row where it
 was run, so the two host paths can be compared.
 
+``--stages`` times one more ``generate()`` of each sdpa and flexspec row with a clock around
+the model's attention layers and around the pieces of flexspec's call path (plans, block
+masks, the first call of a plan, the compiled-code lookups, the calls through dynamo), and
+prints microseconds and calls per new token, each piece including what it calls. Unlike
+cProfile it costs about a microsecond per timed call and times nothing else; on a GPU the
+times are the host's (kernels are queued, not waited for), so a piece that waits for the GPU
+shows as long.
+
     python benchmarks/generate.py
     python benchmarks/generate.py --models mistral --modes dynamic --tokens 16
+    python benchmarks/generate.py --models mistral --modes dynamic --tokens 32 --stages
     python benchmarks/generate.py --models mistral --modes dynamic --tokens 32 --profile 30
 """
 
@@ -134,6 +143,65 @@ def fresh(run, *args):
     return run(*args)
 
 
+def _stage_points(built) -> list:
+    """``(label, owner, attribute)`` of what ``--stages`` times: the model's attention layer,
+    then flexspec's call path, outermost first."""
+    from flexspec.kernels import fused_blocks, replay
+    from flexspec.runtime import calls, compiled, flexattention, masks
+    return [
+        ("attention layer (the model's forward)", type(built.model.layers[0].self_attn),
+         "forward"),
+        ("flexspec call", calls.Calls, "__call__"),
+        ("  plan: lookup, or made", calls.Calls, "_plan_for"),
+        ("    made (make_plan)", calls, "make_plan"),
+        ("  block mask: cached, or built", masks.BlockMasks, "get"),
+        ("    built", masks.BlockMasks, "_build"),
+        ("      by the compiled program", fused_blocks, "fused_block_mask"),
+        ("  a plan's call (FlexAttention backend)", flexattention.FlexAttentionBackend, "run"),
+        ("    compiled code looked up (Replay.of)", replay.Replay, "of"),
+        ("    through dynamo (run_compiled)", compiled, "run_compiled"),
+        ("    a warm plan's call (warm_call)", flexattention, "warm_call"),
+        ("  a step's later layer: launch made", flexattention.FlexAttentionBackend,
+         "launcher"),
+    ]
+
+
+def _clocked(function, slot: list):
+    def clocked(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            slot[0] += time.perf_counter() - started
+            slot[1] += 1
+    return clocked
+
+
+def stages(built, ids, mask, tokens: int) -> list:
+    """Lines of microseconds and calls per new token of each point of :func:`_stage_points`
+    over one ``generate()`` of ``tokens`` new tokens (see the module docstring)."""
+    points, slots, saved = _stage_points(built), [], []
+    for _, owner, name in points:
+        raw = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
+        slot = [0.0, 0]
+        if isinstance(raw, classmethod):
+            replaced = classmethod(_clocked(raw.__func__, slot))
+        else:
+            replaced = _clocked(raw, slot)
+        saved.append((owner, name, raw))
+        slots.append(slot)
+        setattr(owner, name, replaced)
+    try:
+        fresh(generate, built, ids, mask, tokens)
+    finally:
+        for owner, name, raw in reversed(saved):
+            setattr(owner, name, raw)
+    lines = ["  us/token  calls/token  stage"]
+    for (label, _, _), (seconds, calls) in zip(points, slots):
+        lines.append(f"  {seconds / tokens * 1e6:8.1f}  {calls / tokens:11.1f}  {label}")
+    return lines
+
+
 def profile(built, ids, mask, tokens: int, top: int) -> list:
     """The ``top`` functions by own time over one ``generate()`` of ``tokens`` new tokens, then
     flexspec's ``top`` by cumulative time, as lines of microseconds per token (own,
@@ -160,7 +228,8 @@ def profile(built, ids, mask, tokens: int, top: int) -> list:
     return lines
 
 
-def measure(kind, implementation, mode, ids, mask, tokens, device, top: int = 0) -> dict:
+def measure(kind, implementation, mode, ids, mask, tokens, device, top: int = 0,
+            staged: bool = False) -> dict:
     row = {"model": kind, "mode": mode, "attention": implementation}
     try:
         built = model(kind, implementation, device)
@@ -176,6 +245,8 @@ def measure(kind, implementation, mode, ids, mask, tokens, device, top: int = 0)
         row["tokens"] = long[0][1][:, ids.shape[1]:].cpu()
         if top:
             row["profile"] = profile(built, ids, mask, tokens, top)
+        if staged:
+            row["stages"] = stages(built, ids, mask, tokens)
     except Exception as err:  # noqa: BLE001 - a failed run is a table cell
         row["ms/token"] = f"fails: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
         print(f"  {kind} {mode} {implementation}: {row['ms/token']}", flush=True)
@@ -191,6 +262,9 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="profile one more generate(): the N functions with the most own "
                              "time per token, and flexspec's N with the most cumulative time")
+    parser.add_argument("--stages", action="store_true",
+                        help="time one more generate() by stage: the attention layers and the "
+                             "pieces of flexspec's call path, per token")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/generate.py needs a CUDA GPU", file=sys.stderr)
@@ -205,14 +279,15 @@ def main(argv=None) -> int:
     for kind in args.models:
         for mode in args.modes:
             for implementation in args.attention:
-                top = args.profile if implementation in ("flexspec", "sdpa") else 0
+                ours = implementation in ("flexspec", "sdpa")
                 rows.append(measure(kind, implementation, mode, ids, mask, args.tokens, device,
-                                    top))
-                print({k: v for k, v in rows[-1].items() if k not in ("tokens", "profile")},
-                      flush=True)
-                if "profile" in rows[-1]:
-                    print(f"profile: {kind} {mode} {implementation}", *rows[-1]["profile"],
-                          sep="\n", flush=True)
+                                    args.profile if ours else 0, args.stages and ours))
+                print({k: v for k, v in rows[-1].items()
+                       if k not in ("tokens", "profile", "stages")}, flush=True)
+                for part in ("profile", "stages"):
+                    if part in rows[-1]:
+                        print(f"{part}: {kind} {mode} {implementation}", *rows[-1][part],
+                              sep="\n", flush=True)
     print("\n| model | mode | attention | ms/token | / sdpa | same as sdpa | graphs recorded |\n"
           "|---|---|---|---|---|---|---|")
     for row in rows:

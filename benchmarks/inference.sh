@@ -12,8 +12,10 @@
 # Parts: tests (the GPU tests of this area), host (host time of a step's calls: replays,
 # compiled calls without dynamo, planning), kernels (decode steps and warm calls at 32K), long
 # (warm calls at 128K), model (transformers' generate()), profile (where a dynamic-cache
-# generate() token's host time goes, flexspec against sdpa), paged (paged caches at pages 16
-# and 64, `causal & doc` with a moving offset), mixed (a prefill chunk with decoded tokens).
+# generate() token's host time goes, flexspec against sdpa, under cProfile), stages (the same
+# by stage, clocked without a profiler: the attention layers and flexspec's call path), paged
+# (paged caches at pages 16 and 64, `causal & doc` with a moving offset), mixed (a prefill
+# chunk with decoded tokens).
 # The limits are what each part took on the H200 and the H100 with some room (2026-12-05: the
 # tests took 324 s and the mixed rows more than 200 s on the H100).
 # lark travels as a wheel (.whl, see the device tool's notes); FA4 is optional (its columns
@@ -60,6 +62,9 @@ or paged or fresh_document_ids" ;;
         model)
             part 200 generate python3 benchmarks/generate.py --models llama mistral \
                 --attention sdpa flexspec --tokens 32 --modes dynamic ;;
+        stages)
+            part 200 generate_stages python3 benchmarks/generate.py --models llama mistral \
+                --attention sdpa flexspec --tokens 32 --modes dynamic --stages ;;
         profile)
             part 150 generate_profile python3 benchmarks/generate.py --models mistral \
                 --attention sdpa flexspec --tokens 32 --modes dynamic --profile 40 ;;
@@ -71,12 +76,12 @@ or paged or fresh_document_ids" ;;
         mixed)
             part 280 mixed python3 benchmarks/paged.py --mixed 512 --caches 4096 32768 \
                 --batches 8 --pages 64 ;;
-        *) echo "unknown part '$what' (tests, host, kernels, long, model, profile, paged, mixed)" >&2; exit 2 ;;
+        *) echo "unknown part '$what' (tests, host, kernels, long, model, stages, profile, paged, mixed)" >&2; exit 2 ;;
     esac
 done
 
 for name in "${logs[@]}"; do
     echo
     echo "## $name"
-    grep -E "^\||^  |^profile|passed|failed|Error" "$out/$name.log" | tail -100
+    grep -E "^\||^  |^profile|^stages|passed|failed|Error" "$out/$name.log" | tail -100
 done

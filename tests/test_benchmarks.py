@@ -124,10 +124,8 @@ def test_the_block_mask_host_benchmark_runs_on_the_cpu(monkeypatch, capsys):
     torch._dynamo.reset()
 
 
-def test_generate_benchmark_runs_its_models_small_on_the_cpu(monkeypatch):
-    """benchmarks/generate.py, shrunk: every attention and mode it times generates tokens,
-    flexspec's float32 tokens equal sdpa's, and each timed call starts with no plan kept (as a
-    new batch of prompts would)."""
+def _small_generate(monkeypatch):
+    """benchmarks/generate.py as a module, its models and prompts shrunk for the CPU, float32."""
     pytest.importorskip("transformers")
     spec = importlib.util.spec_from_file_location("benchmark_generate",
                                                   ROOT / "benchmarks" / "generate.py")
@@ -145,6 +143,15 @@ def test_generate_benchmark_runs_its_models_small_on_the_cpu(monkeypatch):
     monkeypatch.setattr(generate, "REPEATS", 1)
     real_model = generate.model
     monkeypatch.setattr(generate, "model", lambda *args: real_model(*args).float())
+    return generate
+
+
+def test_generate_benchmark_runs_its_models_small_on_the_cpu(monkeypatch):
+    """benchmarks/generate.py, shrunk: every attention and mode it times generates tokens,
+    flexspec's float32 tokens equal sdpa's, and each timed call starts with no plan kept (as a
+    new batch of prompts would)."""
+    generate = _small_generate(monkeypatch)
+    from flexspec.integrations import transformers as integration
     device = torch.device("cpu")
     ids, mask = generate.prompts(device)
     assert (mask.sum(-1) >= 9).all() and (mask[:, -1] == 1).all()  # left padding
@@ -166,6 +173,38 @@ def test_generate_benchmark_runs_its_models_small_on_the_cpu(monkeypatch):
             assert torch.equal(rows["flexspec"]["tokens"], rows["sdpa"]["tokens"]), (kind, mode)
             # flexspec's four calls: a warm one of each length, then the two timed ones
             assert kept_at_start[-2:] == [0, 0] and kept_at_start[-4] == 0 < kept_at_start[-3]
+
+
+def test_generate_benchmark_times_the_stages_of_a_token_and_puts_everything_back(monkeypatch):
+    """``--stages``: per token, the model's attention layers (two) and flexspec's calls (two)
+    are counted and timed, the pieces each call passes through are counted, and every clocked
+    function is the original again afterwards (a later row is not timed twice)."""
+    generate = _small_generate(monkeypatch)
+    from flexspec.runtime import calls
+    device = torch.device("cpu")
+    ids, mask = generate.prompts(device)
+    points = generate._stage_points(generate.model("llama", "flexspec", device))
+    before = [vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
+              for _, owner, name in points]
+    rows = {name: generate.measure("llama", name, "dynamic", ids, mask, 4, device, staged=True)
+            for name in ("sdpa", "flexspec")}
+    after = [vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
+             for _, owner, name in points]
+    assert all(a is b for a, b in zip(before, after))
+    assert calls.Calls.__call__ is before[1]
+
+    def table(row):
+        found = {}
+        for line in row["stages"][1:]:
+            micros, per_token, label = line.split(None, 2)
+            found[label.strip()] = (float(micros), float(per_token))
+        return found
+    ours, theirs = table(rows["flexspec"]), table(rows["sdpa"])
+    layer = "attention layer (the model's forward)"
+    assert ours[layer][1] == theirs[layer][1] == 2 and theirs[layer][0] > 0
+    assert ours["flexspec call"][1] == 2 and 0 < ours["flexspec call"][0] <= ours[layer][0]
+    assert theirs["flexspec call"] == (0.0, 0.0)
+    assert ours["plan: lookup, or made"][1] >= 1  # a layer of the step may reuse its launch
 
 
 @pytest.mark.slow
