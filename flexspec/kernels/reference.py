@@ -144,14 +144,15 @@ def reference_attention(spec: ir.AttentionIR, q: torch.Tensor, k: torch.Tensor, 
         q = q[:, :, rows]
     n_rows = q.shape[2]
     check_dense(batch, heads, n_rows, kv_len, max_bytes)
+    # query head h reads kv head h // group: the group's query rows are stacked on its kv head
+    # (q as (B, Hkv, group * rows, D)), so keys and values are never copied per query head
     group = heads // kv_heads
-    q64 = q.to(_FLOAT)
-    k64 = k.to(_FLOAT).repeat_interleave(group, dim=1)
-    v64 = v.to(_FLOAT).repeat_interleave(group, dim=1)
+    q64 = q.to(_FLOAT).reshape(batch, kv_heads, group * n_rows, dim)
+    k64, v64 = k.to(_FLOAT), v.to(_FLOAT)
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     shape = (batch, heads, n_rows, kv_len)
 
-    logits = torch.matmul(q64, k64.transpose(-2, -1)) * scale
+    logits = torch.matmul(q64, k64.transpose(-2, -1)).reshape(shape) * scale
     scores = _scores_on(spec, grid, logits, tensors).expand(shape)
     scores = torch.where(_mask_on(spec, grid, tensors, kv_lengths).expand(shape), scores,
                          -math.inf)
@@ -162,7 +163,8 @@ def reference_attention(spec: ir.AttentionIR, q: torch.Tensor, k: torch.Tensor, 
     weights = torch.exp(scores - row_max)
     total = weights.sum(dim=-1, keepdim=True)
     weights = weights / torch.where(total > 0, total, 1.0)
-    out = torch.matmul(weights, v64).to(q.dtype)
+    out = torch.matmul(weights.reshape(batch, kv_heads, group * n_rows, kv_len), v64)
+    out = out.reshape(batch, heads, n_rows, v.shape[-1]).to(q.dtype)
     if not return_lse:
         return out
     lse = torch.where(total > 0, torch.log(total) + row_max, -math.inf).squeeze(-1)

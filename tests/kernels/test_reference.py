@@ -200,6 +200,25 @@ def test_grouped_query_attention_with_a_head_dependent_mask():
     assert torch.allclose(got.double(), expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [None, [4, 0, 2]], ids=["every row", "some rows"])
+def test_grouped_heads_read_their_own_key_head_in_every_batch_row(rows):
+    """Four query heads per key head, two batch rows, a mask and a score that differ per head
+    and per batch row, a value dimension of its own: each query head reads key head
+    ``h // 4`` of its own batch row (the reference stacks a group's rows on its key head)."""
+    q_, k_, v_ = qkv(2, 8, 5, 9, 4, kv_heads=2, dtype=torch.float64)
+    v_ = torch.randn(2, 2, 9, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    mask = ir.Or((op(">=", op("+", q, op("*", b, C(2))), kv),
+                  op("==", op("%", kv, C(8)), op("%", op("+", q, C(1)), C(8)))))
+    score = op("-", SCORE, op("*", op("*", C(0.1), op("+", call("abs", op("-", q, kv)), C(1))),
+                                 op("+", ir.Var("h"), C(1))))
+    got = reference_attention(spec(mask, score), q_, k_, v_, scale=0.7, rows=rows)
+    expected = python_attention(
+        q_, k_, v_, lambda bi, hi, qi, ki: qi + 2 * bi >= ki or ki % 8 == (qi + 1) % 8,
+        lambda s, bi, hi, qi, ki: s - 0.1 * (abs(qi - ki) + 1) * (hi + 1), 0.7)
+    expected = expected if rows is None else expected[:, :, rows]
+    assert torch.allclose(got, expected, rtol=0, atol=1e-12)
+
+
 def test_bottom_right_causal_with_kv_cache_and_document_ids():
     doc_ids = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1]])
     ids = doc_ids[0].tolist()
