@@ -199,8 +199,12 @@ def own_tensors(values: dict) -> dict:
     an earlier call shares none with a score_mod made for a later one, so a first call whose
     two mods read the very same tensors compiled a graph that every later call failed (a
     recompile of a warm plan, which on a GPU also left FlexAttention's decoding kernel).
-    With views of their own they never share one."""
-    return {key: value.view(value.shape) for key, value in values.items()}
+    With views of their own they never share one. A tensor that requires gradients (a
+    learnable table in training) stays itself: it is the very same object at every call, so
+    its sharing never changes, and its gradient is FlexAttention's to compute as it always
+    did."""
+    return {key: value if value.requires_grad else value.view(value.shape)
+            for key, value in values.items()}
 
 
 def warm_call(call: FlexCall, args: tuple):

@@ -72,6 +72,7 @@ def _check(rank, world, path, cases, backend):
         _leave_together()
     finally:
         dist.destroy_process_group()
+    _exit_now()
 
 
 def _leave_together() -> None:
@@ -79,6 +80,18 @@ def _leave_together() -> None:
     while another still used its connections aborted the other ("terminate called without an
     active exception", CI on 2026-12-05). Not in a failing rank's path, which must not wait."""
     dist.barrier()
+
+
+def _exit_now() -> None:
+    """End a rank that passed every check without Python's interpreter teardown: gloo's worker
+    threads may still hold work objects then, whose destruction aborted a rank at exit ("terminate
+    called without an active exception", CI twice on 2026-12-05, the barrier before the
+    teardown notwithstanding). A rank that failed raises before this, and spawn reports it."""
+    import os
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _spawn(world, tmp_path, cases, backend):
@@ -113,6 +126,7 @@ def _check_chunks(rank, world, path):
         _leave_together()
     finally:
         dist.destroy_process_group()
+    _exit_now()
 
 
 def test_two_ranks_plan_and_shard_from_their_chunks(tmp_path):
