@@ -5,6 +5,9 @@ balancer."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -87,8 +90,6 @@ def _exit_now() -> None:
     threads may still hold work objects then, whose destruction aborted a rank at exit ("terminate
     called without an active exception", CI twice on 2026-12-05, the barrier before the
     teardown notwithstanding). A rank that failed raises before this, and spawn reports it."""
-    import os
-    import sys
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
