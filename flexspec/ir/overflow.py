@@ -97,6 +97,21 @@ def check_int_ranges(spec: AttentionIR, ranges: dict, dtype: str, where: str) ->
         _check_divisors(root, where, bounds)
 
 
+@functools.lru_cache(maxsize=512)
+def fits_int_ranges(spec: AttentionIR, sizes: tuple, q_low: int, q_high: int,
+                    dtype: str) -> bool:
+    """Whether :func:`check_int_ranges` passes for ``sizes`` (sorted ``(name, size)`` pairs, a
+    size an int or a range as :func:`length_buckets` gives) with query positions ``q_low ..
+    q_high``, remembered: a check over a bucket of lengths, which stands for every length in
+    it, is then made once per bucket (the caller checks the exact sizes where it fails, for the
+    message)."""
+    try:
+        check_int_ranges(spec, position_ranges(dict(sizes), q_low, q_high), dtype, "")
+    except SpecError:
+        return False
+    return True
+
+
 def _check_divisors(root: ir.Expr, where: str, bounds: _Bounds) -> None:
     for node in ir.walk(root):
         if isinstance(node, ir.Binary) and node.op in ("//", "%") and node.type == "int":

@@ -14,14 +14,14 @@ NaN), as FlexAttention does.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from flexspec import ir
 from flexspec.errors import SpecError
-from flexspec.ir.overflow import check_int_ranges, length_buckets, position_ranges
+from flexspec.ir.overflow import (check_int_ranges, fits_int_ranges, length_buckets,
+                                  position_ranges)
 from flexspec.ir.rewrites import default_offset
 from flexspec.kernels.evaluate import FLOAT as _FLOAT, INT as _INT
 from flexspec.kernels.evaluate import as_bool, evaluate, index_grid, query_offsets
@@ -55,25 +55,13 @@ def check_ranges(spec: ir.AttentionIR, batch: int, heads: int, q_len: int, kv_le
     sizes = {"B": batch, "H": heads, "Q_LEN": q_len, "KV_LEN": kv_len}
     last = high + q_len - 1
     widened = tuple(sorted(length_buckets(sizes).items()))
-    if _fits(spec, widened, min(low, 0), 1 << max(last, 1).bit_length()):
+    # a decode that grows by one key a step checks once per doubling of its length and of its
+    # query positions
+    if fits_int_ranges(spec, widened, min(low, 0), 1 << max(last, 1).bit_length(), "int64"):
         return
     check_int_ranges(spec, position_ranges(sizes, low, last), "int64",
                      f"for B={batch}, H={heads}, Q_LEN={q_len}, KV_LEN={kv_len}"
                      + (f" and query positions from {low}" if low or high else ""))
-
-
-@functools.lru_cache(maxsize=256)
-def _fits(spec: ir.AttentionIR, sizes: tuple, q_low: int, q_high: int) -> bool:
-    """Whether the spec's int arithmetic stays inside int64 over whole ranges of lengths
-    (:func:`~flexspec.ir.overflow.length_buckets`) and of query positions: a decode that grows
-    by one key a step then checks once per doubling, not at every call (interval analysis over a
-    range is sound for every value in it; where the range is too loose to pass, the exact sizes
-    are checked)."""
-    try:
-        check_int_ranges(spec, position_ranges(dict(sizes), q_low, q_high), "int64", "")
-    except SpecError:
-        return False
-    return True
 
 
 def dense_mask(spec: ir.AttentionIR, batch: int, heads: int, q_len: int, kv_len: int,

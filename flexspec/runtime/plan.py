@@ -20,9 +20,10 @@ import threading
 import torch
 
 from flexspec import ir
-from flexspec.errors import BindingError, SpecError
+from flexspec.errors import BindingError
 from flexspec.ir import tensor_key
-from flexspec.ir.overflow import check_int_ranges, largest, length_buckets, position_ranges
+from flexspec.ir.overflow import (check_int_ranges, fits_int_ranges, largest, length_buckets,
+                                  position_ranges)
 from flexspec.limits import dense_fits
 from flexspec.runtime.backends import REGISTRY, choose
 from flexspec.runtime.bindings import Tensors
@@ -140,17 +141,15 @@ def check_ranges(spec: ir.AttentionIR, sizes: dict, dtype: str) -> None:
     serves every offset; the reference checks the positions of each call exactly). Checked once
     for the lengths' buckets (:func:`~flexspec.ir.overflow.length_buckets`: a growing cache
     checks once per doubling), at the exact lengths where the bucket does not pass."""
-    if not _fits(spec, tuple(sorted(length_buckets(sizes).items())), dtype):
+    widened = length_buckets(sizes)
+    if not fits_int_ranges(spec, tuple(sorted(widened.items())), 0, _last_position(widened),
+                           dtype):
         _check_ranges(spec, tuple(sorted(sizes.items())), dtype)
 
 
-@functools.lru_cache(maxsize=256)
-def _fits(spec: ir.AttentionIR, sizes: tuple, dtype: str) -> bool:
-    try:
-        _check_ranges(spec, sizes, dtype)
-    except SpecError:
-        return False
-    return True
+def _last_position(sizes: dict) -> int:
+    """The last query position a plan serves: ``max(Q_LEN, KV_LEN) - 1``."""
+    return max(largest(sizes["Q_LEN"]), largest(sizes["KV_LEN"])) - 1
 
 
 @functools.lru_cache(maxsize=256)
@@ -158,7 +157,7 @@ def _check_ranges(spec: ir.AttentionIR, sizes: tuple, dtype: str) -> None:
     # remembered when it passes: Attention.block_mask checks on every call, and the answer
     # depends only on these arguments
     sizes = dict(sizes)
-    last = max(largest(sizes["Q_LEN"]), largest(sizes["KV_LEN"])) - 1
+    last = _last_position(sizes)
     where = f"for Q_LEN={sizes['Q_LEN']}, KV_LEN={sizes['KV_LEN']}"
     check_int_ranges(spec, position_ranges(sizes, 0, last), dtype,
                      where + (" on a GPU" if dtype == "int32" else ""))

@@ -203,8 +203,13 @@ def test_a_growing_cache_checks_its_ranges_once_per_doubling(monkeypatch):
     from flexspec.ir import overflow
     from flexspec.runtime import plan
     checked = []
-    real = plan.check_int_ranges
-    monkeypatch.setattr(plan, "check_int_ranges", lambda *a: checked.append(1) or real(*a))
+    real = overflow.check_int_ranges
+    counted = lambda *a: checked.append(1) or real(*a)  # noqa: E731
+    # the bucket's check (overflow.fits_int_ranges) and the exact one (plan._check_ranges)
+    monkeypatch.setattr(overflow, "check_int_ranges", counted)
+    monkeypatch.setattr(plan, "check_int_ranges", counted)
+    overflow.fits_int_ranges.cache_clear()
+    plan._check_ranges.cache_clear()
     spec = flexspec.parse("causal & window(100) + alibi").ir
     for length in range(3001, 3200):
         check_ranges(spec, {"B": 2, "H": 4, "Q_LEN": 1, "KV_LEN": length}, "int32")

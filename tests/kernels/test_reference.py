@@ -255,13 +255,13 @@ def test_int_ranges_are_checked_once_per_doubling_and_exactly_where_that_is_too_
     """The int64 check of each call: a decode growing by one key checks once per doubling of
     its length (the proof over the bucket is cached); a spec that fits the exact lengths but
     not their bucket still runs, and one that overflows at the exact lengths is refused."""
-    from flexspec.kernels import reference
+    from flexspec.ir import overflow
     factor = 9_200_000_000_000_000  # kv * factor fits int64 for kv < 1002, not up to 1023
     mask = op(">=", op("*", kv, C(factor)), C(0))
-    reference._fits.cache_clear()
+    overflow.fits_int_ranges.cache_clear()
     for kv_len in range(600, 640):
         dense_mask(spec(CAUSAL), 1, 2, 1, kv_len, q_offset=kv_len - 1)
-    assert reference._fits.cache_info().misses == 1
+    assert overflow.fits_int_ranges.cache_info().misses == 1
     assert dense_mask(spec(mask), 1, 1, 2, 1000).all()  # exact: 999 * factor fits
     with pytest.raises(SpecError, match="KV_LEN=1100, beyond the 64-bit ints"):
         dense_mask(spec(mask), 1, 1, 2, 1100)
