@@ -166,6 +166,12 @@ def _stage_points(built) -> list:
     ]
 
 
+def _attribute(owner, name: str):
+    """What ``owner`` holds under ``name`` as stored (a class's own ``classmethod`` object, not
+    the bound method), so that it can be put back as it was."""
+    return vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
+
+
 def _clocked(function, slot: list):
     def clocked(*args, **kwargs):
         started = time.perf_counter()
@@ -182,7 +188,7 @@ def stages(built, ids, mask, tokens: int) -> list:
     over one ``generate()`` of ``tokens`` new tokens (see the module docstring)."""
     points, slots, saved = _stage_points(built), [], []
     for _, owner, name in points:
-        raw = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
+        raw = _attribute(owner, name)
         slot = [0.0, 0]
         if isinstance(raw, classmethod):
             replaced = classmethod(_clocked(raw.__func__, slot))

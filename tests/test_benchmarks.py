@@ -184,12 +184,10 @@ def test_generate_benchmark_times_the_stages_of_a_token_and_puts_everything_back
     device = torch.device("cpu")
     ids, mask = generate.prompts(device)
     points = generate._stage_points(generate.model("llama", "flexspec", device))
-    before = [vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
-              for _, owner, name in points]
+    before = [generate._attribute(owner, name) for _, owner, name in points]
     rows = {name: generate.measure("llama", name, "dynamic", ids, mask, 4, device, staged=True)
             for name in ("sdpa", "flexspec")}
-    after = [vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
-             for _, owner, name in points]
+    after = [generate._attribute(owner, name) for _, owner, name in points]
     assert all(a is b for a, b in zip(before, after))
     assert calls.Calls.__call__ is before[1]
 
