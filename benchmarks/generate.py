@@ -31,16 +31,25 @@ was run, so the two host paths can be compared.
 
 ``--stages`` times one more ``generate()`` of each sdpa and flexspec row with a clock around
 the model's attention layers and around the pieces of flexspec's call path (plans, block
-masks, the first call of a plan, the compiled-code lookups, the calls through dynamo), and
+masks, the first call of a plan, the compiled-code lookups and the code they find as it runs,
+the calls through dynamo), and
 prints microseconds and calls per new token, each piece including what it calls. Unlike
 cProfile it costs about a microsecond per timed call and times nothing else; on a GPU the
 times are the host's (kernels are queued, not waited for), so a piece that waits for the GPU
 shows as long.
 
+``--trace N`` runs torch.profiler over one more ``generate()`` of each sdpa and flexspec row and
+prints, per new token, the CUDA runtime calls (kernel launches, stream synchronisations,
+copies, allocations: a host read shows here) and the N operators with the most host time of
+their own (compiled graphs' wrappers and Triton launches included). cProfile charges dynamo's
+compiled code to the Python function that ran before it (``Replay.of`` showed milliseconds it
+does not take), so ``--stages`` and ``--trace`` are the ones to read for the compiled paths.
+
     python benchmarks/generate.py
     python benchmarks/generate.py --models mistral --modes dynamic --tokens 16
     python benchmarks/generate.py --models mistral --modes dynamic --tokens 32 --stages
     python benchmarks/generate.py --models mistral --modes dynamic --tokens 32 --profile 30
+    python benchmarks/generate.py --models mistral --modes dynamic --tokens 32 --trace 30
 """
 
 from __future__ import annotations
@@ -161,8 +170,11 @@ def _stage_points(built) -> list:
         ("    compiled code looked up (Replay.of)", replay.Replay, "of"),
         ("    through dynamo (run_compiled)", compiled, "run_compiled"),
         ("    a warm plan's call (warm_call)", flexattention, "warm_call"),
+        ("    lengths marked dynamic", compiled, "mark_lengths_dynamic"),
+        ("    batch marked static", compiled, "mark_batch_static"),
         ("  a step's later layer: launch made", flexattention.FlexAttentionBackend,
          "launcher"),
+        ("the compiled call code found, run (any layer)", replay, "cached_code"),
     ]
 
 
@@ -173,6 +185,13 @@ def _attribute(owner, name: str):
 
 
 def _clocked(function, slot: list):
+    if getattr(function, "__name__", "") == "cached_code":
+        # what is timed is the compiled code it finds, at each run (the lookup is Replay.of)
+        def found(*args, **kwargs):
+            code = function(*args, **kwargs)
+            return None if code is None else _clocked(code, slot)
+        return found
+
     def clocked(*args, **kwargs):
         started = time.perf_counter()
         try:
@@ -208,6 +227,33 @@ def stages(built, ids, mask, tokens: int) -> list:
     return lines
 
 
+def trace(built, ids, mask, tokens: int, top: int) -> list:
+    """torch.profiler over one ``generate()`` of ``tokens`` new tokens: the CUDA runtime calls
+    (launches, synchronisations, copies, allocations) and then the ``top`` operators by their
+    own host time, as lines of microseconds and calls per new token. A synchronisation that
+    waits shows here with its wait; the stage clocks cannot tell a wait from work."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiled
+    activities = [ProfilerActivity.CPU]
+    if ids.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profiled(activities=activities) as prof:
+        fresh(generate, built, ids, mask, tokens)
+    events = prof.key_averages()
+    runtime = sorted((e for e in events if e.key.startswith(("cuda", "cu"))
+                      and not e.key.startswith("cutlass")), key=lambda e: -e.self_cpu_time_total)
+    by_own = sorted((e for e in events if not e.key.startswith(("cuda", "cu"))),
+                    key=lambda e: -e.self_cpu_time_total)[:top]
+    lines = []
+    for title, ranked in (("CUDA runtime calls", runtime), ("operators by own host time",
+                                                             by_own)):
+        lines.append(f"  {title}\n  own us/token  calls/token  name")
+        for event in ranked:
+            lines.append(f"  {event.self_cpu_time_total / tokens:12.1f}  "
+                         f"{event.count / tokens:11.1f}  {event.key[:90]}")
+    return lines
+
+
 def profile(built, ids, mask, tokens: int, top: int) -> list:
     """The ``top`` functions by own time over one ``generate()`` of ``tokens`` new tokens, then
     flexspec's ``top`` by cumulative time, as lines of microseconds per token (own,
@@ -235,7 +281,7 @@ def profile(built, ids, mask, tokens: int, top: int) -> list:
 
 
 def measure(kind, implementation, mode, ids, mask, tokens, device, top: int = 0,
-            staged: bool = False) -> dict:
+            staged: bool = False, traced: int = 0) -> dict:
     row = {"model": kind, "mode": mode, "attention": implementation}
     try:
         built = model(kind, implementation, device)
@@ -253,6 +299,8 @@ def measure(kind, implementation, mode, ids, mask, tokens, device, top: int = 0,
             row["profile"] = profile(built, ids, mask, tokens, top)
         if staged:
             row["stages"] = stages(built, ids, mask, tokens)
+        if traced:
+            row["trace"] = trace(built, ids, mask, tokens, traced)
     except Exception as err:  # noqa: BLE001 - a failed run is a table cell
         row["ms/token"] = f"fails: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
         print(f"  {kind} {mode} {implementation}: {row['ms/token']}", flush=True)
@@ -271,6 +319,10 @@ def main(argv=None) -> int:
     parser.add_argument("--stages", action="store_true",
                         help="time one more generate() by stage: the attention layers and the "
                              "pieces of flexspec's call path, per token")
+    parser.add_argument("--trace", type=int, default=0, metavar="N",
+                        help="torch.profiler over one more generate(): CUDA runtime calls "
+                             "(synchronisations, launches) and the N operators with the most "
+                             "own host time, per token")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/generate.py needs a CUDA GPU", file=sys.stderr)
@@ -287,10 +339,11 @@ def main(argv=None) -> int:
             for implementation in args.attention:
                 ours = implementation in ("flexspec", "sdpa")
                 rows.append(measure(kind, implementation, mode, ids, mask, args.tokens, device,
-                                    args.profile if ours else 0, args.stages and ours))
+                                    args.profile if ours else 0, args.stages and ours,
+                                    args.trace if ours else 0))
                 print({k: v for k, v in rows[-1].items()
-                       if k not in ("tokens", "profile", "stages")}, flush=True)
-                for part in ("profile", "stages"):
+                       if k not in ("tokens", "profile", "stages", "trace")}, flush=True)
+                for part in ("profile", "stages", "trace"):
                     if part in rows[-1]:
                         print(f"{part}: {kind} {mode} {implementation}", *rows[-1][part],
                               sep="\n", flush=True)

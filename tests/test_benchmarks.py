@@ -205,6 +205,22 @@ def test_generate_benchmark_times_the_stages_of_a_token_and_puts_everything_back
     assert ours["plan: lookup, or made"][1] >= 1  # a layer of the step may reuse its launch
 
 
+def test_generate_benchmark_traces_a_token_s_operators(monkeypatch):
+    """``--trace N``: torch.profiler over one generate(), the N operators with the most own host
+    time per token, each with its calls per token (the CUDA runtime's list is empty on the
+    CPU)."""
+    generate = _small_generate(monkeypatch)
+    device = torch.device("cpu")
+    ids, mask = generate.prompts(device)
+    row = generate.measure("llama", "flexspec", "dynamic", ids, mask, 4, device, traced=5)
+    lines = row["trace"]
+    start = lines.index(next(line for line in lines if "operators by own host time" in line))
+    operators = [line.split(None, 2) for line in lines[start + 1:]]
+    assert len(operators) == 5 and all(float(own) >= 0 and float(calls) > 0
+                                       for own, calls, _ in operators)
+    assert any(name.startswith("aten::") for _, _, name in operators)
+
+
 @pytest.mark.slow
 def test_paged_benchmark_reads_the_pool_in_place_right_on_the_cpu(capsys):
     """benchmarks/paged.py run small on the CPU: the pool read in place through the mapped

@@ -184,13 +184,19 @@ def _narrowed(cond: ir.Expr, holds: bool, ranges: dict, bounds: _Bounds) -> dict
 
 
 @functools.lru_cache(maxsize=256)
-def position_range(spec: AttentionIR, sizes: tuple, dtype: str) -> tuple | None:
+def position_range(spec: AttentionIR, sizes: tuple, dtype: str,
+                   known: tuple | None = None) -> tuple | None:
     """``(low, high)``: the query positions at which the spec's integer arithmetic provably fits
     ``dtype`` at these sizes (``sizes``: sorted ``(name, value)`` pairs), a range that holds
     ``0 .. max(Q_LEN, KV_LEN) - 1`` and, where the spec allows it, as many negative positions
     as positive ones; its ends are powers of two. ``None`` when even that first range does not
     fit (the spec's own check says why). Offsets that put a row outside it are refused or
     bounded by the runtime: the kernels would wrap around silently there.
+
+    ``known`` is a range this function gave for sizes that stand for these (their lengths'
+    buckets, :func:`length_buckets`): sound here too, so the search starts at its end and checks
+    only beyond it. The result is the same with or without it; a growing cache then pays one
+    check or none per new length instead of a search.
 
     >>> from flexspec.ir import Binary, Const, Var
     >>> spec = AttentionIR(mask=Binary(">=", Binary("*", Var("q"), Const(4)), Var("kv")))
@@ -201,9 +207,15 @@ def position_range(spec: AttentionIR, sizes: tuple, dtype: str) -> tuple | None:
     bits = 62 if dtype == "int64" else 30
     first = max(1, (max(largest(sizes["Q_LEN"]), largest(sizes["KV_LEN"])) - 1).bit_length())
     for negative in (True, False):
-        if not _fits_at(spec, sizes, dtype, first, negative):
+        if known is not None and (known[0] < 0) == negative and known[1] >= 2**first:
+            low = known[1].bit_length() - 1  # fits at 2**low: known holds for these sizes
+        elif _fits_at(spec, sizes, dtype, first, negative):
+            low = first
+        else:
             continue
-        low, high = first, bits  # fits at 2**low; find the largest that does
+        high = bits  # fits at 2**low; find the largest that does, trying the next one first
+        if low < high and not _fits_at(spec, sizes, dtype, low + 1, negative):
+            high = low
         while low < high:
             middle = (low + high + 1) // 2
             low, high = (middle, high) if _fits_at(spec, sizes, dtype, middle, negative) \

@@ -235,17 +235,16 @@ def call_tensors(spec: ir.AttentionIR, q_offset, kv_lengths, sizes: dict, device
 
 
 def _positions_that_fit(spec: ir.AttentionIR, sizes: dict, dtype: str, offset) -> tuple | None:
-    """:func:`~flexspec.ir.overflow.position_range` at these sizes. For an int offset, the range
-    of the lengths' buckets first (sound for every length in them: a growing cache then finds
-    it again at the next length), the exact one where the offset lies outside it; a tensor
-    offset is bounded by the exact range (a narrower one would clamp offsets that fit)."""
-    exact = tuple(sorted(sizes.items()))
-    if offset is not None:
-        span = position_range(spec, tuple(sorted(length_buckets(sizes).items())), dtype)
-        q_len = sizes["Q_LEN"]
-        if span is not None and span[0] <= int(offset) and int(offset) + q_len - 1 <= span[1]:
-            return span
-    return position_range(spec, exact, dtype)
+    """:func:`~flexspec.ir.overflow.position_range` at these sizes. The range of the lengths'
+    buckets first (sound for every length in them: a growing cache finds it again at the next
+    length); for an int offset that lies inside it, that range; otherwise the exact one,
+    searched from the bucket's (a tensor offset is bounded by the exact range: a narrower one
+    would clamp offsets that fit)."""
+    span = position_range(spec, tuple(sorted(length_buckets(sizes).items())), dtype)
+    if offset is not None and span is not None and span[0] <= int(offset) \
+            and int(offset) + sizes["Q_LEN"] - 1 <= span[1]:
+        return span
+    return position_range(spec, tuple(sorted(sizes.items())), dtype, span)
 
 
 def _bounded(value: torch.Tensor, low: int, high: int, name: str, allowed: str,

@@ -186,6 +186,46 @@ def test_a_spec_that_fits_over_a_bucket_fits_at_every_length_in_it(text, kv_len,
         check_int_ranges(spec, position_ranges({**sizes, "KV_LEN": kv}), "int32", "")
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec_texts(), st.integers(3, 5000), st.integers(1, 300), st.sampled_from(["int32", "int64"]))
+def test_the_position_range_searched_from_its_bucket_s_is_the_exact_search_s(text, kv_len,
+                                                                             q_len, dtype):
+    """position_range(..., known=the bucket's range) gives what the search from the lengths'
+    own first range gives (the bucket's range only skips checks it vouches for)."""
+    from flexspec.ir.overflow import position_range
+    spec = flexspec.parse(text).ir
+    sizes = {"B": 2, "H": 4, "Q_LEN": q_len, "KV_LEN": kv_len}
+    exact = tuple(sorted(sizes.items()))
+    known = position_range(spec, tuple(sorted(length_buckets(sizes).items())), dtype)
+    assert position_range(spec, exact, dtype, known) == position_range(spec, exact, dtype)
+
+
+def test_a_growing_cache_s_tensor_offset_range_costs_at_most_one_check_per_length(monkeypatch):
+    """A decoding step's tensor offset is bounded by the exact position range at each new
+    length (Placement.for_call): searched from the bucket's, it checks once per length where the
+    bucket's range is not already the widest (a divisor by the query makes negatives fail), and
+    not at all where it is (causal's whole int64 range)."""
+    from flexspec.ir import overflow
+    from flexspec.runtime import positions
+    checked = []
+    real = overflow.check_int_ranges
+    monkeypatch.setattr(overflow, "check_int_ranges", lambda *a: checked.append(1) or real(*a))
+    library = flexspec.loads("mask d = kv // (q + 1) >= 0\n")
+    for text, most in (("causal", 0), ("causal & d", 2)):
+        spec = flexspec.parse(text, library=library).ir
+        overflow.position_range.cache_clear()
+        for length in range(3001, 3041):
+            positions._positions_that_fit(spec, {"B": 2, "H": 4, "Q_LEN": 1, "KV_LEN": length},
+                                          "int64", None)
+        checked_after_the_bucket = len(checked)
+        checked.clear()
+        overflow.position_range.cache_clear()
+        positions._positions_that_fit(spec, {"B": 2, "H": 4, "Q_LEN": 1, "KV_LEN": 3001},
+                                      "int64", None)  # the bucket's search and one exact
+        assert checked_after_the_bucket <= len(checked) + 39 * most, text
+        checked.clear()
+
+
 def test_a_spec_the_bucket_is_too_loose_for_is_checked_at_its_exact_lengths():
     """KV_LEN's bucket 32769..65536 lets `65536 - KV_LEN` reach 32767, where q times it leaves
     int32; at KV_LEN = 65536 it is 0: the exact check passes, and a call there runs."""
