@@ -32,11 +32,10 @@ was run, so the two host paths can be compared.
 ``--stages`` times one more ``generate()`` of each sdpa and flexspec row with a clock around
 the model's attention layers and around the pieces of flexspec's call path (plans, block
 masks, the first call of a plan, the compiled-code lookups and the code they find as it runs,
-the calls through dynamo), and
-prints microseconds and calls per new token, each piece including what it calls. Unlike
-cProfile it costs about a microsecond per timed call and times nothing else; on a GPU the
-times are the host's (kernels are queued, not waited for), so a piece that waits for the GPU
-shows as long.
+the calls through dynamo), and prints microseconds and calls per new token, each piece
+including what it calls. Unlike cProfile it costs about a microsecond per timed call and
+times nothing else; on a GPU the times are the host's (kernels are queued, not waited for),
+so a piece that waits for the GPU shows as long.
 
 ``--trace N`` runs torch.profiler over one more ``generate()`` of each sdpa and flexspec row and
 prints, per new token, the CUDA runtime calls (kernel launches, stream synchronisations,
