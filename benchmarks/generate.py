@@ -155,13 +155,21 @@ def _stage_points(built) -> list:
     """``(label, owner, attribute)`` of what ``--stages`` times: the model's attention layer,
     then flexspec's call path, outermost first."""
     from flexspec.kernels import fused_blocks, replay
-    from flexspec.runtime import calls, compiled, flexattention, masks
+    from flexspec.runtime import bindings, calls, compiled, flexattention, masks, plan
     return [
         ("attention layer (the model's forward)", type(built.model.layers[0].self_attn),
          "forward"),
         ("flexspec call", calls.Calls, "__call__"),
+        ("  placed (the step's positions, made by its first layer)", calls.Calls, "_placed"),
         ("  plan: lookup, or made", calls.Calls, "_plan_for"),
+        ("    the plan's key", calls, "call_key"),
         ("    made (make_plan)", calls, "make_plan"),
+        ("      bindings gathered", bindings.Tensors, "gather"),
+        ("      lookups' check made", plan, "LookupCheck"),
+        ("      backend chosen", plan, "choose"),
+        ("      ranges checked", plan, "check_ranges"),
+        ("      block-mask handle bound", masks.BlockMasks, "bind"),
+        ("      backend's state prepared", flexattention.FlexAttentionBackend, "prepare"),
         ("  block mask: cached, or built", masks.BlockMasks, "get"),
         ("    built", masks.BlockMasks, "_build"),
         ("      by the compiled program", fused_blocks, "fused_block_mask"),
