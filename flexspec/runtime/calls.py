@@ -94,8 +94,17 @@ class Calls:
             if launch is not None:
                 step.keep_launch(self, signature, launch)
                 return launch(q, k, v)
-        return calls._run(plan, key, q, sliced_k, sliced_v, scale, bindings, learnables,
-                          return_lse, step)
+        out = calls._run(plan, key, q, sliced_k, sliced_v, scale, bindings, learnables,
+                         return_lse, step)
+        if signature is not None and key is not None:
+            # the plan's first call (a growing cache's every step) has run its compile path:
+            # the launch is resolved now, so the step's later layers need not take the whole
+            # path to find it (the plan is the cache's: a failed compile replaced it there)
+            plan = calls.plans.get(key)
+            launch = None if plan is None else calls._launch(plan, scale, bindings, step, keys)
+            if launch is not None:
+                step.keep_launch(self, signature, launch)
+        return out
 
     def _placed(self, q, k, bindings: dict, q_offset, kv_lengths, step) -> dict:
         """The call's bindings with the tensors that place its rows (made once per step)."""
