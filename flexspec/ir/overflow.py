@@ -195,8 +195,8 @@ def position_range(spec: AttentionIR, sizes: tuple, dtype: str,
 
     ``known`` is a range this function gave for sizes that stand for these (their lengths'
     buckets, :func:`length_buckets`): sound here too, so the search starts at its end and checks
-    only beyond it. The result is the same with or without it; a growing cache then pays one
-    check or none per new length instead of a search.
+    only beyond it. The result is the same with or without it; a growing cache then pays at most
+    two checks per new length (none where ``known`` is already the widest) instead of a search.
 
     >>> from flexspec.ir import Binary, Const, Var
     >>> spec = AttentionIR(mask=Binary(">=", Binary("*", Var("q"), Const(4)), Var("kv")))

@@ -187,7 +187,8 @@ def test_a_spec_that_fits_over_a_bucket_fits_at_every_length_in_it(text, kv_len,
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(spec_texts(), st.integers(3, 5000), st.integers(1, 300), st.sampled_from(["int32", "int64"]))
+@given(spec_texts(), st.integers(3, 5000), st.integers(1, 300),
+       st.sampled_from(["int32", "int64"]))
 def test_the_position_range_searched_from_its_bucket_s_is_the_exact_search_s(text, kv_len,
                                                                              q_len, dtype):
     """position_range(..., known=the bucket's range) gives what the search from the lengths'
@@ -202,9 +203,10 @@ def test_the_position_range_searched_from_its_bucket_s_is_the_exact_search_s(tex
 
 def test_a_growing_cache_s_tensor_offset_range_costs_at_most_one_check_per_length(monkeypatch):
     """A decoding step's tensor offset is bounded by the exact position range at each new
-    length (Placement.for_call): searched from the bucket's, it checks once per length where the
-    bucket's range is not already the widest (a divisor by the query makes negatives fail), and
-    not at all where it is (causal's whole int64 range)."""
+    length (Placement.for_call): searched from the bucket's, it costs at most two checks per
+    length (whether negatives fit, which a divisor by the query denies here, and the next power
+    beyond the bucket's end), and none where the bucket's range is already the widest (causal's
+    whole int64 range); the search from the lengths' own first range took six or more."""
     from flexspec.ir import overflow
     from flexspec.runtime import positions
     checked = []
