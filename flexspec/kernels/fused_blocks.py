@@ -76,7 +76,9 @@ def fused_block_mask(mask: ir.Expr, sizes: dict, block: tuple, tensors: dict, de
 def _whole_tiles(mask: ir.Expr, reads: dict, kv_len: int, kv_block: int) -> tuple:
     """``(reads, KV_LEN)`` the partial form's program builds with: KV_LEN rounded up to whole
     tiles, and the tensors declared ``KV_LEN`` long padded to it, where ``mask`` reads KV_LEN
-    only as such tensors' length (else as given). The partial form lists no full tile, and a
+    only as such tensors' length (else as given). The padding repeats a tensor's last entry:
+    zeros would widen the range of values of a tile, and rows that read the tensor by q (in a
+    tile past Q_LEN) would list tiles they never see. The partial form lists no full tile, and a
     tile is left out only where no key of it (those past KV_LEN included) is visible, so the
     tiles listed are those of the keys that exist, or at most the last one more, whose keys
     past the end the kernel never reads. A decoding step's lengths then repeat for a tile's
@@ -95,8 +97,9 @@ def _whole_tiles(mask: ir.Expr, reads: dict, kv_len: int, kv_block: int) -> tupl
             return reads, kv_len
         for dim in tensor_dims:
             if value.shape[dim] == kv_len:  # a dimension of size 1 broadcasts: left alone
-                pad = [0, 0] * (rank - 1 - dim) + [0, whole - kv_len]
-                value = torch.nn.functional.pad(value, pad)
+                extra = list(value.shape)
+                extra[dim] = whole - kv_len
+                value = torch.cat([value, value.narrow(dim, kv_len - 1, 1).expand(extra)], dim)
         padded[key] = value
     return padded, whole
 
