@@ -201,7 +201,7 @@ def test_the_position_range_searched_from_its_bucket_s_is_the_exact_search_s(tex
     assert position_range(spec, exact, dtype, known) == position_range(spec, exact, dtype)
 
 
-def test_a_growing_cache_s_tensor_offset_range_costs_at_most_one_check_per_length(monkeypatch):
+def test_a_growing_cache_s_tensor_offset_range_costs_at_most_two_checks_per_length(monkeypatch):
     """A decoding step's tensor offset is bounded by the exact position range at each new
     length (Placement.for_call): searched from the bucket's, it costs at most two checks per
     length (whether negatives fit, which a divisor by the query denies here, and the next power
