@@ -86,8 +86,8 @@ class Calls:
             # and its score reads no position (the step's bindings go along, unread)
             q_offset = kv_lengths = None
         bindings = calls._placed(q, sliced_k, bindings, q_offset, kv_lengths, step)
-        plan, key = calls._plan_for(q, sliced_k, sliced_v, scale, bindings, learnables,
-                                    return_lse)
+        plan, key, made = calls._plan_for(q, sliced_k, sliced_v, scale, bindings, learnables,
+                                          return_lse)
         self.last_plan = plan
         if signature is not None:
             launch = calls._launch(plan, scale, bindings, step, keys)
@@ -96,10 +96,11 @@ class Calls:
                 return launch(q, k, v)
         out = calls._run(plan, key, q, sliced_k, sliced_v, scale, bindings, learnables,
                          return_lse, step)
-        if signature is not None and key is not None:
+        if signature is not None and made and key is not None:
             # the plan's first call (a growing cache's every step) has run its compile path:
             # the launch is resolved now, so the step's later layers need not take the whole
-            # path to find it (the plan is the cache's: a failed compile replaced it there)
+            # path to find it (the plan is the cache's: a failed compile replaced it there). A
+            # plan met again has no launch now where it had none before the call
             plan = calls.plans.get(key)
             launch = None if plan is None else calls._launch(plan, scale, bindings, step, keys)
             if launch is not None:
@@ -116,16 +117,16 @@ class Calls:
         return {**bindings, **placed} if placed else bindings
 
     def _plan_for(self, q, k, v, scale, bindings, learnables, return_lse) -> tuple:
-        """``(plan, key)``: the plan of this input signature, from the cache or made (``key``
-        None for arguments that cannot be hashed, whose plan is not kept)."""
+        """``(plan, key, made)``: the plan of this input signature, from the cache or made now
+        (``made``; ``key`` None for arguments that cannot be hashed, whose plan is not kept)."""
         try:
             key = call_key(q, k, v, scale, bindings, learnables, return_lse)
             plan = self.plans.get(key)
         except TypeError:  # an unhashable argument: the checks of plan() say what is wrong
             key, plan = None, None
-        if plan is None:
-            plan = self._new_plan(key, q, k, v, scale, bindings, learnables, return_lse)
-        return plan, key
+        if plan is not None:
+            return plan, key, False
+        return self._new_plan(key, q, k, v, scale, bindings, learnables, return_lse), key, True
 
     def _run(self, plan, key, q, k, v, scale, bindings, learnables, return_lse, step):
         while True:
