@@ -19,6 +19,7 @@ from flexspec import ir
 from flexspec.errors import SpecError
 from flexspec.kernels.tensors import add_leading_dims
 from flexspec.runtime.bindings import contiguous
+from flexspec.runtime.capture import in_graph_memory
 from flexspec.runtime.lookups import LookupCheck
 
 
@@ -157,7 +158,9 @@ class InputPlan:
             copied = copied or value is not binding
             value = value if value.dim() == slot.ndim else add_leading_dims(value, slot.ndim)
             values[slot.key] = value.detach() if self.detach else value
-        addresses = None if copied else _addresses(given)
+        # a call in a CUDA graph's memory is not remembered: its tensors get new contents at
+        # every replay, and the graph refuses tensors of its pool that something outside keeps
+        addresses = None if copied or in_graph_memory(given[0].device) else _addresses(given)
         if addresses is not None:
             self._last_values[0] = (given, addresses, values)
         return values

@@ -189,7 +189,8 @@ def varying_score(call: FlexCall, plan: Plan, values: dict):
                      for key, value in values.items()}
     score_mod = call.lowered.make_mods(plan.sizes, own_tensors(
         {**kernel_values, **call.scale_values}))[1]
-    call.last_score = (dict(values), copied, score_mod)
+    if not in_graph_memory(plan.device):  # a graph's tensors: new contents at every replay
+        call.last_score = (dict(values), copied, score_mod)
     return score_mod
 
 

@@ -245,7 +245,7 @@ class BlockMasks:
                 return self._built(spec, sizes, values, device, key, captured)
         else:
             if captured:
-                raise BindingError(self._not_capturable(key, sizes))
+                raise BindingError(self._not_capturable(key, sizes, device))
             block_mask = build_block_mask(spec.mask, sizes, self.block_size, values, device,
                                           batch=key.batch, heads=key.heads, mask_mod=mask_mod,
                                           exact=self.mode == "exact")
@@ -277,10 +277,12 @@ class BlockMasks:
                         self._every_key.popitem(last=False)
         return from_tables(found, sizes, self.block_size, mask_mod)
 
-    def _not_capturable(self, key: MaskKey, sizes: dict) -> str:
+    def _not_capturable(self, key: MaskKey, sizes: dict, device) -> str:
         """Why a mask that reads tensors cannot be built inside a CUDA graph capture: only the
         compiled program (fused_blocks) builds without reading the device from the host."""
-        if key.mask_id in self._untraceable:
+        if device.type not in FUSED_DEVICES:
+            why = f"the compiled block-mask program does not run on {device.type}"
+        elif key.mask_id in self._untraceable:
             why = "torch.compile could not trace its block-mask program"
         else:
             nq, nk = tile_grid(sizes, self.block_size)

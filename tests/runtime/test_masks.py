@@ -677,6 +677,17 @@ def test_a_mask_too_large_for_its_program_cannot_be_built_inside_a_capture(monke
         attn.block_mask(300, 300, doc_ids=torch.arange(300) // 100)
 
 
+def test_a_mask_on_a_device_without_its_program_cannot_be_built_inside_a_capture(monkeypatch):
+    """The error names the device the program does not run on, not a grid that fits."""
+    monkeypatch.setattr(masks, "in_graph_memory", lambda device: True)
+    attn = flexspec.compile("causal & doc")
+    with pytest.raises(BindingError, match=r"^flexspec cannot build this block mask inside a "
+                       r"CUDA graph capture: the compiled block-mask program does not run on "
+                       r"cpu, and the eager builder reads counts on the host. Run this step "
+                       r"outside the graph, or capture a smaller one$"):
+        attn.block_mask(300, 300, doc_ids=torch.arange(300) // 100)
+
+
 def test_a_mask_its_program_cannot_trace_cannot_be_built_inside_a_capture(monkeypatch):
     FusedProgram(monkeypatch, fail=True)
     attn = flexspec.compile("causal & doc")
