@@ -528,14 +528,16 @@ def test_twelve_lengths_compile_at_most_twice_on_the_gpu(backend):
 
 @pytest.mark.parametrize("tensor_offset", [False, True])
 def test_a_warm_decode_call_builds_its_block_mask_once(monkeypatch, tensor_offset):
-    """Repeated at one offset (an int, or one unchanged tensor), a decode call finds its block
-    mask again: a clamp of the offset made anew on every call rebuilt it every time (about 1 ms
+    """Repeated at one offset (an int, or one unchanged tensor), a decode call finds its exact
+    block mask again (its keys made many, so that it builds one): a clamp of the offset made anew on every call rebuilt it every time (about 1 ms
     per call on an H200, 3-4x the kernel)."""
     from flexspec.runtime.masks import BlockMasks
     builds = []
     build = BlockMasks._build
     monkeypatch.setattr(BlockMasks, "_build",
                         lambda self, *args: builds.append(1) or build(self, *args))
+    from flexspec.runtime import flexattention
+    monkeypatch.setattr(flexattention, "EVERY_TILE_BYTES", 0)  # the exact mask, always
     attn = flexspec.compile("causal & (window(256) | sink(4))")  # absolute keys: no slice
     q = torch.randn(2, 8, 1, 64, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 2, 3000, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -545,6 +547,49 @@ def test_a_warm_decode_call_builds_its_block_mask_once(monkeypatch, tensor_offse
     assert len(builds) == 1
     ref = attn.reference(q, k, v, q_offset=offset)
     assert _relative_error(outs[-1], ref) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("text", ["causal & key_padding", "causal & doc",
+                                  "causal & (window(256) | sink(4)) + alibi"])
+def test_a_growing_decode_over_few_keys_lists_every_tile_and_equals_the_reference(
+        text, monkeypatch):
+    """Issue 26: a decoding call whose keys and values are few (3 x 2 x ~700 x 64 bf16, under
+    EVERY_TILE_BYTES) runs with a block mask listing every tile, made of kept tables without
+    the block-mask program, at every step of a growing cache with a fresh tensor offset (rows
+    at different positions) and fresh bindings; every step equals the float64 reference.
+    With EVERY_TILE_BYTES at 0 the same steps build the exact mask, also equal to it."""
+    from flexspec.runtime import flexattention
+    from flexspec.runtime.masks import BlockMasks
+    builds = []
+    build = BlockMasks._build
+    monkeypatch.setattr(BlockMasks, "_build",
+                        lambda self, *args: builds.append(1) or build(self, *args))
+    batch, heads, kv_heads, dim, start = 3, 8, 2, 64, 700
+    generator = torch.Generator().manual_seed(0)
+    cache = [torch.randn(batch, kv_heads, start + 5, dim, generator=generator).to(
+        "cuda", torch.bfloat16) for _ in range(2)]
+    behind = torch.tensor([0, 37, 300], device="cuda")  # how far each row is from the end
+    ids = torch.sort(torch.randint(0, 4, (batch, start + 5), generator=generator)).values
+    for limit in (flexattention.EVERY_TILE_BYTES, 0):
+        monkeypatch.setattr(flexattention, "EVERY_TILE_BYTES", limit)
+        attn = flexspec.compile(text)
+        builds.clear()
+        with torch.no_grad():
+            for n in range(start, start + 5):
+                q = torch.randn(batch, heads, 1, dim, generator=generator).to(
+                    "cuda", torch.bfloat16)
+                k, v = (t[:, :, :n] for t in cache)
+                bindings = {"q_offset": n - 1 - behind}  # a new tensor at every step
+                if "key_padding" in text:
+                    bindings["valid"] = torch.arange(n, device="cuda") >= behind[:, None]
+                if "doc" in text:
+                    bindings["doc_ids"] = ids[:, :n].to("cuda")
+                out = attn(q, k, v, **bindings)
+                ref = attn.reference(q.double(), k.double(), v.double(), **bindings)
+                assert _relative_error(out, ref) < TOLERANCE[torch.bfloat16], (limit, n)
+        state = attn._calls.last_plan.state
+        assert state.decoding and state.every_tile == (limit > 0), limit
+        assert (len(builds) == 0) == (limit > 0), (limit, len(builds))
 
 
 def test_a_decoded_token_under_a_window_reads_its_window_on_the_gpu():

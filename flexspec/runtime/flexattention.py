@@ -41,6 +41,7 @@ class FlexCall:
     kernel_options: FlexKernelOptions | None
     masks: object = None                     # the plan's PlanMasks, in the kernel's form
     decoding: bool = False                   # runs on the decoding kernel (see decodes)
+    every_tile: bool = False                 # lists every tile outside a capture (see below)
     mask_bindings: tuple = ()                # names of the bindings the mask reads
     # the learnable tables the mask reads (a module's parameters, changed in place by an
     # optimizer step): their block mask is rebuilt when one changes
@@ -94,6 +95,23 @@ class FlexCall:
                 return None
         return last[2]
 
+    def block_mask_for(self, plan: Plan, bindings: dict, values, device) -> BlockMask:
+        """The block mask of a call whose mask reads its bindings: the last call's for the very
+        same tensors; else one listing every tile where the plan does (:func:`lists_every_tile`);
+        else the exact one, from the cache or built. Inside a CUDA graph capture (or the warm-up
+        before one) the exact mask is built, so that replays rebuild it from what the bindings
+        hold then (a kept mask would be replayed as it was)."""
+        captured = in_graph_memory(device)
+        block_mask = None if captured else self.last_block_mask(bindings)
+        if block_mask is None:
+            seen = self.seen(bindings)
+            values = values or plan.values(bindings)
+            block_mask = (self.masks.every_tile(values, device) if self.every_tile and not captured
+                          else self.masks.get(values, device))
+            if not captured:
+                self.last = (*seen, block_mask)
+        return block_mask
+
 
 # FlexAttention runs calls of fewer query rows than this with its decoding kernel (split-KV)
 DECODE_ROWS = 128
@@ -127,6 +145,24 @@ def decodes(plan: Plan) -> bool:
     return (request.device_type == "cuda" and request.q_len < DECODE_ROWS
             and not request.grads and group & (group - 1) == 0 and mask_heads
             and not wide_indices(request))
+
+
+# A decoding call whose keys and values hold at most this many bytes lists every tile of its
+# block mask outside a CUDA graph capture: reading every key costs at most these bytes at the
+# device's bandwidth (tens of microseconds on an H100), less than the host time of building the
+# exact mask at every step (docs/performance.md, "Decoding masks that list every tile").
+EVERY_TILE_BYTES = 256 * 1024**2
+
+
+def lists_every_tile(request) -> bool:
+    """Whether a decoding call whose mask reads its bindings runs with a block mask listing
+    every tile (:meth:`masks.BlockMasks.every_tile`) instead of its exact one, outside CUDA graph
+    captures: where its keys and values are at most :data:`EVERY_TILE_BYTES`. Its bindings are
+    new at almost every step of a decode (a position that moves), so the exact mask would be
+    built each time; inside a capture its build runs on the device and is kept exact."""
+    width = request.head_dim + request.v_head_dim
+    return (request.batch * request.kv_heads * request.kv_len * width * request.dtype.itemsize
+            <= EVERY_TILE_BYTES)
 
 
 # Tensors of this many elements or more are indexed in int64 by inductor's kernels.
@@ -279,6 +315,7 @@ class FlexAttentionBackend(Backend):
                                  if key in learnable and key not in slot_keys)
         if not call.mask_varies and needs_block_mask(plan):
             call.block_mask = masks.get(values, plan.device)
+        call.every_tile = decoding and call.mask_varies and lists_every_tile(plan.request)
         score_keys = plan.score_keys
         float64 = any(values[key].dtype == torch.float64 for key in score_keys)
         if not (score_keys & {slot.key for slot in plan.slots}) and not float64:
@@ -300,10 +337,8 @@ class FlexAttentionBackend(Backend):
         call: FlexCall = plan.state
         if not call.warm:
             return None  # its first call compiles, and a failed compile hands it back
-        if not call.mask_varies:
-            block_mask = call.block_mask
-        else:  # built inside a capture (see run), else the cached one of these tensors
-            block_mask = call.masks.get(values or plan.values(bindings), plan.device)
+        block_mask = call.block_mask if not call.mask_varies else call.block_mask_for(
+            plan, bindings, values, plan.device)
         score_mod = call.score_mod if not call.score_varies else varying_score(call, plan, values)
         entry, options, lse, gqa, detach, pinned = (call.entry, call.kernel_options, call.lse,
                                                     plan.gqa, plan.detach, call.pinned)
@@ -328,19 +363,8 @@ class FlexAttentionBackend(Backend):
 
     def run(self, plan: Plan, q, k, v, scale, bindings, values, step=None):
         call: FlexCall = plan.state
-        if not call.mask_varies:
-            block_mask = call.block_mask
-        else:
-            # inside a CUDA graph capture (or the warm-up before one) the mask is built, so that
-            # replays rebuild it from what the bindings hold then (the last mask would be
-            # replayed as it was)
-            captured = in_graph_memory(q.device)
-            block_mask = None if captured else call.last_block_mask(bindings)
-            if block_mask is None:
-                seen = call.seen(bindings)
-                block_mask = call.masks.get(values or plan.values(bindings), q.device)
-                if not captured:
-                    call.last = (*seen, block_mask)
+        block_mask = call.block_mask if not call.mask_varies else call.block_mask_for(
+            plan, bindings, values, q.device)
         score_mod = call.score_mod if not call.score_varies else varying_score(call, plan, values)
         if plan.detach:
             q, k, v = q.detach(), k.detach(), v.detach()

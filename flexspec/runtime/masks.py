@@ -43,7 +43,8 @@ PROBATION_SIZE = 2
 # Tokens kept for masks at given sizes, the oldest out first: a growing cache asks for a new
 # one at every length, and a process that serves for days must not keep them all.
 TOKENS_KEPT = 4096
-# Tables of the mask that hides nothing kept per grid of tiles (see BlockMasks._hiding_nothing).
+# Tables of the masks that hide nothing or list every tile, kept per grid of tiles (see
+# BlockMasks._hiding_nothing and BlockMasks.every_tile).
 EVERY_KEY_GRIDS_KEPT = 64
 
 
@@ -93,6 +94,11 @@ class BoundMasks:
     def get(self, values: dict, device) -> BlockMask:
         return self.cache.get(self.spec, self.sizes, values, device, self.key)
 
+    def every_tile(self, values: dict, device) -> BlockMask:
+        """A block mask listing every tile, the mask evaluated in each (see
+        :meth:`BlockMasks.every_tile`)."""
+        return self.cache.every_tile(self.spec, self.sizes, values, device, self.key)
+
     def partial_only(self) -> "BoundMasks":
         """The same masks with their full tiles listed as partial ones, kv side only (see
         :class:`MaskKey`), cached apart from these."""
@@ -134,7 +140,8 @@ class BlockMasks:
         self._lock = threading.Lock()
         self._untraceable: set = set()  # mask ids the fused program could not trace
         self._built_once: set = set()  # mask ids the fused program has built
-        # grid of tiles -> the tables of the mask that hides nothing (see _hiding_nothing)
+        # grid of tiles -> the tables of the mask that hides nothing (see _hiding_nothing), and
+        # of the mask that lists every tile (see every_tile)
         self._every_key: collections.OrderedDict = collections.OrderedDict()
 
     def key(self, spec: ir.AttentionIR, sizes: dict, device, dialect: str = "torch",
@@ -275,6 +282,35 @@ class BlockMasks:
                     self._every_key[grid] = found
                     if len(self._every_key) > EVERY_KEY_GRIDS_KEPT:
                         self._every_key.popitem(last=False)
+        return from_tables(found, sizes, self.block_size, mask_mod)
+
+    def every_tile(self, spec: ir.AttentionIR, sizes: dict, values: dict, device,
+                   key: MaskKey) -> BlockMask:
+        """A block mask of ``spec`` for these values that lists every tile of the grid as a
+        partial one: the same attention as the exact mask, with the mask evaluated in every
+        tile, so each key is read. Its tables depend on the grid alone and are kept per grid;
+        only the ``mask_mod`` is this call's. They have the exact partial form's extents,
+        dtypes and layout (``key.batch`` x ``key.heads`` rows, no full tiles, no q side), so a
+        kernel compiled for one runs the other: a call warmed up eagerly with this mask and then
+        captured in a CUDA graph, where the exact mask is built, does not compile again. What a
+        decoding call whose bindings are new at every step runs with where reading its keys
+        costs less than building its exact mask (see flexattention.lists_every_tile)."""
+        nq, nk = tile_grid(sizes, self.block_size)
+        rows = (key.batch, key.heads, nq)
+        grid = ("every tile", *rows, nk, str(device))
+        with self._lock:
+            found = self._every_key.get(grid)
+        if found is None:
+            counts = torch.full(rows, nk, dtype=torch.int32, device=device)
+            columns = torch.arange(nk, dtype=torch.int32, device=device).expand(*rows, nk)
+            found = (counts, columns.contiguous(), None, None, None, None, None, None)
+            # tables made inside a CUDA graph capture live in its memory pool: not kept
+            if not in_graph_memory(device):
+                with self._lock:
+                    self._every_key[grid] = found
+                    if len(self._every_key) > EVERY_KEY_GRIDS_KEPT:
+                        self._every_key.popitem(last=False)
+        mask_mod, _ = lower(spec, dialect=key.dialect).make_mods(sizes, values)
         return from_tables(found, sizes, self.block_size, mask_mod)
 
     def _not_capturable(self, key: MaskKey, sizes: dict, device) -> str:

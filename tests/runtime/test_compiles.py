@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 
 import flexspec
 from flexspec.kernels import fused_blocks
-from flexspec.runtime import masks
+from flexspec.runtime import compiled, masks
 from flexspec.runtime.contract import BackendError
 from flexspec.testing import Shape
 
@@ -24,7 +24,10 @@ def graphs() -> int:
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
-    torch._dynamo.reset()  # other tests' compiles of the same spec would count as warm-up
+    # other tests' compiles of the same spec would count as warm-up: dynamo's caches and
+    # flexspec's entries (which remember the lengths they first compiled for) start afresh
+    torch._dynamo.reset()
+    compiled.compiled_entry.cache_clear()
     yield
 
 

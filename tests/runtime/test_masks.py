@@ -18,7 +18,8 @@ from torch.nn.attention.flex_attention import create_mask
 import flexspec
 from flexspec import BindingError, ir, limits
 from flexspec.kernels import fused_blocks
-from flexspec.kernels.block_tables import EMPTY, FULL, PARTIAL, as_partial, tile_classes
+from flexspec.kernels.block_tables import (EMPTY, FULL, PARTIAL, as_partial, tables,
+                                          tile_classes)
 from flexspec.lang.library import load_text
 from flexspec.runtime import masks
 from flexspec.runtime.masks import BlockMasks, mask_extent
@@ -777,6 +778,51 @@ def test_a_bound_handle_finds_its_plan_s_entry_in_its_dialect():
     flash = block_masks.bind(attn.ir, sizes, cpu, "cute").get({}, cpu)
     assert not {"clamp", "abs", "maximum", "minimum"} & _aten_ops(flash.mask_mod)
     assert_is_the_reference(flash, attn, 30, 30)
+
+
+@pytest.mark.parametrize("text, q_len, kv_len", [("per_row", 1, 50), ("per_row", 3, 47),
+                                                  ("both", 2, 64), ("causal", 20, 50)])
+def test_a_mask_listing_every_tile_evaluates_its_mask_in_each_with_the_exact_form_s_tables(
+        text, q_len, kv_len):
+    """BlockMasks.every_tile (what a decoding call with new bindings runs with where its keys
+    are few): every tile of the grid listed as partial, so the mask_mod decides every cell,
+    and that mask_mod is the reference's cell by cell; the tables have the exact partial
+    form's extents, dtypes and layout (a kernel compiled for one runs the other) and are kept
+    per grid while the mask_mod is each call's."""
+    block_masks = BlockMasks("exact", (16, 16))
+    attn = compile_mask(text, block_size=16)
+    spec, cpu = spec_of(text), torch.device("cpu")
+    batch, heads = 2, 3
+    sizes = {"B": batch, "H": heads, "Q_LEN": q_len, "KV_LEN": kv_len}
+    bound = block_masks.bind(spec, sizes, cpu, partial=True)
+    generator = torch.Generator().manual_seed(q_len)
+
+    def bindings():
+        found = {}
+        if "r" in attn.bindings:
+            found["r"] = torch.randint(0, 4, (batch, kv_len), generator=generator)
+        if "f" in attn.bindings:
+            found["f"] = torch.rand(heads, generator=generator) < 0.5
+        return found
+    keys = {t.name: ir.tensor_key(t) for t in spec.tensors()}
+    first, second = bindings(), bindings()
+    every = bound.every_tile({keys[n]: t for n, t in first.items()}, cpu)
+    exact = bound.get({keys[n]: t for n, t in first.items()}, cpu)
+    nq, nk = -(-q_len // 16), -(-kv_len // 16)
+    assert tile_classes(every).tolist() == torch.full(
+        (bound.batch, bound.heads, nq, nk), PARTIAL).tolist()
+    for mine, theirs in zip(tables(every), tables(exact)):
+        assert (mine is None) == (theirs is None)
+        if mine is not None:
+            assert (mine.shape, mine.dtype, mine.stride()) == \
+                (theirs.shape, theirs.dtype, theirs.stride())
+    for given, block_mask in ((first, every), (second, bound.every_tile(
+            {keys[n]: t for n, t in second.items()}, cpu))):
+        dense = attn.dense_mask(q_len, kv_len, batch=bound.batch, heads=bound.heads, **given)
+        assert torch.equal(create_mask(block_mask.mask_mod, bound.batch, bound.heads, q_len,
+                                       kv_len), dense)
+    kept = bound.every_tile({keys[n]: t for n, t in second.items()}, cpu)
+    assert kept.kv_indices is every.kv_indices and kept.kv_num_blocks is every.kv_num_blocks
 
 
 def test_the_fused_program_s_first_build_of_a_mask_is_logged_and_no_other(monkeypatch, caplog):
