@@ -589,7 +589,9 @@ def test_a_growing_decode_over_few_keys_lists_every_tile_and_equals_the_referenc
                 assert _relative_error(out, ref) < TOLERANCE[torch.bfloat16], (limit, n)
         state = attn._calls.last_plan.state
         assert state.decoding and state.every_tile == (limit > 0), limit
-        assert (len(builds) == 0) == (limit > 0), (limit, len(builds))
+        # listing every tile, the first step still builds the exact mask: its program then has
+        # compiled, as a later capture needs
+        assert len(builds) == (1 if limit > 0 else 5), (limit, len(builds))
 
 
 def test_a_decoded_token_under_a_window_reads_its_window_on_the_gpu():

@@ -97,16 +97,19 @@ class FlexCall:
 
     def block_mask_for(self, plan: Plan, bindings: dict, values, device) -> BlockMask:
         """The block mask of a call whose mask reads its bindings: the last call's for the very
-        same tensors; else one listing every tile where the plan does (:func:`lists_every_tile`);
-        else the exact one, from the cache or built. Inside a CUDA graph capture (or the warm-up
-        before one) the exact mask is built, so that replays rebuild it from what the bindings
-        hold then (a kept mask would be replayed as it was)."""
+        same tensors; else one listing every tile where the plan does (:func:`lists_every_tile`)
+        and the exact mask's program has compiled (a capture after this eager call would
+        otherwise compile it, which a capture cannot); else the exact one, from the cache or
+        built. Inside a CUDA graph capture (or the warm-up before one) the exact mask is built,
+        so that replays rebuild it from what the bindings hold then (a kept mask would be
+        replayed as it was)."""
         captured = in_graph_memory(device)
         block_mask = None if captured else self.last_block_mask(bindings)
         if block_mask is None:
             seen = self.seen(bindings)
             values = values or plan.values(bindings)
-            block_mask = (self.masks.every_tile(values, device) if self.every_tile and not captured
+            every = self.every_tile and not captured and self.masks.compiled_for_captures(device)
+            block_mask = (self.masks.every_tile(values, device) if every
                           else self.masks.get(values, device))
             if not captured:
                 self.last = (*seen, block_mask)

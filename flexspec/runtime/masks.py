@@ -99,6 +99,10 @@ class BoundMasks:
         :meth:`BlockMasks.every_tile`)."""
         return self.cache.every_tile(self.spec, self.sizes, values, device, self.key)
 
+    def compiled_for_captures(self, device) -> bool:
+        """See :meth:`BlockMasks.compiled_for_captures`."""
+        return self.cache.compiled_for_captures(self.key, self.sizes, device)
+
     def partial_only(self) -> "BoundMasks":
         """The same masks with their full tiles listed as partial ones, kv side only (see
         :class:`MaskKey`), cached apart from these."""
@@ -139,7 +143,8 @@ class BlockMasks:
         # mask is built outside the lock; two threads may build the same one, harmlessly)
         self._lock = threading.Lock()
         self._untraceable: set = set()  # mask ids the fused program could not trace
-        self._built_once: set = set()  # mask ids the fused program has built
+        # (mask id, partial) of the masks the fused program has built: compiled for them
+        self._built_once: set = set()
         # grid of tiles -> the tables of the mask that hides nothing (see _hiding_nothing), and
         # of the mask that lists every tile (see every_tile)
         self._every_key: collections.OrderedDict = collections.OrderedDict()
@@ -234,8 +239,8 @@ class BlockMasks:
                                            sizes["Q_LEN"], sizes["KV_LEN"], device=device,
                                            BLOCK_SIZE=self.block_size)
         elif self._fused(key, sizes, device):
-            first = key.mask_id not in self._built_once
-            self._built_once.add(key.mask_id)
+            first = (key.mask_id, key.partial) not in self._built_once
+            self._built_once.add((key.mask_id, key.partial))
             try:
                 with timed(f"building the block-mask program of '{ir.to_text(spec.mask)}' "
                            f"(its first build compiles)") if first else contextlib.nullcontext():
@@ -283,6 +288,14 @@ class BlockMasks:
                     if len(self._every_key) > EVERY_KEY_GRIDS_KEPT:
                         self._every_key.popitem(last=False)
         return from_tables(found, sizes, self.block_size, mask_mod)
+
+    def compiled_for_captures(self, key: MaskKey, sizes: dict, device) -> bool:
+        """Whether a CUDA graph capture would build this mask without compiling: its program
+        has built the mask (compiled for any length), or no program builds it (a capture cannot
+        build it at all). A call that skips the exact mask (:meth:`every_tile`) builds it until
+        then, so that a capture after an eager warm-up does not compile."""
+        return ((key.mask_id, key.partial) in self._built_once
+                or not self._fused(key, sizes, device))
 
     def every_tile(self, spec: ir.AttentionIR, sizes: dict, values: dict, device,
                    key: MaskKey) -> BlockMask:

@@ -825,6 +825,27 @@ def test_a_mask_listing_every_tile_evaluates_its_mask_in_each_with_the_exact_for
     assert kept.kv_indices is every.kv_indices and kept.kv_num_blocks is every.kv_num_blocks
 
 
+def test_a_mask_is_compiled_for_captures_once_its_program_built_its_form(monkeypatch):
+    """What a call listing every tile asks before it skips the exact mask: a capture after it
+    must find the program compiled for the mask's form (partial or not), unless no program
+    builds the mask (then a capture cannot build it at all)."""
+    cpu = torch.device("cpu")
+    block_masks = BlockMasks("exact", (16, 16))
+    spec = spec_of("per_row")
+    sizes = {"B": 2, "H": 1, "Q_LEN": 1, "KV_LEN": 50}
+    values = {ir.tensor_key(t): doc_ids(((10,), (30,)), 50) for t in spec.tensors()}
+    partial, whole = (block_masks.bind(spec, sizes, cpu, partial=form) for form in (True, False))
+    assert partial.compiled_for_captures(cpu)  # the CPU has no program
+    FusedProgram(monkeypatch)
+    assert not partial.compiled_for_captures(cpu) and not whole.compiled_for_captures(cpu)
+    whole.get(values, cpu)
+    assert whole.compiled_for_captures(cpu) and not partial.compiled_for_captures(cpu)
+    partial.get(values, cpu)
+    assert partial.compiled_for_captures(cpu)
+    longer = block_masks.bind(spec, {**sizes, "KV_LEN": 70}, cpu, partial=True)
+    assert longer.compiled_for_captures(cpu)  # compiled for any length
+
+
 def test_the_fused_program_s_first_build_of_a_mask_is_logged_and_no_other(monkeypatch, caplog):
     import logging
     FusedProgram(monkeypatch)
