@@ -152,8 +152,8 @@ def decodes(plan: Plan) -> bool:
 
 # A decoding call whose keys and values hold at most this many bytes lists every tile of its
 # block mask outside a CUDA graph capture: reading every key costs at most these bytes at the
-# device's bandwidth (tens of microseconds on an H100), less than the host time of building the
-# exact mask at every step (docs/performance.md, "Decoding masks that list every tile").
+# device's bandwidth, less than the host time of building the exact mask at every step
+# (docs/performance.md, thirtieth session).
 EVERY_TILE_BYTES = 256 * 1024**2
 
 
