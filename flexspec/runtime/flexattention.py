@@ -251,13 +251,17 @@ def warm_call(call: FlexCall, args: tuple):
     """A warm plan's call: the code dynamo compiled, replayed where the arguments agree with the
     call it was kept from (kernels.replay), else the compiled entry, whose code is then kept for
     the next call; unless the code kept last never served a call (arguments new at every call,
-    such as block masks built from fresh bindings), after which the plan stops keeping any."""
+    such as block masks built from fresh bindings), after which the plan stops keeping any.
+    A call in a CUDA graph's memory keeps nothing: the code it would keep holds its block mask
+    and score, the graph's tensors."""
     replay = call.replay
     if replay is not None:
         out = replay.run(args)
         if out is not None:
             call.replay_served = True
             return out
+    if in_graph_memory(args[0].device):
+        return call_compiled(call.entry, *args)
     if call.replays and (replay is None or call.replay_served):
         out, call.replay = call_kept(call.entry, *args)
         call.replay_served = False
@@ -399,7 +403,7 @@ class FlexAttentionBackend(Backend):
                 raise
             except Exception as err:  # noqa: BLE001 - inductor's errors have no stable type
                 return self.compile_failed(plan, err)
-            if stepping:
+            if stepping and not in_graph_memory(q.device):  # see warm_call
                 call.replay = found or Replay.of(call.entry, args)
             call.warm = True
         return compiled.split_lse(out) if call.lse is not None else out
