@@ -529,14 +529,15 @@ def test_twelve_lengths_compile_at_most_twice_on_the_gpu(backend):
 @pytest.mark.parametrize("tensor_offset", [False, True])
 def test_a_warm_decode_call_builds_its_block_mask_once(monkeypatch, tensor_offset):
     """Repeated at one offset (an int, or one unchanged tensor), a decode call finds its exact
-    block mask again (its keys made many, so that it builds one): a clamp of the offset made anew on every call rebuilt it every time (about 1 ms
-    per call on an H200, 3-4x the kernel)."""
+    block mask again (every tile is never listed here, so that it builds one): a clamp of the
+    offset made anew on every call rebuilt it every time (about 1 ms per call on an H200, 3-4x
+    the kernel)."""
+    from flexspec.runtime import flexattention
     from flexspec.runtime.masks import BlockMasks
     builds = []
     build = BlockMasks._build
     monkeypatch.setattr(BlockMasks, "_build",
                         lambda self, *args: builds.append(1) or build(self, *args))
-    from flexspec.runtime import flexattention
     monkeypatch.setattr(flexattention, "EVERY_TILE_BYTES", 0)  # the exact mask, always
     attn = flexspec.compile("causal & (window(256) | sink(4))")  # absolute keys: no slice
     q = torch.randn(2, 8, 1, 64, device="cuda", dtype=torch.bfloat16)
