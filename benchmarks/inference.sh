@@ -6,16 +6,17 @@
 # printed last.
 #
 #   bash benchmarks/inference.sh                 # the parts "tests host" (about 9 minutes)
-#   bash benchmarks/inference.sh kernels model   # 32K decode tables and generate() (8 minutes)
+#   bash benchmarks/inference.sh kernels         # 32K decode tables (5 minutes)
+#   bash benchmarks/inference.sh model           # generate() in its three cache modes (6 minutes)
 #   bash benchmarks/inference.sh paged           # paged decode at 32K (7 minutes)
 #
 # Parts: tests (the GPU tests of this area), host (host time of a step's calls: replays,
 # compiled calls without dynamo, planning), kernels (decode steps and warm calls at 32K), long
-# (warm calls at 128K), model (transformers' generate()), profile (where a dynamic-cache
-# generate() token's host time goes, flexspec against sdpa, under cProfile), stages (the same
-# by stage, clocked without a profiler: the attention layers and flexspec's call path), paged
-# (paged caches at pages 16 and 64, `causal & doc` with a moving offset), mixed (a prefill
-# chunk with decoded tokens).
+# (warm calls at 128K), model (transformers' generate(): dynamic cache, static cache, static
+# cache with the forward compiled), profile (where a dynamic-cache generate() token's host time
+# goes, flexspec against sdpa, under cProfile), stages (the same by stage, clocked without a
+# profiler: the attention layers and flexspec's call path), paged (paged caches at pages 16 and
+# 64, `causal & doc` with a moving offset), mixed (a prefill chunk with decoded tokens).
 # The limits are what each part took on the H200 and the H100 with some room (2026-12-05: the
 # tests took 324 s and the mixed rows more than 200 s on the H100).
 # lark travels as a wheel (.whl, see the device tool's notes); FA4 is optional (its columns
@@ -60,8 +61,8 @@ or paged or fresh_document_ids" ;;
         long)
             part 300 decode_long python3 benchmarks/decode.py --caches 131072 --batches 8 ;;
         model)
-            part 200 generate python3 benchmarks/generate.py --models llama mistral \
-                --attention sdpa flexspec --tokens 32 --modes dynamic ;;
+            part 320 generate python3 benchmarks/generate.py --models llama mistral \
+                --attention sdpa flexspec --tokens 32 --modes dynamic static static+compiled ;;
         stages)
             part 200 generate_stages python3 benchmarks/generate.py --models llama mistral \
                 --attention sdpa flexspec --tokens 32 --modes dynamic --stages ;;
