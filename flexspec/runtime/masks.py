@@ -274,20 +274,29 @@ class BlockMasks:
         nq, nk = tile_grid(sizes, self.block_size)
         grid = (key.batch, key.heads, nq, nk, sizes["Q_LEN"] % bq != 0,
                 sizes["KV_LEN"] % bk != 0, str(device), key.partial)
-        with self._lock:
-            found = self._every_key.get(grid)
-        if found is None:
+
+        def build():
             built = build_block_mask(spec.mask, sizes, self.block_size, {}, device,
                                      batch=key.batch, heads=key.heads,
                                      exact=self.mode == "exact")
-            found = tables(as_partial(built) if key.partial else built)
-            # tables made inside a CUDA graph capture live in its memory pool: not kept
+            return tables(as_partial(built) if key.partial else built)
+        return from_tables(self._grid_tables(grid, device, build), sizes, self.block_size,
+                           mask_mod)
+
+    def _grid_tables(self, grid: tuple, device, build) -> tuple:
+        """The tables kept for ``grid`` (the masks whose tiles depend on their grid alone), or
+        ``build()``'s, kept for the next call unless made in a CUDA graph's memory (its pool's
+        tensors may not outlive the graph); at most :data:`EVERY_KEY_GRIDS_KEPT` grids."""
+        with self._lock:
+            found = self._every_key.get(grid)
+        if found is None:
+            found = build()
             if not in_graph_memory(device):
                 with self._lock:
                     self._every_key[grid] = found
                     if len(self._every_key) > EVERY_KEY_GRIDS_KEPT:
                         self._every_key.popitem(last=False)
-        return from_tables(found, sizes, self.block_size, mask_mod)
+        return found
 
     def compiled_for_captures(self, key: MaskKey, sizes: dict, device) -> bool:
         """Whether a CUDA graph capture would build this mask without compiling: its program
@@ -310,19 +319,12 @@ class BlockMasks:
         costs less than building its exact mask (see flexattention.lists_every_tile)."""
         nq, nk = tile_grid(sizes, self.block_size)
         rows = (key.batch, key.heads, nq)
-        grid = ("every tile", *rows, nk, str(device))
-        with self._lock:
-            found = self._every_key.get(grid)
-        if found is None:
+
+        def build():
             counts = torch.full(rows, nk, dtype=torch.int32, device=device)
             columns = torch.arange(nk, dtype=torch.int32, device=device).expand(*rows, nk)
-            found = (counts, columns.contiguous(), None, None, None, None, None, None)
-            # tables made inside a CUDA graph capture live in its memory pool: not kept
-            if not in_graph_memory(device):
-                with self._lock:
-                    self._every_key[grid] = found
-                    if len(self._every_key) > EVERY_KEY_GRIDS_KEPT:
-                        self._every_key.popitem(last=False)
+            return (counts, columns.contiguous(), None, None, None, None, None, None)
+        found = self._grid_tables(("every tile", *rows, nk, str(device)), device, build)
         mask_mod, _ = lower(spec, dialect=key.dialect).make_mods(sizes, values)
         return from_tables(found, sizes, self.block_size, mask_mod)
 
