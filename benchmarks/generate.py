@@ -293,6 +293,9 @@ def profile(built, ids, mask, tokens: int, top: int) -> list:
 def measure(kind, implementation, mode, ids, mask, tokens, device, top: int = 0,
             staged: bool = False, traced: int = 0) -> dict:
     row = {"model": kind, "mode": mode, "attention": implementation}
+    if mode == "static+compiled":  # a row that failed leaves its graphs half recorded
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+        reset_cudagraph_trees()
     try:
         built = model(kind, implementation, device)
         configure(built, mode)
@@ -312,7 +315,8 @@ def measure(kind, implementation, mode, ids, mask, tokens, device, top: int = 0,
         if traced:
             row["trace"] = trace(built, ids, mask, tokens, traced)
     except Exception as err:  # noqa: BLE001 - a failed run is a table cell
-        row["ms/token"] = f"fails: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
+        first = (str(err).splitlines() or [""])[0]  # an AssertionError may have no message
+        row["ms/token"] = f"fails: {type(err).__name__}: {first[:120]}"
         print(f"  {kind} {mode} {implementation}: {row['ms/token']}", flush=True)
     return row
 

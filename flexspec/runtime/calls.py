@@ -11,6 +11,7 @@ import torch
 from flexspec import ir
 from flexspec.errors import BindingError, BindingTypeError
 from flexspec.runtime import order
+from flexspec.runtime.capture import capturing
 from flexspec.runtime.checks import checked_scale
 from flexspec.runtime.contract import Plan, Replan
 from flexspec.runtime.masks import BlockMasks
@@ -88,7 +89,8 @@ class Calls:
         bindings = calls._placed(q, sliced_k, bindings, q_offset, kv_lengths, step)
         plan, key, made = calls._plan_for(q, sliced_k, sliced_v, scale, bindings, learnables,
                                           return_lse)
-        self.last_plan = plan
+        if not capturing(plan.device):  # see _new_plan
+            self.last_plan = plan
         if signature is not None:
             launch = calls._launch(plan, scale, bindings, step, keys)
             if launch is not None:
@@ -185,7 +187,11 @@ class Calls:
                 if row.backend == plan.choice.backend and row.notice is not None:
                     warn_once(f"notice-{row.backend}-{plan.request.device_type}",
                               row.notice.format(device=plan.request.device_type))
-        if key is not None:
+        # a plan made inside a CUDA graph capture holds tensors of the graph's memory pool (its
+        # scale, built-in tables, block mask), which must not outlive the recording: it serves
+        # this call alone (CUDA graph trees record a graph again, with no warm-up, at a later
+        # generate(), where the plan may have been evicted since)
+        if key is not None and not capturing(plan.device):
             self.plans.put(key, plan)
         return plan
 

@@ -22,7 +22,7 @@ from flexspec.kernels import fused_blocks
 from flexspec.kernels.blocks import build_block_mask
 from flexspec.kernels.lower import lower
 from flexspec.limits import MAX_FUSED_TILES, check_block_mask
-from flexspec.runtime.capture import in_graph_memory
+from flexspec.runtime.capture import capturing, in_graph_memory
 from flexspec.runtime.identity import identity
 from flexspec.runtime.progress import timed
 
@@ -195,7 +195,8 @@ class BlockMasks:
         # a mask that reads tensors is built, never looked up: the graph replays its build with
         # whatever the tensors hold then (a cached mask would be replayed as it was at
         # capture). The build's tensors live in the graph's memory pool, so it is not kept
-        # either.
+        # either. A mask that reads none is looked up (its build does not change), and one
+        # built inside a capture is not kept.
         captured = bool(key.reads) and in_graph_memory(device)
         cache_key = (key.token,) + tuple(identity(values[name]) for name in key.reads)
         if None in cache_key:  # an inference tensor, which cannot be seen changing: built
@@ -210,7 +211,7 @@ class BlockMasks:
                 self._admit(cache_key, *waiting)
                 return waiting[0]
         block_mask = self._build(spec, sizes, values, device, key, captured)
-        if captured:
+        if captured or capturing(device):
             return block_mask
         # an entry keeps the values alive, so their memory cannot be reused while it exists
         with self._lock:

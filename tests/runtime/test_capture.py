@@ -215,3 +215,58 @@ def test_a_call_in_a_graph_s_memory_keeps_none_of_its_tensors(monkeypatch, text)
     assert [tuple(t.shape) for t in kept] == []
     # the reference keeps tables of its own (outside any graph): checked last
     torch.testing.assert_close(out, attn.reference(q, k, v, **given), atol=1e-4, rtol=1e-4)
+
+
+def _captured_on_the_cpu(monkeypatch) -> None:
+    """Make ``capturing`` true for every device, in each flexspec module that reads it."""
+    original = capture.capturing
+    for name, module in list(sys.modules.items()):
+        if name.startswith("flexspec") and getattr(module, "capturing", None) is original:
+            monkeypatch.setattr(module, "capturing", lambda device: True)
+
+
+@pytest.mark.parametrize("text", ["causal & key_padding", "causal + alibi",
+                                  "sliding_window(50) + softcap(20.0)"])
+def test_a_plan_made_inside_a_capture_keeps_none_of_its_tensors(monkeypatch, text):
+    """A capture can meet a signature with no plan: CUDA graph trees record a graph again,
+    without a warm-up, at a later generate(), and the plan may have been evicted since (or
+    forgotten, as benchmarks/generate.py does). Every tensor made there lives in the graph's
+    pool, so neither the plan (its scale tensor, built-in tables, score) nor a block mask made
+    for it may be kept: the trees refused the graph ('1 tensor(s) in the cudagraph pool not
+    tracked as outputs', H100, 2026-12-06). Here the CPU plays the capture (capturing() made
+    true), on the compiled kernels (130 rows, 200 keys) with the block-mask program, with a
+    given scale (a tensor the plan makes), a mask that reads a binding, a built-in table with a
+    mask that reads none, and a window. The code compiled outside the capture first."""
+    import gc
+
+    import flexspec
+    from flexspec.runtime import masks
+    monkeypatch.setattr(masks, "FUSED_DEVICES", frozenset({"cpu"}))
+    attn = flexspec.compile(text)
+    generator = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(2, 2, 200, 16, generator=generator) for _ in range(2))
+
+    def call():
+        q = torch.randn(2, 4, 130, 16, generator=generator)
+        given = {"q_offset": torch.tensor([70, 20])}
+        if "key_padding" in text:
+            given["valid"] = torch.arange(200) < torch.tensor([[200], [170]])
+        return q, given
+
+    q, given = call()
+    attn(q, k, v, scale=0.3, **given)
+    attn._calls.forget_plans()
+    del q, given
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+    q, given = call()
+    with monkeypatch.context() as inside:
+        _captured_on_the_cpu(inside)
+        out = attn(q, k, v, scale=0.3, **given)
+    q, given, out = q.clone(), {name: t.clone() for name, t in given.items()}, out.clone()
+    gc.collect()
+    kept = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and id(o) not in before
+            and not any(o is mine for mine in (q, out, *given.values()))]
+    assert [tuple(t.shape) for t in kept] == []
+    torch.testing.assert_close(out, attn.reference(q, k, v, scale=0.3, **given), atol=1e-4,
+                               rtol=1e-4)
