@@ -35,7 +35,7 @@ from flexspec.ir.overflow import length_buckets, position_range, position_ranges
 from flexspec.ir.rewrites import KV_LENGTHS, Q_OFFSET, default_offset, placed, reads_positions
 from flexspec.limits import POSITION_LIMIT, check_position, kernel_int_dtype
 from flexspec.runtime.bindings import Tensors
-from flexspec.runtime.capture import in_graph_memory
+from flexspec.runtime.capture import capturing, in_graph_memory
 from flexspec.runtime.checks import as_device, check_qkv
 from flexspec.runtime.identity import KeptByIdentity, identity, remember_range
 
@@ -84,7 +84,9 @@ class Placement:
         added = self._placed_ints.get(key) if host_known else None
         if added is None:
             added = call_tensors(self.ir, q_offset, kv_lengths, sizes, as_device(device))
-            if host_known:  # a decode step at a known offset: its tensors are made once
+            # a decode step at a known offset: its tensors are made once (not inside a CUDA
+            # graph capture, whose tensors nothing may keep)
+            if host_known and not capturing(as_device(device)):
                 if len(self._placed_ints) >= _PLACED_KEPT:
                     self._placed_ints.clear()
                 self._placed_ints[key] = added
@@ -287,6 +289,10 @@ def _per_row(name: str, value, batch: int, device) -> torch.Tensor:
                                f"got {type(value).__name__}")
     if isinstance(value, int):
         check_position(value, name, error=BindingError)
+        if capturing(torch.device(device)):
+            # made in the graph's memory pool, which nothing may keep: neither kept nor
+            # remembered (a lookup it indexes is asserted on the device instead)
+            return _int_tensor_made(value, batch, str(device))
         return _int_tensor(value, batch, str(device))
     if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
         raise BindingError(f"{name} must hold ints, got dtype {value.dtype}")
@@ -301,12 +307,16 @@ def _per_row(name: str, value, batch: int, device) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=_OFFSET_TENSORS_KEPT)
 def _int_tensor(value: int, batch: int, device: str) -> torch.Tensor:
+    made = _int_tensor_made(value, batch, device)
+    remember_range(made, value, value)  # its lookups are then checked without a read
+    return made
+
+
+def _int_tensor_made(value: int, batch: int, device: str) -> torch.Tensor:
     # one entry per batch row, not one broadcast entry: a lookup then stays at index b, where a
     # single entry would be read at the constant index 0 (flexspec.workarounds:
     # flash-constant-index). Made outside inference mode, as it serves calls in every mode
     # (an inference tensor cannot be saved for a backward pass)
     with torch.inference_mode(False):
-        made = torch.full((batch,), value, dtype=torch.int64, device=device)
-    remember_range(made, value, value)  # its lookups are then checked without a read
-    return made
+        return torch.full((batch,), value, dtype=torch.int64, device=device)
 

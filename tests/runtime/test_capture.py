@@ -225,9 +225,10 @@ def _captured_on_the_cpu(monkeypatch) -> None:
             monkeypatch.setattr(module, "capturing", lambda device: True)
 
 
-@pytest.mark.parametrize("text", ["causal & key_padding", "causal + alibi",
-                                  "sliding_window(50) + softcap(20.0)"])
-def test_a_plan_made_inside_a_capture_keeps_none_of_its_tensors(monkeypatch, text):
+@pytest.mark.parametrize("text, int_offset", [
+    ("causal & key_padding", False), ("causal + alibi", False),
+    ("sliding_window(50) + softcap(20.0)", False), ("causal & key_padding", True)])
+def test_a_plan_made_inside_a_capture_keeps_none_of_its_tensors(monkeypatch, text, int_offset):
     """A capture can meet a signature with no plan: CUDA graph trees record a graph again,
     without a warm-up, at a later generate(), and the plan may have been evicted since (or
     forgotten, as benchmarks/generate.py does). Every tensor made there lives in the graph's
@@ -236,7 +237,8 @@ def test_a_plan_made_inside_a_capture_keeps_none_of_its_tensors(monkeypatch, tex
     tracked as outputs', H100, 2026-12-06). Here the CPU plays the capture (capturing() made
     true), on the compiled kernels (130 rows, 200 keys) with the block-mask program, with a
     given scale (a tensor the plan makes), a mask that reads a binding, a built-in table with a
-    mask that reads none, and a window. The code compiled outside the capture first."""
+    mask that reads none, a window, and an int offset not met before (flexspec makes its
+    tensor). The code compiled outside the capture first."""
     import gc
 
     import flexspec
@@ -246,24 +248,25 @@ def test_a_plan_made_inside_a_capture_keeps_none_of_its_tensors(monkeypatch, tex
     generator = torch.Generator().manual_seed(0)
     k, v = (torch.randn(2, 2, 200, 16, generator=generator) for _ in range(2))
 
-    def call():
+    def call(offset):
         q = torch.randn(2, 4, 130, 16, generator=generator)
-        given = {"q_offset": torch.tensor([70, 20])}
+        given = {"q_offset": offset if int_offset else torch.tensor([offset, 20])}
         if "key_padding" in text:
             given["valid"] = torch.arange(200) < torch.tensor([[200], [170]])
         return q, given
 
-    q, given = call()
+    q, given = call(70)
     attn(q, k, v, scale=0.3, **given)
     attn._calls.forget_plans()
     del q, given
     gc.collect()
     before = {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor)}
-    q, given = call()
+    q, given = call(69)
     with monkeypatch.context() as inside:
         _captured_on_the_cpu(inside)
         out = attn(q, k, v, scale=0.3, **given)
-    q, given, out = q.clone(), {name: t.clone() for name, t in given.items()}, out.clone()
+    q, out = q.clone(), out.clone()
+    given = {name: t.clone() if isinstance(t, torch.Tensor) else t for name, t in given.items()}
     gc.collect()
     kept = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and id(o) not in before
             and not any(o is mine for mine in (q, out, *given.values()))]
