@@ -83,10 +83,11 @@ class Placement:
         key = (q_offset, sizes["B"], sizes["H"], sizes["Q_LEN"], sizes["KV_LEN"], str(device))
         added = self._placed_ints.get(key) if host_known else None
         if added is None:
-            added = call_tensors(self.ir, q_offset, kv_lengths, sizes, as_device(device))
+            device = as_device(device)
+            added = call_tensors(self.ir, q_offset, kv_lengths, sizes, device)
             # a decode step at a known offset: its tensors are made once (not inside a CUDA
             # graph capture, whose tensors nothing may keep)
-            if host_known and not capturing(as_device(device)):
+            if host_known and not capturing(device):
                 if len(self._placed_ints) >= _PLACED_KEPT:
                     self._placed_ints.clear()
                 self._placed_ints[key] = added
