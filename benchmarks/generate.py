@@ -29,6 +29,10 @@ profiler's own cost inflates every Python call: read the shares, not the sums), 
 flexspec's own functions with the most cumulative time, and the same for sdpa's row where it
 was run, so the two host paths can be compared.
 
+``--layers N`` builds the models with N layers instead of 2 (the issue's shape): a real model's
+16 to 80 layers weigh what each layer's call costs (its compiled kernel's launch) against what
+a step pays once (a growing cache's new plan), which two layers hide.
+
 ``--stages`` times one more ``generate()`` of each sdpa and flexspec row with a clock around
 the model's attention layers and around the pieces of flexspec's call path (plans, block
 masks, the first call of a plan, the compiled-code lookups and the code they find as it runs,
@@ -47,6 +51,7 @@ does not take), so ``--stages`` and ``--trace`` are the ones to read for the com
     python benchmarks/generate.py
     python benchmarks/generate.py --models mistral --modes dynamic --tokens 16
     python benchmarks/generate.py --models mistral --modes dynamic --tokens 32 --stages
+    python benchmarks/generate.py --models llama --modes dynamic --tokens 32 --layers 16
     python benchmarks/generate.py --models mistral --modes dynamic --tokens 32 --profile 30
     python benchmarks/generate.py --models mistral --modes dynamic --tokens 32 --trace 30
 """
@@ -73,13 +78,14 @@ BATCH, SHORTEST, LONGEST = 8, 2048, 4096
 REPEATS = 3
 
 
-def model(kind: str, implementation: str, device):
+def model(kind: str, implementation: str, device, layers: int = SHAPE["num_hidden_layers"]):
     import transformers
+    shape = {**SHAPE, "num_hidden_layers": layers}
     if kind == "llama":
-        config = transformers.LlamaConfig(**SHAPE)
+        config = transformers.LlamaConfig(**shape)
         cls = transformers.LlamaForCausalLM
     else:
-        config = transformers.MistralConfig(sliding_window=4096, **SHAPE)
+        config = transformers.MistralConfig(sliding_window=4096, **shape)
         cls = transformers.MistralForCausalLM
     torch.manual_seed(0)  # the same weights for every implementation
     built = cls(config).to(device, torch.bfloat16).eval()
@@ -291,13 +297,14 @@ def profile(built, ids, mask, tokens: int, top: int) -> list:
 
 
 def measure(kind, implementation, mode, ids, mask, tokens, device, top: int = 0,
-            staged: bool = False, traced: int = 0) -> dict:
+            staged: bool = False, traced: int = 0, layers: int = SHAPE["num_hidden_layers"]
+            ) -> dict:
     row = {"model": kind, "mode": mode, "attention": implementation}
     if mode == "static+compiled":  # a row that failed leaves its graphs half recorded
         from torch._inductor.cudagraph_trees import reset_cudagraph_trees
         reset_cudagraph_trees()
     try:
-        built = model(kind, implementation, device)
+        built = model(kind, implementation, device, layers)
         configure(built, mode)
         generate(built, ids, mask, tokens)  # compiles what it compiles
         generate(built, ids, mask, 1)
@@ -327,6 +334,8 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", nargs="+", default=MODES)
     parser.add_argument("--attention", nargs="+", default=IMPLEMENTATIONS)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"],
+                        help="layers of each model (2, the issue's shape, unless given)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="profile one more generate(): the N functions with the most own "
                              "time per token, and flexspec's N with the most cumulative time")
@@ -338,12 +347,14 @@ def main(argv=None) -> int:
                              "(synchronisations, launches) and the N operators with the most "
                              "own host time, per token")
     args = parser.parse_args(argv)
+    if args.layers < 1:
+        parser.error(f"--layers must be at least 1, got {args.layers}")
     if not torch.cuda.is_available():
         print("benchmarks/generate.py needs a CUDA GPU", file=sys.stderr)
         return 1
     import transformers
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{torch.cuda.get_device_name()}", flush=True)
+          f"{torch.cuda.get_device_name()}, {args.layers} layers", flush=True)
     integration.register("flexspec")
     device = torch.device("cuda")
     ids, mask = prompts(device)
@@ -354,7 +365,7 @@ def main(argv=None) -> int:
                 ours = implementation in ("flexspec", "sdpa")
                 rows.append(measure(kind, implementation, mode, ids, mask, args.tokens, device,
                                     args.profile if ours else 0, args.stages and ours,
-                                    args.trace if ours else 0))
+                                    args.trace if ours else 0, args.layers))
                 print({k: v for k, v in rows[-1].items()
                        if k not in ("tokens", "profile", "stages", "trace")}, flush=True)
                 for part in ("profile", "stages", "trace"):

@@ -8,15 +8,18 @@
 #   bash benchmarks/inference.sh                 # the parts "tests host" (about 9 minutes)
 #   bash benchmarks/inference.sh kernels         # 32K decode tables (5 minutes)
 #   bash benchmarks/inference.sh model           # generate() in its three cache modes (6 minutes)
+#   bash benchmarks/inference.sh deep            # generate() of a 16-layer Llama (7 minutes)
 #   bash benchmarks/inference.sh paged           # paged decode at 32K (7 minutes)
 #
 # Parts: tests (the GPU tests of this area), host (host time of a step's calls: replays,
 # compiled calls without dynamo, planning), kernels (decode steps and warm calls at 32K), long
 # (warm calls at 128K), model (transformers' generate(): dynamic cache, static cache, static
-# cache with the forward compiled), profile (where a dynamic-cache generate() token's host time
-# goes, flexspec against sdpa, under cProfile), stages (the same by stage, clocked without a
-# profiler: the attention layers and flexspec's call path), paged (paged caches at pages 16 and
-# 64, `causal & doc` with a moving offset), mixed (a prefill chunk with decoded tokens).
+# cache with the forward compiled), deep (a 16-layer Llama's generate(), dynamic cache and
+# static cache compiled: per-layer costs against per-step ones; its limit is a guess, not yet
+# run), profile (where a dynamic-cache generate() token's host time goes, flexspec against
+# sdpa, under cProfile), stages (the same by stage, clocked without a profiler: the attention
+# layers and flexspec's call path), paged (paged caches at pages 16 and 64, `causal & doc` with
+# a moving offset), mixed (a prefill chunk with decoded tokens).
 # The limits are what each part took on the H200 and the H100 with some room (2026-12-05: the
 # tests took 324 s and the mixed rows more than 200 s on the H100).
 # lark travels as a wheel (.whl, see the device tool's notes); FA4 is optional (its columns
@@ -63,6 +66,10 @@ or paged or fresh_document_ids" ;;
         model)
             part 320 generate python3 benchmarks/generate.py --models llama mistral \
                 --attention sdpa flexspec --tokens 32 --modes dynamic static static+compiled ;;
+        deep)
+            part 400 generate_deep python3 benchmarks/generate.py --models llama \
+                --attention sdpa flexspec --tokens 32 --modes dynamic static+compiled \
+                --layers 16 ;;
         stages)
             part 200 generate_stages python3 benchmarks/generate.py --models llama mistral \
                 --attention sdpa flexspec --tokens 32 --modes dynamic --stages ;;
@@ -77,7 +84,7 @@ or paged or fresh_document_ids" ;;
         mixed)
             part 280 mixed python3 benchmarks/paged.py --mixed 512 --caches 4096 32768 \
                 --batches 8 --pages 64 ;;
-        *) echo "unknown part '$what' (tests, host, kernels, long, model, stages, profile, paged, mixed)" >&2; exit 2 ;;
+        *) echo "unknown part '$what' (tests, host, kernels, long, model, deep, stages, profile, paged, mixed)" >&2; exit 2 ;;
     esac
 done
 
