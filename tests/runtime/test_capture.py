@@ -228,7 +228,7 @@ def _captured_on_the_cpu(monkeypatch) -> None:
 @pytest.mark.parametrize("text, offset", [
     ("causal & key_padding", "tensor"), ("causal + alibi", "tensor"),
     ("sliding_window(50) + softcap(20.0)", "tensor"), ("causal & key_padding", "int"),
-    ("window(50) + alibi", None)])
+    ("window(50) + alibi", None), ("causal & doc + rel_bias(8)", "tensor")])
 def test_a_plan_made_inside_a_capture_keeps_none_of_its_tensors(monkeypatch, text, offset):
     """A capture can meet a signature with no plan: CUDA graph trees record a graph again,
     without a warm-up, at a later generate(), and the plan may have been evicted since (or
@@ -238,9 +238,9 @@ def test_a_plan_made_inside_a_capture_keeps_none_of_its_tensors(monkeypatch, tex
     cudagraph pool not tracked as outputs', H100, 2026-12-06). Here the CPU plays the capture
     (capturing() made true), on the compiled kernels (130 rows, 200 keys) with the block-mask
     program, with a given scale (a tensor the plan makes): masks that read a binding, a
-    built-in table, a window, an int offset not met before (flexspec makes its tensor), and a
-    mask that reads none, whose kept block masks are dropped too (evicted), so that it is built
-    inside. The code compiled outside the capture first (nothing can compile inside one)."""
+    built-in table, a window, an int offset not met before (flexspec makes its tensor), a mask
+    that reads none, whose kept block masks are dropped too (evicted), so that it is built
+    inside, and documents with a learnable table the score looks up. The code compiled outside the capture first (nothing can compile inside one)."""
     import gc
 
     import flexspec
@@ -256,10 +256,13 @@ def test_a_plan_made_inside_a_capture_keeps_none_of_its_tensors(monkeypatch, tex
             "q_offset": at if offset == "int" else torch.tensor([at, 20])}
         if "key_padding" in text:
             given["valid"] = torch.arange(keys) < torch.tensor([[keys], [170]])
+        if "doc" in text:
+            given["doc_ids"] = (torch.arange(keys) // 90).expand(2, keys).contiguous()
         return q, given
 
     q, given = call(70, 200)
-    attn(q, k, v, scale=0.3, **given)
+    with torch.no_grad():  # inference, as a captured decode step runs
+        attn(q, k, v, scale=0.3, **given)
     attn._calls.forget_plans()
     attn._calls.masks._cache.clear()
     attn._calls.masks._probation.clear()
@@ -267,7 +270,7 @@ def test_a_plan_made_inside_a_capture_keeps_none_of_its_tensors(monkeypatch, tex
     gc.collect()
     before = {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor)}
     q, given = call(69, 200)
-    with monkeypatch.context() as inside:
+    with monkeypatch.context() as inside, torch.no_grad():
         _captured_on_the_cpu(inside)
         out = attn(q, k, v, scale=0.3, **given)
     q, out = q.clone(), out.clone()
@@ -276,5 +279,7 @@ def test_a_plan_made_inside_a_capture_keeps_none_of_its_tensors(monkeypatch, tex
     kept = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and id(o) not in before
             and not any(o is mine for mine in (q, out, *given.values()))]
     assert [tuple(t.shape) for t in kept] == []
+    with torch.no_grad():
+        assert attn.explain(q, k, v, scale=0.3, **given).choice.backend == "flex"
     torch.testing.assert_close(out, attn.reference(q, k, v, scale=0.3, **given), atol=1e-4,
                                rtol=1e-4)
