@@ -240,7 +240,8 @@ def test_a_plan_made_inside_a_capture_keeps_none_of_its_tensors(monkeypatch, tex
     program, with a given scale (a tensor the plan makes): masks that read a binding, a
     built-in table, a window, an int offset not met before (flexspec makes its tensor), a mask
     that reads none, whose kept block masks are dropped too (evicted), so that it is built
-    inside, and documents with a learnable table the score looks up. The code compiled outside the capture first (nothing can compile inside one)."""
+    inside, and documents with a learnable table the score looks up. The code compiled outside
+    the capture first (nothing can compile inside one)."""
     import gc
 
     import flexspec
@@ -250,17 +251,17 @@ def test_a_plan_made_inside_a_capture_keeps_none_of_its_tensors(monkeypatch, tex
     generator = torch.Generator().manual_seed(0)
     k, v = (torch.randn(2, 2, 200, 16, generator=generator) for _ in range(2))
 
-    def call(at, keys):
+    def call(at):
         q = torch.randn(2, 4, 130, 16, generator=generator)
         given = {} if offset is None else {
             "q_offset": at if offset == "int" else torch.tensor([at, 20])}
         if "key_padding" in text:
-            given["valid"] = torch.arange(keys) < torch.tensor([[keys], [170]])
+            given["valid"] = torch.arange(200) < torch.tensor([[200], [170]])
         if "doc" in text:
-            given["doc_ids"] = (torch.arange(keys) // 90).expand(2, keys).contiguous()
+            given["doc_ids"] = (torch.arange(200) // 90).expand(2, 200).contiguous()
         return q, given
 
-    q, given = call(70, 200)
+    q, given = call(70)
     with torch.no_grad():  # inference, as a captured decode step runs
         attn(q, k, v, scale=0.3, **given)
     attn._calls.forget_plans()
@@ -269,7 +270,7 @@ def test_a_plan_made_inside_a_capture_keeps_none_of_its_tensors(monkeypatch, tex
     del q, given
     gc.collect()
     before = {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor)}
-    q, given = call(69, 200)
+    q, given = call(69)
     with monkeypatch.context() as inside, torch.no_grad():
         _captured_on_the_cpu(inside)
         out = attn(q, k, v, scale=0.3, **given)
