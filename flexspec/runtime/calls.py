@@ -89,7 +89,7 @@ class Calls:
         bindings = calls._placed(q, sliced_k, bindings, q_offset, kv_lengths, step)
         plan, key, made = calls._plan_for(q, sliced_k, sliced_v, scale, bindings, learnables,
                                           return_lse)
-        if not capturing(plan.device):  # see _new_plan
+        if not made or not capturing(plan.device):  # a plan made in a capture: see _new_plan
             self.last_plan = plan
         if signature is not None:
             launch = calls._launch(plan, scale, bindings, step, keys)

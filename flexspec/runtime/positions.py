@@ -290,7 +290,7 @@ def _per_row(name: str, value, batch: int, device) -> torch.Tensor:
                                f"got {type(value).__name__}")
     if isinstance(value, int):
         check_position(value, name, error=BindingError)
-        if capturing(torch.device(device)):
+        if capturing(device):
             # made in the graph's memory pool, which nothing may keep: neither kept nor
             # remembered (a lookup it indexes is asserted on the device instead)
             return _int_tensor_made(value, batch, str(device))
