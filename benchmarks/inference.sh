@@ -6,7 +6,7 @@
 # printed last.
 #
 #   bash benchmarks/inference.sh                 # the parts "tests host" (about 9 minutes)
-#   bash benchmarks/inference.sh kernels         # 32K decode tables (5 minutes)
+#   bash benchmarks/inference.sh kernels         # 32K decode tables (7 minutes)
 #   bash benchmarks/inference.sh model           # generate() in its three cache modes (6 minutes)
 #   bash benchmarks/inference.sh deep            # generate() of a 16-layer Llama (7 minutes)
 #   bash benchmarks/inference.sh paged           # paged decode at 32K (7 minutes)
@@ -15,13 +15,13 @@
 # compiled calls without dynamo, planning), kernels (decode steps and warm calls at 32K), long
 # (warm calls at 128K), model (transformers' generate(): dynamic cache, static cache, static
 # cache with the forward compiled), deep (a 16-layer Llama's generate(), dynamic cache and
-# static cache compiled: per-layer costs against per-step ones; its limit is a guess, not yet
-# run), profile (where a dynamic-cache generate() token's host time goes, flexspec against
+# static cache compiled: per-layer costs against per-step ones), profile (where a dynamic-cache generate() token's host time goes, flexspec against
 # sdpa, under cProfile), stages (the same by stage, clocked without a profiler: the attention
 # layers and flexspec's call path), paged (paged caches at pages 16 and 64, `causal & doc` with
 # a moving offset), mixed (a prefill chunk with decoded tokens).
 # The limits are what each part took on the H200 and the H100 with some room (2026-12-05: the
-# tests took 324 s and the mixed rows more than 200 s on the H100).
+# tests took 324 s and the mixed rows more than 200 s on the H100; 2026-12-06, on the H100: the
+# tests 236 s, deep about 190 s, and the six decode specs at 32K about 300 s).
 # lark travels as a wheel (.whl, see the device tool's notes); FA4 is optional (its columns
 # stay empty without it).
 set -uo pipefail
@@ -60,7 +60,7 @@ or paged or fresh_document_ids" ;;
         kernels)
             part 110 decode_step python3 benchmarks/decode_step.py --layers 8 --cache 32768 \
                 --batch 8
-            part 150 decode python3 benchmarks/decode.py --caches 32768 --batches 8 ;;
+            part 330 decode python3 benchmarks/decode.py --caches 32768 --batches 8 ;;
         long)
             part 300 decode_long python3 benchmarks/decode.py --caches 131072 --batches 8 ;;
         model)

@@ -975,12 +975,12 @@ def test_a_paged_cache_read_in_place_matches_each_sequence_alone(text, q_len, pa
 
 
 def test_serving_steps_over_a_paged_cache_never_synchronise_with_the_host():
-    """Issue 27's serving target on the H200: 300 decode steps with requests arriving and
+    """Issue 27's serving target on the GPU: 1000 decode steps with requests arriving and
     leaving at random (tests/runtime/test_paged.py's loop, every running row checked against
     the float64 reference), flexspec's part of each step (appends, the in-place read,
     releases) run under torch.cuda.set_sync_debug_mode("error"): a host synchronisation
-    there raises. After the first steps (the block-mask program and the read compile), no
-    compile."""
+    there raises. At most two compiles in all (the block-mask program and the read), both in
+    the first steps, which run before the guard (a compile reads the device); none after."""
     import contextlib
     import sys
     from pathlib import Path
@@ -997,9 +997,11 @@ def test_serving_steps_over_a_paged_cache_never_synchronise_with_the_host():
         finally:
             torch.cuda.set_sync_debug_mode(0)
     torch._dynamo.reset()
+    first = counters["stats"]["unique_graphs"]
     serve_at_random("cuda", 3, dim=16)  # compiles outside the guard (a compile reads the device)
     before = counters["stats"]["unique_graphs"]
-    assert serve_at_random("cuda", 300, seed=1, guard=no_sync, dim=16) > 250
+    assert before - first <= 2
+    assert serve_at_random("cuda", 1000, seed=1, guard=no_sync, dim=16) > 900
     assert counters["stats"]["unique_graphs"] - before == 0
     torch._dynamo.reset()
 
