@@ -980,7 +980,10 @@ def test_serving_steps_over_a_paged_cache_never_synchronise_with_the_host():
     the float64 reference), flexspec's part of each step (appends, the in-place read,
     releases) run under torch.cuda.set_sync_debug_mode("error"): a host synchronisation
     there raises. At most two compiles in all (the block-mask program and the read), both in
-    the first steps, which run before the guard (a compile reads the device); none after."""
+    the first steps, which run before the guard (a compile reads the device); none after.
+    Every read after the first lists every page its slots hold (paged_call.lists_every_page:
+    the pool is small), so this also checks that those reads equal the reference and run on
+    the graph the first read's exact mask compiled."""
     import contextlib
     import sys
     from pathlib import Path

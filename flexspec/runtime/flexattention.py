@@ -163,9 +163,16 @@ def lists_every_tile(request) -> bool:
     captures: where its keys and values are at most :data:`EVERY_TILE_BYTES`. Its bindings are
     new at almost every step of a decode (a position that moves), so the exact mask would be
     built each time; inside a capture its build runs on the device and is kept exact."""
-    width = request.head_dim + request.v_head_dim
-    return (request.batch * request.kv_heads * request.kv_len * width * request.dtype.itemsize
-            <= EVERY_TILE_BYTES)
+    return every_tile_fits(request.batch * request.kv_heads * request.kv_len,
+                           request.head_dim + request.v_head_dim, request.dtype.itemsize)
+
+
+def every_tile_fits(positions: int, width: int, itemsize: int) -> bool:
+    """Whether reading the keys and values of ``positions`` rows over all batch rows and heads
+    (``width`` elements each, key and value together) costs at most :data:`EVERY_TILE_BYTES`:
+    the rule of :func:`lists_every_tile`, which a paged read's every-page mask follows too
+    (:func:`flexspec.runtime.paged_call.lists_every_page`)."""
+    return positions * width * itemsize <= EVERY_TILE_BYTES
 
 
 # Tensors of this many elements or more are indexed in int64 by inductor's kernels.

@@ -317,7 +317,8 @@ class BlockMasks:
         kernel compiled for one runs the other: a call warmed up eagerly with this mask and then
         captured in a CUDA graph, where the exact mask is built, does not compile again. What a
         decoding call whose bindings are new at every step runs with where reading its keys
-        costs less than building its exact mask (see flexattention.lists_every_tile)."""
+        costs less than building its exact mask (see flexattention.lists_every_tile), and the
+        logical mask of a small paged decoding read (paged_call.lists_every_page)."""
         nq, nk = tile_grid(sizes, self.block_size)
         rows = (key.batch, key.heads, nq)
 

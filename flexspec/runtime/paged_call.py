@@ -7,8 +7,10 @@ positions (:meth:`PagedKVCache.block_mask <flexspec.runtime.paged.PagedKVCache.b
 the pages its sequences hold and no other.
 
 The logical block mask and the mods come from a sibling of the spec compiled with key blocks of
-the page size (:func:`pool_read`'s ``sibling``). For inference only: the mapped mask has
-no query-side tables, so there is no backward pass (``attn.paged(..., read="gather")`` has one).
+the page size (:func:`pool_read`'s ``sibling``); a small decoding read lists every page its
+slots hold instead of building the exact logical mask each time a read is made
+(:func:`lists_every_page`). For inference only: the mapped mask has no query-side tables, so
+there is no backward pass (``attn.paged(..., read="gather")`` has one).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from flexspec.kernels.lower import lower
 from flexspec.runtime import compiled
 from flexspec.runtime.checks import check_qkv, checked_scale
 from flexspec.runtime.contract import BackendError
-from flexspec.runtime.flexattention import DECODE_ROWS, DECODING_OPTIONS, wide_keys
+from flexspec.runtime.flexattention import (DECODE_ROWS, DECODING_OPTIONS, every_tile_fits,
+                                             wide_keys)
 
 # The query block of the logical masks: FlexAttention's default.
 QUERY_BLOCK = 128
@@ -140,10 +143,12 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
     lengths = cache.lengths[slots]
     if q_offset is None:
         q_offset = lengths - q_len
-    placed = dict(q_len=q_len, kv_len=cache.capacity, batch=batch, heads=heads,
-                  device=q.device, q_offset=q_offset, kv_lengths=lengths)
-    logical, score_mod = sibling.logical_read(**placed, **bindings)
     kv_heads = cache.keys.shape[0]
+    every_page = lists_every_page(q, batch * kv_heads * cache.capacity, dim + v_dim,
+                                  cache.keys.dtype.itemsize)
+    logical, score_mod = sibling._logical_read(
+        q_len, cache.capacity, batch=batch, heads=heads, device=q.device, q_offset=q_offset,
+        kv_lengths=lengths, bindings=bindings, every_tile=every_page)
     parts = 1
     # the decoding kernel does not compile for a pool inductor indexes in int64
     # (flexspec.workarounds: flex-decoding-wide-indices): such a read runs as one call per
@@ -182,6 +187,21 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
     compiled.mark_lengths_dynamic(entry, *groups[0].arguments(q, cache)[:3], score_mod,
                                   block_mask)
     return PagedRead(entry, groups, tail, cache, _signature(q), str(sibling.spec), decoding)
+
+
+def lists_every_page(q, positions: int, width: int, itemsize: int) -> bool:
+    """Whether a read lists every page its slots hold and lets the mask decide each key, rather
+    than building the exact logical block mask (interval analysis, or the compiled mask
+    program's launches) each time a read is made, which is every model step: for decoding
+    reads on CUDA whose slots' keys and values, at the capacity (``positions`` rows over all
+    batch rows and heads, ``width`` elements each), fit the rule of a contiguous decoding call
+    (:func:`~flexspec.runtime.flexattention.every_tile_fits`). The pages a row does not hold
+    are dropped when the mask is mapped (:meth:`PagedKVCache.block_mask
+    <flexspec.runtime.paged.PagedKVCache.block_mask>`), so a row reads its own pages, all of
+    them; a capture, and the first read of a spec, build the exact mask
+    (``Attention._logical_read``)."""
+    return (q.device.type == "cuda" and q.shape[2] < DECODE_ROWS
+            and every_tile_fits(positions, width, itemsize))
 
 
 def head_parts(kv_heads: int, positions: int, dim: int, v_dim: int) -> int | None:

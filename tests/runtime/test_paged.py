@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import BlockMask
 
 import flexspec
 from flexspec.runtime.paged import PagedKVCache
@@ -673,3 +674,99 @@ def test_the_fewest_groups_of_kv_heads_whose_pool_slices_are_narrow():
     assert head_parts(8, positions, 64, 128) == 2  # the wider of the two head sizes counts
     assert head_parts(8, 3 * positions, 128, 128) == 4  # 3 is no divisor of 8
     assert head_parts(6, 9 * positions, 128, 128) is None  # one head's slice is wide
+
+
+# --- a read that lists every page its slots hold (paged_call.lists_every_page) -----------------
+
+
+def computed_cells(block_mask, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
+    """Bool ``[B, H, Q_LEN, KV_LEN]`` (H the mask's head extent): the cells a kernel computes
+    from ``block_mask``'s tables, those of listed partial tiles where its ``mask_mod`` allows
+    them and every cell of listed full tiles."""
+    from torch.nn.attention.flex_attention import create_mask
+    heads = block_mask.kv_num_blocks.shape[1]
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    allowed = create_mask(block_mask.mask_mod, batch, heads, q_len, kv_len, device="cpu")
+    cells = torch.zeros(batch, heads, q_len, kv_len, dtype=torch.bool)
+    for counts, indices, full in ((block_mask.kv_num_blocks, block_mask.kv_indices, False),
+                                  (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
+                                   True)):
+        if counts is None:
+            continue
+        counts = counts.expand(batch, heads, -1)
+        indices = indices.expand(batch, heads, -1, -1)
+        for b in range(batch):
+            for h in range(heads):
+                for row in range(counts.shape[2]):
+                    for column in indices[b, h, row, :int(counts[b, h, row])].tolist():
+                        rows = slice(row * q_block, (row + 1) * q_block)
+                        keys = slice(column * kv_block, (column + 1) * kv_block)
+                        cells[b, h, rows, keys] |= True if full else allowed[b, h, rows, keys]
+    return cells
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec_texts(), st.lists(st.integers(1, 40), min_size=1, max_size=3), st.integers(1, 3),
+       st.randoms(use_true_random=False), st.integers(0, 2**31 - 1), st.data())
+def test_a_read_listing_every_page_computes_the_cells_of_the_exact_read(text, lengths, q_len,
+                                                                        rng, seed, data):
+    """A decoding read whose slots' keys are small lists every page each slot holds and lets
+    the mask decide each key, instead of building the exact logical block mask every step
+    (paged_call.lists_every_page; CUDA only, forced here on the CPU). For any registry spec,
+    slot order and ragged lengths over pages of 16, the pool's block mask it makes lists the
+    pages each row's slot holds, every one of them, and the cells a kernel computes from its
+    tables equal those of the exact read's mask."""
+    from unittest import mock
+
+    from flexspec.runtime import masks, paged_call
+    attn = flexspec.compile(text)
+    lengths = [max(length, q_len) for length in lengths]
+    order = rng.sample(range(len(lengths) + 2), len(lengths))
+    paged, _, _ = filled(lengths, order, seed, page_size=16, max_pages=3)
+    batch, slots = len(lengths), torch.tensor(order)
+    q = torch.randn(batch, 4, q_len, DIM, generator=torch.Generator().manual_seed(seed + 1))
+    extra = data.draw(bindings(attn.spec, Shape(batch, 4, KV_HEADS, q_len, paged.capacity, DIM)))
+    made = {}
+    every_tile = masks.BlockMasks.every_tile
+    for listed in (False, True):
+        with mock.patch.object(paged_call, "lists_every_page", lambda *_: listed), \
+                mock.patch.object(masks.BlockMasks, "every_tile", autospec=True,
+                                  side_effect=every_tile) as spy, torch.no_grad():
+            try:
+                read = attn.paged_read(q, paged, slots, **extra)
+            except flexspec.SpecError as error:  # bindings the spec refuses: both refuse them
+                made[listed] = type(error)
+                continue
+        assert spy.called == listed
+        made[listed] = read._tail[0]
+    if not isinstance(made[False], BlockMask):
+        assert made[True] is made[False]
+        return
+    every, exact = made[True], made[False]
+    held = (paged.lengths[slots] + 15) // 16
+    assert every.full_kv_num_blocks is None
+    assert (every.kv_num_blocks == held.view(-1, 1, 1)).all()
+    for row, slot in enumerate(order):
+        pages = every.kv_indices[row, 0, 0, :int(held[row])].sort().values
+        assert pages.tolist() == sorted(paged.page_table[slot, :int(held[row])].tolist())
+    pool = paged.pages * 16
+    assert torch.equal(computed_cells(every, batch, q_len, pool).expand(-1, 4, -1, -1),
+                       computed_cells(exact, batch, q_len, pool).expand(-1, 4, -1, -1))
+
+
+def test_a_read_lists_every_page_for_small_decoding_reads_on_cuda_only():
+    """The rule of a contiguous decoding call (flexattention.every_tile_fits): keys and values
+    at the capacity of at most EVERY_TILE_BYTES, fewer than 128 query rows, on CUDA."""
+    from types import SimpleNamespace
+
+    from flexspec.runtime.flexattention import EVERY_TILE_BYTES
+    from flexspec.runtime.paged_call import lists_every_page
+
+    def q(device: str, rows: int):
+        return SimpleNamespace(device=torch.device(device), shape=(8, 32, rows, 128))
+    positions = EVERY_TILE_BYTES // (256 * 2)  # bf16 keys and values of 128 dimensions each
+    assert lists_every_page(q("cuda", 1), positions, 256, 2)
+    assert lists_every_page(q("cuda", 127), positions, 256, 2)
+    assert not lists_every_page(q("cuda", 1), positions + 1, 256, 2)
+    assert not lists_every_page(q("cuda", 128), 1024, 256, 2)
+    assert not lists_every_page(q("cpu", 1), 1024, 256, 2)
