@@ -15,9 +15,10 @@
 # compiled calls without dynamo, planning), kernels (decode steps and warm calls at 32K), long
 # (warm calls at 128K), model (transformers' generate(): dynamic cache, static cache, static
 # cache with the forward compiled), deep (a 16-layer Llama's generate(), dynamic cache and
-# static cache compiled: per-layer costs against per-step ones), profile (where a dynamic-cache generate() token's host time goes, flexspec against
-# sdpa, under cProfile), stages (the same by stage, clocked without a profiler: the attention
-# layers and flexspec's call path), paged (paged caches at pages 16 and 64, `causal & doc` with
+# static cache compiled: per-layer costs against per-step ones), profile (where a
+# dynamic-cache generate() token's host time goes, flexspec against sdpa, under cProfile),
+# stages (the same by stage, clocked without a profiler: the attention layers and flexspec's
+# call path), paged (paged caches at pages 16 and 64, `causal & doc` with
 # a moving offset), mixed (a prefill chunk with decoded tokens).
 # The limits are what each part took on the H200 and the H100 with some room (2026-12-05: the
 # tests took 324 s and the mixed rows more than 200 s on the H100; 2026-12-06, on the H100: the
