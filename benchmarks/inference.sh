@@ -10,6 +10,7 @@
 #   bash benchmarks/inference.sh model           # generate() in its three cache modes (6 minutes)
 #   bash benchmarks/inference.sh deep            # generate() of a 16-layer Llama (7 minutes)
 #   bash benchmarks/inference.sh paged           # paged decode at 32K (7 minutes)
+#   bash benchmarks/inference.sh small           # paged reads at 4K, two ways (5 minutes?)
 #
 # Parts: tests (the GPU tests of this area), host (host time of a step's calls: replays,
 # compiled calls without dynamo, planning), kernels (decode steps and warm calls at 32K), long
@@ -18,8 +19,9 @@
 # static cache compiled: per-layer costs against per-step ones), profile (where a
 # dynamic-cache generate() token's host time goes, flexspec against sdpa, under cProfile),
 # stages (the same by stage, clocked without a profiler: the attention layers and flexspec's
-# call path), paged (paged caches at pages 16 and 64, `causal & doc` with
-# a moving offset), mixed (a prefill chunk with decoded tokens).
+# call path), paged (paged caches at pages 16 and 64, `causal & doc` with a moving offset),
+# small (small paged reads listing every page, then with exact masks), mixed (a prefill chunk
+# with decoded tokens).
 # The limits are what each part took on the H200 and the H100 with some room (2026-12-05: the
 # tests took 324 s and the mixed rows more than 200 s on the H100; 2026-12-06, on the H100: the
 # tests 236 s, deep about 190 s, and the six decode specs at 32K about 300 s).
@@ -82,10 +84,16 @@ or paged or fresh_document_ids" ;;
             part 150 paged_64 python3 benchmarks/paged.py --caches 32768 --batches 8 --pages 64
             part 120 paged_doc python3 benchmarks/paged.py --specs "causal & doc" \
                 --caches 32768 --batches 8 64 --pages 64 ;;
+        small)
+            # small decoding reads list every page: the rows with that rule, then without it
+            part 200 paged_small python3 benchmarks/paged.py --caches 4096 --batches 8 \
+                --pages 16 64 --specs "causal;sliding_window(1024);causal & doc"
+            part 200 paged_small_exact python3 benchmarks/paged.py --caches 4096 --batches 8 \
+                --pages 16 64 --specs "causal;sliding_window(1024);causal & doc" --exact-masks ;;
         mixed)
             part 280 mixed python3 benchmarks/paged.py --mixed 512 --caches 4096 32768 \
                 --batches 8 --pages 64 ;;
-        *) echo "unknown part '$what' (tests, host, kernels, long, model, deep, stages, profile, paged, mixed)" >&2; exit 2 ;;
+        *) echo "unknown part '$what' (tests, host, kernels, long, model, deep, stages, profile, paged, small, mixed)" >&2; exit 2 ;;
     esac
 done
 

@@ -23,6 +23,11 @@ tokens, read in place as one call (``attn.paged_read(..., new_tokens=...)``: ``q
 CHUNK rows), against the sum of its parts read alone (the chunk as a batch of one, the decoded
 tokens as a batch of ``B - 1``); the target is at most 1.1x.
 
+A decoding read whose slots' keys and values take at most 256 MiB lists every page its slots
+hold instead of building the exact logical mask when it is made (``paged_call.lists_every_page``;
+the first read of a spec builds it): ``--exact-masks`` makes every read build it, for the same
+table without that rule.
+
 Outputs are checked against the contiguous call (the mixed batch: against its parts). Times
 are medians of ``triton.testing.do_bench`` (on the CPU: of ``--repeats`` calls). The last lines
 printed are the table (markdown).
@@ -30,6 +35,7 @@ printed are the table (markdown).
     python benchmarks/paged.py                              # B 8 and 64, 4K-32K, pages 16-128
     python benchmarks/paged.py --caches 4096 --batches 8 --pages 64
     python benchmarks/paged.py --mixed 512 --caches 4096 --batches 8 --pages 64
+    python benchmarks/paged.py --caches 4096 --batches 8 --pages 64 --exact-masks
     python benchmarks/paged.py --device cpu --caches 512 --batches 2 --pages 32 --heads 4 \\
         --kv-heads 2 --dim 16 --dtype float32                # a smoke run on the CPU
 """
@@ -201,7 +207,13 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed calls off CUDA")
     parser.add_argument("--mixed", type=int, default=0, metavar="CHUNK",
                         help="time a mixed batch with a prefill chunk of CHUNK tokens instead")
+    parser.add_argument("--exact-masks", action="store_true",
+                        help="every read builds its exact logical block mask (no read lists "
+                             "every page)")
     args = parser.parse_args(argv)
+    if args.exact_masks:
+        from flexspec.runtime import paged_call
+        paged_call.lists_every_page = lambda *_: False
     device = torch.device(args.device)
     rows = []
     for text in args.specs.split(";"):
