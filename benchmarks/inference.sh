@@ -10,7 +10,7 @@
 #   bash benchmarks/inference.sh model           # generate() in its three cache modes (6 minutes)
 #   bash benchmarks/inference.sh deep            # generate() of a 16-layer Llama (7 minutes)
 #   bash benchmarks/inference.sh paged           # paged decode at 32K (7 minutes)
-#   bash benchmarks/inference.sh small           # paged reads at 4K, two ways (5 minutes?)
+#   bash benchmarks/inference.sh small           # paged reads at 4K, two ways (not yet run)
 #
 # Parts: tests (the GPU tests of this area), host (host time of a step's calls: replays,
 # compiled calls without dynamo, planning), kernels (decode steps and warm calls at 32K), long
