@@ -23,7 +23,6 @@ from flexspec.kernels.reference import dense_mask, reference_attention
 from flexspec.lang.spec import Spec
 from flexspec.runtime.backends import REGISTRY, BackendError, check_backend_name, choose
 from flexspec.runtime.bindings import implied_sizes, sizes_tensors_read
-from flexspec.runtime.capture import in_graph_memory
 from flexspec.runtime.calls import Calls
 from flexspec.runtime.checks import as_device, check_qkv, given_sizes
 from flexspec.runtime.contract import InputPlan
@@ -160,21 +159,11 @@ class Attention:
         return plan
 
     def logical_read(self, q_len: int, kv_len: int, *, batch: int, heads: int, device,
-                     q_offset, kv_lengths, **bindings) -> tuple:
+                     q_offset, kv_lengths, bindings: dict, every_tile: bool = False) -> tuple:
         """``(block_mask, score_mod)`` at these sizes from one plan (a paged read maps both to
-        the pages): what :meth:`block_mask` and :meth:`mods` give, with the bindings placed,
-        gathered and checked once. A float64 table of the score is read as float32, as the
-        kernel computes scores."""
-        return self._logical_read(q_len, kv_len, batch=batch, heads=heads, device=device,
-                                  q_offset=q_offset, kv_lengths=kv_lengths, bindings=bindings)
-
-    def _logical_read(self, q_len: int, kv_len: int, *, batch: int, heads: int, device,
-                      q_offset, kv_lengths, bindings: dict, every_tile: bool = False) -> tuple:
-        """:meth:`logical_read`, with ``every_tile``: the block mask lists every tile, the mask
-        evaluated in each (:meth:`BlockMasks.every_tile
-        <flexspec.runtime.masks.BlockMasks.every_tile>`), outside a CUDA graph's memory and once
-        the exact mask's program has built it (so that a capture after the first read does not
-        compile); the exact mask otherwise."""
+        the pages): what :meth:`block_mask` and :meth:`mods` give, the ``bindings`` placed,
+        gathered and checked once (a float64 table read as float32, as the kernel computes
+        scores); ``every_tile``: see :meth:`~flexspec.runtime.masks.BoundMasks.get`."""
         sizes = given_sizes(q_len, kv_len, batch, heads).as_dict()
         device = as_device(device)
         bindings = self._placement.bindings(bindings, q_offset, kv_lengths, sizes, device)
@@ -182,11 +171,7 @@ class Attention:
         values = plan.values(bindings)
         if plan.lookups:
             plan.lookups.check(values)
-        if every_tile and not in_graph_memory(device) \
-                and plan.masks.compiled_for_captures(device):
-            block_mask = plan.masks.every_tile(values, device)
-        else:
-            block_mask = plan.masks.get(values, device)
+        block_mask = plan.masks.get(values, device, every_tile=every_tile)
         kernel_values = {key: value.float() if value.dtype == torch.float64 else value
                          for key, value in values.items()}
         return block_mask, lower(plan.spec).make_mods(sizes, own_tensors(kernel_values))[1]

@@ -102,8 +102,9 @@ class PlanMasks(Protocol):
     batch: int        # the batch and head extents its block masks have
     heads: int
 
-    def get(self, values: dict, device) -> object:
-        """The BlockMask for these tensor values."""
+    def get(self, values: dict, device, every_tile: bool = False) -> object:
+        """The BlockMask for these tensor values (with ``every_tile``, one that may list every
+        tile of the grid, the mask evaluated in each)."""
 
     def partial_only(self) -> "PlanMasks":
         """The same masks with full tiles listed as partial ones, for a forward pass on

@@ -108,9 +108,7 @@ class FlexCall:
         if block_mask is None:
             seen = self.seen(bindings)
             values = values or plan.values(bindings)
-            every = self.every_tile and not captured and self.masks.compiled_for_captures(device)
-            block_mask = (self.masks.every_tile(values, device) if every
-                          else self.masks.get(values, device))
+            block_mask = self.masks.get(values, device, every_tile=self.every_tile)
             if not captured:
                 self.last = (*seen, block_mask)
         return block_mask

@@ -91,7 +91,12 @@ class BoundMasks:
     def heads(self) -> int:
         return self.key.heads
 
-    def get(self, values: dict, device) -> BlockMask:
+    def get(self, values: dict, device, every_tile: bool = False) -> BlockMask:
+        """The exact block mask for these values; with ``every_tile``, the mask listing every
+        tile (:meth:`every_tile`) instead, outside a CUDA graph's memory once the exact mask's
+        program has built it (so that a capture after this call does not compile)."""
+        if every_tile and not in_graph_memory(device) and self.compiled_for_captures(device):
+            return self.every_tile(values, device)
         return self.cache.get(self.spec, self.sizes, values, device, self.key)
 
     def every_tile(self, values: dict, device) -> BlockMask:

@@ -146,7 +146,7 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
     kv_heads = cache.keys.shape[0]
     every_page = lists_every_page(q, batch * kv_heads * cache.capacity, dim + v_dim,
                                   cache.keys.dtype.itemsize)
-    logical, score_mod = sibling._logical_read(
+    logical, score_mod = sibling.logical_read(
         q_len, cache.capacity, batch=batch, heads=heads, device=q.device, q_offset=q_offset,
         kv_lengths=lengths, bindings=bindings, every_tile=every_page)
     parts = 1
@@ -199,7 +199,7 @@ def lists_every_page(q, positions: int, width: int, itemsize: int) -> bool:
     are dropped when the mask is mapped (:meth:`PagedKVCache.block_mask
     <flexspec.runtime.paged.PagedKVCache.block_mask>`), so a row reads its own pages, all of
     them; a capture, and the first read of a spec, build the exact mask
-    (``Attention._logical_read``)."""
+    (``Attention.logical_read``)."""
     return (q.device.type == "cuda" and q.shape[2] < DECODE_ROWS
             and every_tile_fits(positions, width, itemsize))
 
