@@ -10,7 +10,7 @@
 #   bash benchmarks/inference.sh model           # generate() in its three cache modes (6 minutes)
 #   bash benchmarks/inference.sh deep            # generate() of a 16-layer Llama (7 minutes)
 #   bash benchmarks/inference.sh paged           # paged decode at 32K (7 minutes)
-#   bash benchmarks/inference.sh small           # paged reads at 4K, two ways (not yet run)
+#   bash benchmarks/inference.sh small           # paged reads at 4K, two ways (3 minutes)
 #
 # Parts: tests (the GPU tests of this area), host (host time of a step's calls: replays,
 # compiled calls without dynamo, planning), kernels (decode steps and warm calls at 32K), long
@@ -21,7 +21,7 @@
 # stages (the same by stage, clocked without a profiler: the attention layers and flexspec's
 # call path), paged (paged caches at pages 16 and 64, `causal & doc` with a moving offset),
 # small (small paged reads listing every page, then with exact masks), mixed (a prefill chunk
-# with decoded tokens).
+# with decoded tokens; with the graph columns, captured and replayed).
 # The limits are what each part took on the H200 and the H100 with some room (2026-12-05: the
 # tests took 324 s and the mixed rows more than 200 s on the H100; 2026-12-06, on the H100: the
 # tests 236 s, deep about 190 s, and the six decode specs at 32K about 300 s).
@@ -85,11 +85,13 @@ or paged or fresh_document_ids" ;;
             part 120 paged_doc python3 benchmarks/paged.py --specs "causal & doc" \
                 --caches 32768 --batches 8 64 --pages 64 ;;
         small)
-            # small decoding reads list every page: the rows with that rule, then without it
+            # small decoding reads list every page where a row sees every key it holds: the
+            # rows with that rule, then without it
             part 200 paged_small python3 benchmarks/paged.py --caches 4096 --batches 8 \
-                --pages 16 64 --specs "causal;sliding_window(1024);causal & doc"
+                --pages 16 64 --specs "causal;causal + alibi;causal + softcap(30)"
             part 200 paged_small_exact python3 benchmarks/paged.py --caches 4096 --batches 8 \
-                --pages 16 64 --specs "causal;sliding_window(1024);causal & doc" --exact-masks ;;
+                --pages 16 64 --specs "causal;causal + alibi;causal + softcap(30)" \
+                --exact-masks ;;
         mixed)
             part 280 mixed python3 benchmarks/paged.py --mixed 512 --caches 4096 32768 \
                 --batches 8 --pages 64 ;;

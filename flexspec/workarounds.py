@@ -230,9 +230,13 @@ _TABLE = (
         "cpu-dynamic-row-binding", "torch", "torch 2.13.0+cpu, compiled FlexAttention",
         "once lengths are dynamic, the C++ kernel of a mask that reads a binding with a row per "
         "batch row (causal & key_padding's valid[B, KV_LEN], B >= 2) does not compile "
-        "('cur_qSplitSize1' was not declared in this scope)",
+        "('cur_qSplitSize1' was not declared in this scope); nor does a paged read in place "
+        "(its mask reads the page table by batch row) once its batch or query length is "
+        "dynamic ('cur_kvSplitSize3')",
         "a compile torch gives up on under auto moves the spec's calls to the next backend that "
-        "can run them, with a warning (backends.flex.FlexBackend.compile_failed)",
+        "can run them, with a warning (backends.flex.FlexBackend.compile_failed); paged reads "
+        "in place on the CPU compile with static shapes, once per shape (runtime.paged_call."
+        "PagedRead)",
         "tests/runtime/test_compiles.py::test_a_mask_reading_rows_of_keys_compiles_for_new_"
         "lengths_on_the_cpu_or_runs_elsewhere"),
     Workaround(

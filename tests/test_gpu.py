@@ -974,16 +974,18 @@ def test_a_paged_cache_read_in_place_matches_each_sequence_alone(text, q_len, pa
     torch._dynamo.reset()
 
 
-def test_serving_steps_over_a_paged_cache_never_synchronise_with_the_host():
+@pytest.mark.parametrize("text", ["causal & (window(48) | sink(2)) + alibi", "causal + alibi"])
+def test_serving_steps_over_a_paged_cache_never_synchronise_with_the_host(text):
     """Issue 27's serving target on the GPU: 1000 decode steps with requests arriving and
     leaving at random (tests/runtime/test_paged.py's loop, every running row checked against
     the float64 reference), flexspec's part of each step (appends, the in-place read,
     releases) run under torch.cuda.set_sync_debug_mode("error"): a host synchronisation
     there raises. At most two compiles in all (the block-mask program and the read), both in
     the first steps, which run before the guard (a compile reads the device); none after.
-    Every read after the first lists every page its slots hold (paged_call.lists_every_page:
-    the pool is small), so this also checks that those reads equal the reference and run on
-    the graph the first read's exact mask compiled."""
+    Under the window, every read builds its exact mask; under ``causal + alibi`` every read
+    after the first lists every page its slots hold (paged_call.lists_every_page: the pool is
+    small and a decoded row sees every key it holds), so this also checks that those reads
+    equal the reference and run on the graph the first read's exact mask compiled."""
     import contextlib
     import sys
     from pathlib import Path
@@ -1001,10 +1003,11 @@ def test_serving_steps_over_a_paged_cache_never_synchronise_with_the_host():
             torch.cuda.set_sync_debug_mode(0)
     torch._dynamo.reset()
     first = counters["stats"]["unique_graphs"]
-    serve_at_random("cuda", 3, dim=16)  # compiles outside the guard (a compile reads the device)
+    # compiles outside the guard (a compile reads the device)
+    serve_at_random("cuda", 3, dim=16, text=text)
     before = counters["stats"]["unique_graphs"]
     assert before - first <= 2
-    assert serve_at_random("cuda", 1000, seed=1, guard=no_sync, dim=16) > 900
+    assert serve_at_random("cuda", 1000, seed=1, guard=no_sync, dim=16, text=text) > 900
     assert counters["stats"]["unique_graphs"] - before == 0
     torch._dynamo.reset()
 

@@ -103,6 +103,9 @@ def free_strides(q, k, v) -> tuple:
 # checked in C++ (FAST_GUARDS). Shapes are static on an entry's first compile and dynamic in the
 # lengths from its second on (see mark_lengths_dynamic): two compiles serve every length.
 COMPILE_SETTINGS = {"fail_on_recompile_limit_hit": True, **FAST_GUARDS}
+# The same with every shape static (a compile per shape), for the calls whose C++ kernel does
+# not compile once shapes are dynamic (flexspec.workarounds: cpu-dynamic-row-binding).
+STATIC_SETTINGS = {**COMPILE_SETTINGS, "automatic_dynamic_shapes": False}
 # Entries that have compiled, with the (Q_LEN, KV_LEN) of their first compile.
 _COMPILED: dict = {}
 
@@ -158,8 +161,9 @@ _NO_GRAPH_BREAKS = getattr(torch._dynamo, "error_on_graph_break",
                            lambda _: contextlib.nullcontext())
 
 
-def run_compiled(entry, *args):
-    """Run a compiled entry under :data:`COMPILE_SETTINGS`, with graph breaks made errors (as
+def run_compiled(entry, *args, static: bool = False):
+    """Run a compiled entry under :data:`COMPILE_SETTINGS` (:data:`STATIC_SETTINGS` with
+    ``static``), with graph breaks made errors (as
     ``fullgraph=True`` would), turning torch's recompile limit into :class:`CompileLimitError`
     (by default dynamo would silently fall back to an unfused kernel that materialises the
     scores). Calls of a warm plan skip this: dynamo's guards depend only on what the plan's key
@@ -170,7 +174,8 @@ def run_compiled(entry, *args):
     another's; later calls do not come here)."""
     try:
         with _NO_GRAPH_BREAKS(True):
-            out = call_with_settings(COMPILE_SETTINGS, entry, *args)
+            out = call_with_settings(STATIC_SETTINGS if static else COMPILE_SETTINGS, entry,
+                                     *args)
         _COMPILED.setdefault(entry, (args[0].shape[2], args[1].shape[2]))
         return out
     except Exception as err:  # dynamo's own exception type moves between torch versions

@@ -15,12 +15,15 @@ there is no backward pass (``attn.paged(..., read="gather")`` has one).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from flexspec import ir
 from flexspec.errors import BindingError, BindingTypeError
+from flexspec.ir.intervals import always
+from flexspec.ir.overflow import position_ranges
 from flexspec.kernels.block_tables import as_partial
 from flexspec.kernels.generations import call_compiled
 from flexspec.kernels.lower import lower
@@ -96,7 +99,10 @@ class PagedRead:
             if self._decoding:  # each group's views are new tensors
                 compiled.mark_batch_static(*args[:3])
             try:
-                out = compiled.run_compiled(self._entry, *args)
+                # the C++ kernel of a read does not compile with dynamic shapes
+                # (flexspec.workarounds: cpu-dynamic-row-binding): one compile per shape
+                out = compiled.run_compiled(self._entry, *args,
+                                            static=q.device.type == "cpu")
             except compiled.CompileLimitError:
                 raise
             except Exception as err:  # noqa: BLE001 - inductor's errors have no stable type
@@ -144,7 +150,8 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
     if q_offset is None:
         q_offset = lengths - q_len
     kv_heads = cache.keys.shape[0]
-    every_page = lists_every_page(q, batch * kv_heads * cache.capacity, dim + v_dim,
+    every_page = lists_every_page(q, sibling.ir.mask, cache.capacity,
+                                  batch * kv_heads * cache.capacity, dim + v_dim,
                                   cache.keys.dtype.itemsize)
     logical, score_mod = sibling.logical_read(
         q_len, cache.capacity, batch=batch, heads=heads, device=q.device, q_offset=q_offset,
@@ -183,25 +190,41 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
                         slice(p * kv_group, (p + 1) * kv_group) if parts > 1 else None,
                         heads_from(score_mod, p * q_group, q.device)
                         if reads_h and parts > 1 else score_mod) for p in range(parts)]
-    # the batch stays static where the first call compiles (PagedRead._run marks its views)
-    compiled.mark_lengths_dynamic(entry, *groups[0].arguments(q, cache)[:3], score_mod,
-                                  block_mask)
+    # the batch stays static where the first call compiles (PagedRead._run marks its views);
+    # on the CPU every shape does (PagedRead._run)
+    if q.device.type != "cpu":
+        compiled.mark_lengths_dynamic(entry, *groups[0].arguments(q, cache)[:3], score_mod,
+                                      block_mask)
     return PagedRead(entry, groups, tail, cache, _signature(q), str(sibling.spec), decoding)
 
 
-def lists_every_page(q, positions: int, width: int, itemsize: int) -> bool:
+def lists_every_page(q, mask: ir.Expr, capacity: int, positions: int, width: int,
+                     itemsize: int) -> bool:
     """Whether a read lists every page its slots hold and lets the mask decide each key, rather
     than building the exact logical block mask (interval analysis, or the compiled mask
     program's launches) each time a read is made, which is every model step: for decoding
     reads on CUDA whose slots' keys and values, at the capacity (``positions`` rows over all
     batch rows and heads, ``width`` elements each), fit the rule of a contiguous decoding call
-    (:func:`~flexspec.runtime.flexattention.every_tile_fits`). The pages a row does not hold
-    are dropped when the mask is mapped (:meth:`PagedKVCache.block_mask
-    <flexspec.runtime.paged.PagedKVCache.block_mask>`), so a row reads its own pages, all of
-    them; a capture, and the first read of a spec, build the exact mask
-    (``Attention.logical_read``)."""
+    (:func:`~flexspec.runtime.flexattention.every_tile_fits`), under a mask that lets a
+    decoded row see every key its slot holds (:func:`last_row_sees_every_key`), so that
+    listing them all reads no page the exact mask would skip (a window, other documents:
+    a read made once serves every layer of a step, and those layers would read the extra
+    pages). The pages a row does not hold are dropped when the mask is mapped
+    (:meth:`PagedKVCache.block_mask <flexspec.runtime.paged.PagedKVCache.block_mask>`); a
+    capture, and the first read of a spec, build the exact mask (``Attention.logical_read``)."""
     return (q.device.type == "cuda" and q.shape[2] < DECODE_ROWS
-            and every_tile_fits(positions, width, itemsize))
+            and every_tile_fits(positions, width, itemsize)
+            and last_row_sees_every_key(mask, capacity, q.shape[0], q.shape[1]))
+
+
+@functools.lru_cache(maxsize=256)
+def last_row_sees_every_key(mask: ir.Expr, capacity: int, batch: int, heads: int) -> bool:
+    """Whether ``mask`` provably lets a query at the last position of a full slot (``capacity
+    - 1``) see every key before it, in every batch row and head (interval analysis): true of
+    ``causal``, of no mask, of a window of at least the capacity; false where it depends on
+    bindings (documents)."""
+    sizes = {"B": batch, "H": heads, "Q_LEN": 1, "KV_LEN": capacity}
+    return always(mask, position_ranges(sizes, capacity - 1, capacity - 1))
 
 
 def head_parts(kv_heads: int, positions: int, dim: int, v_dim: int) -> int | None:

@@ -437,6 +437,33 @@ def test_paged_reads_the_pool_in_place_equal_to_each_sequence_alone(text, allowe
 
 
 @pytest.mark.slow
+def test_in_place_reads_of_new_batches_and_query_lengths_compile_on_the_cpu():
+    """A read in place of another batch or query length compiles again, statically, on the
+    CPU: with shapes dynamic (dynamo's way from a second shape on) the CPU's C++ kernel of the
+    mapped mask did not compile ('cur_kvSplitSize3' was not declared) and such a read failed
+    (flexspec.workarounds: cpu-dynamic-row-binding). Each read's rows equal the float64
+    reference over their own sequence."""
+    torch._dynamo.reset()
+    attn = flexspec.compile("causal & window(150)")
+    slots, lengths = [3, 0, 4], [200, 150, 177]
+    paged, keys, values = filled(lengths, slots, seed=9, page_size=32, max_pages=8)
+    generator = torch.Generator().manual_seed(10)
+    with torch.no_grad():
+        for rows, q_len in ((2, 130), (3, 130), (3, 129)):
+            q = torch.randn(rows, 4, q_len, DIM, generator=generator)
+            out = attn.paged_read(q, paged, torch.tensor(slots[:rows]))(q)
+            for row in range(rows):
+                length = lengths[row]
+                want = attn.reference(q[row:row + 1].double(),
+                                      keys[row:row + 1, :, :length].double(),
+                                      values[row:row + 1, :, :length].double(),
+                                      q_offset=length - q_len)
+                torch.testing.assert_close(out[row:row + 1].double(), want, rtol=1e-4,
+                                           atol=1e-4)
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
 def test_a_paged_read_made_once_serves_every_layer_of_a_step():
     """attn.paged_read: made from one layer's cache, it runs the other layers' caches (same
     operations, other keys and values) and equals each cache read on its own; it refuses a
@@ -500,15 +527,18 @@ def test_paged_refuses_what_it_cannot_read_in_place(monkeypatch):
                                                    q_offset=5))
 
 
+SERVED = "causal & (window(48) | sink(2)) + alibi"
+
+
 def serve_at_random(device, steps: int, seed: int = 0, slots: int = 4,
-                    guard=contextlib.nullcontext, dim: int = DIM):
+                    guard=contextlib.nullcontext, dim: int = DIM, text: str = SERVED):
     """Decode steps of up to ``slots`` requests over a paged cache, requests arriving into free
     slots and leaving at random (prompts of 1..40 tokens appended, then a token a step until
     each has its number). Every step makes one in-place read for all slots (idle slots hold no
     key) and checks each running request's row against the float64 reference over its own
-    keys. flexspec's part of each step (appends, the read, releases) runs inside ``guard()``.
-    Returns the count of steps that checked rows."""
-    attn = flexspec.compile("causal & (window(48) | sink(2)) + alibi")
+    keys, under the spec ``text``. flexspec's part of each step (appends, the read, releases)
+    runs inside ``guard()``. Returns the count of steps that checked rows."""
+    attn = flexspec.compile(text)
     paged = PagedKVCache(pages=slots * 8, page_size=16, kv_heads=KV_HEADS, head_dim=dim,
                          slots=slots, max_pages=8, device=device)
     rng = torch.Generator().manual_seed(seed)
@@ -756,7 +786,9 @@ def test_a_read_listing_every_page_computes_the_cells_of_the_exact_read(text, le
 
 def test_a_read_lists_every_page_for_small_decoding_reads_on_cuda_only():
     """The rule of a contiguous decoding call (flexattention.every_tile_fits): keys and values
-    at the capacity of at most EVERY_TILE_BYTES, fewer than 128 query rows, on CUDA."""
+    at the capacity of at most EVERY_TILE_BYTES, fewer than 128 query rows, on CUDA; and a
+    mask under which a decoded row sees every key its slot holds (a window narrower than the
+    capacity, or documents, would have every layer read pages the exact mask skips)."""
     from types import SimpleNamespace
 
     from flexspec.runtime.flexattention import EVERY_TILE_BYTES
@@ -764,9 +796,18 @@ def test_a_read_lists_every_page_for_small_decoding_reads_on_cuda_only():
 
     def q(device: str, rows: int):
         return SimpleNamespace(device=torch.device(device), shape=(8, 32, rows, 128))
+
+    def mask(text: str):
+        return flexspec.compile(text).ir.mask
+    causal = mask("causal")
     positions = EVERY_TILE_BYTES // (256 * 2)  # bf16 keys and values of 128 dimensions each
-    assert lists_every_page(q("cuda", 1), positions, 256, 2)
-    assert lists_every_page(q("cuda", 127), positions, 256, 2)
-    assert not lists_every_page(q("cuda", 1), positions + 1, 256, 2)
-    assert not lists_every_page(q("cuda", 128), 1024, 256, 2)
-    assert not lists_every_page(q("cpu", 1), 1024, 256, 2)
+    assert lists_every_page(q("cuda", 1), causal, 4096, positions, 256, 2)
+    assert lists_every_page(q("cuda", 127), causal, 4096, positions, 256, 2)
+    assert not lists_every_page(q("cuda", 1), causal, 4096, positions + 1, 256, 2)
+    assert not lists_every_page(q("cuda", 128), causal, 4096, 1024, 256, 2)
+    assert not lists_every_page(q("cpu", 1), causal, 4096, 1024, 256, 2)
+    for text in ("full", "causal + alibi", "causal + softcap(30)", "sliding_window(4096)"):
+        assert lists_every_page(q("cuda", 1), mask(text), 4096, 1024, 256, 2), text
+    assert lists_every_page(q("cuda", 1), mask("sliding_window(1024)"), 1024, 1024, 256, 2)
+    for text in ("sliding_window(1024)", "causal & doc", "causal & window(100) + alibi"):
+        assert not lists_every_page(q("cuda", 1), mask(text), 4096, 1024, 256, 2), text
