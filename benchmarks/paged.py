@@ -21,12 +21,15 @@ With ``--mixed CHUNK``, one row per spec and batch instead: a mixed batch (issue
 one request's prefill chunk of CHUNK new tokens and the other ``B - 1`` requests' decoded
 tokens, read in place as one call (``attn.paged_read(..., new_tokens=...)``: ``q`` padded to
 CHUNK rows), against the sum of its parts read alone (the chunk as a batch of one, the decoded
-tokens as a batch of ``B - 1``); the target is at most 1.1x.
+tokens as a batch of ``B - 1``); the target is at most 1.1x. On CUDA the ``graph`` columns
+time the same reads captured in CUDA graphs and replayed (as a captured model step runs them:
+the split's host work is recorded away), the parts each in a graph of its own.
 
-A decoding read whose slots' keys and values take at most 256 MiB lists every page its slots
-hold instead of building the exact logical mask when it is made (``paged_call.lists_every_page``;
-the first read of a spec builds it): ``--exact-masks`` makes every read build it, for the same
-table without that rule.
+A decoding read whose slots' keys and values take at most 256 MiB, under a mask that lets a
+decoded row see every key its slot holds (``causal``, not a narrower window or documents),
+lists every page its slots hold instead of building the exact logical mask when it is made
+(``paged_call.lists_every_page``; the first read of a spec builds it): ``--exact-masks`` makes
+every read build it, for the same table without that rule.
 
 Outputs are checked against the contiguous call (the mixed batch: against its parts). Times
 are medians of ``triton.testing.do_bench`` (on the CPU: of ``--repeats`` calls). The last lines
@@ -70,6 +73,19 @@ def timed(call, device, repeats: int) -> float:
         call()
         times.append((time.perf_counter() - started) * 1e3)
     return statistics.median(times)
+
+
+def replayed(call, device) -> object:
+    """Milliseconds per replay of ``call`` captured in a CUDA graph (its host work, such as a
+    mixed read's split, recorded away), the median of do_bench; ``"-"`` off CUDA."""
+    if device.type != "cuda":
+        return "-"
+    import triton.testing
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return triton.testing.do_bench(graph.replay)
 
 
 def filled_cache(batch: int, length: int, page: int, args, device, generator):
@@ -169,14 +185,22 @@ def mixed_row(text: str, batch: int, length: int, page: int, chunk: int, args,
         result["mixed"] = timed(lambda: mixed(q), device, args.repeats) if close else "wrong"
         result["chunk alone"] = timed(lambda: chunk_read(chunk_q), device, args.repeats)
         result["decoded alone"] = timed(lambda: decoded_read(decoded_q), device, args.repeats)
+        if close:
+            result["mixed, graph"] = replayed(lambda: mixed(q), device)
+            result["parts, graph"] = replayed(lambda: chunk_read(chunk_q), device)
+            if isinstance(result["parts, graph"], float):
+                result["parts, graph"] += replayed(lambda: decoded_read(decoded_q), device)
     if close:
         result["mixed / parts"] = result["mixed"] / (result["chunk alone"]
                                                      + result["decoded alone"])
+        if isinstance(result["mixed, graph"], float):
+            result["mixed / parts, graph"] = result["mixed, graph"] / result["parts, graph"]
     return result
 
 
 MIXED_COLUMNS = ["spec", "B", "cache", "page", "chunk", "mixed", "chunk alone",
-                 "decoded alone", "mixed / parts"]
+                 "decoded alone", "mixed / parts", "mixed, graph", "parts, graph",
+                 "mixed / parts, graph"]
 COLUMNS = ["spec", "B", "cache", "page", "contiguous", "in place, layer", "making the read",
            "in place, call", "gather", "in place, layer / contiguous",
            "in place, call / contiguous"]

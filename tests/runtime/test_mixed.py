@@ -96,6 +96,27 @@ def test_rows_of_each_count_of_new_tokens_run_together_unpadded(monkeypatch):
     assert seen == [(2, 1), (1, 2), (2, 3)]
 
 
+def test_consecutive_rows_of_a_count_are_read_and_written_through_views():
+    """mixed.split: the rows of a count that stand together in the batch get a span, and
+    their queries are a view of q (no copy), written back through a view of the output; rows
+    apart are gathered and scattered by index. Either way each row lands where it came from."""
+    from flexspec.runtime import mixed
+    q = torch.randn(5, HEADS, 3, DIM)
+    slots = torch.arange(5)
+    cases = {(1, 1, 2, 3, 3): [(0, 2), (2, 3), (3, 5)], (1, 3, 1, 2, 3): [None, (3, 4), None]}
+    for counts, spans in cases.items():
+        split = mixed.split(q, slots, list(counts), None, {}, {})
+        assert [part.span for part in split.parts] == spans
+        out = torch.zeros_like(q)
+        for part in split.parts:
+            queries = part.queries(q)
+            if part.span is not None:
+                assert queries.data_ptr() == q[part.span[0]].data_ptr()
+            part.write(out, queries)
+        real = split.real[:, None, :, None]
+        assert torch.equal(out, q * real)
+
+
 def test_a_short_chunk_of_a_full_sequence_beside_a_long_one_runs():
     """A chunk of 2 tokens at the end of a sequence holding the whole capacity, beside a chunk
     of 5: padded to 5, the short one's rows would stand past the capacity (a doc_ids lookup out
