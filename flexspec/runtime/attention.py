@@ -452,7 +452,7 @@ class Attention:
         sibling = self._paged.get(page_size)
         if sibling is None:
             sibling = Attention(self.spec, backend="auto", block_size=(QUERY_BLOCK, page_size),
-                                block_masks=self.block_masks)
+                                block_masks=self.block_masks, kernel_options=self.kernel_options)
             self._paged[page_size] = sibling
         return sibling
 

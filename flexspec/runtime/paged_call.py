@@ -177,6 +177,7 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
         options["FORCE_USE_FLEX_ATTENTION"] = True
     if cache.page_size < WIDEST_KEY_TILE:
         options["BLOCK_N"] = cache.page_size  # a key tile may not span two pages
+    options.update(given_options(sibling.kernel_options, cache.page_size))
     # decoding reads compile apart from the main kernel's: once one entry had seen a chunk's
     # rows and batch, dynamo made them dynamic in the decoding graph too, and a decoded read
     # of a second cache ran 17x slower (docs/performance.md, nineteenth session)
@@ -225,6 +226,20 @@ def last_row_sees_every_key(mask: ir.Expr, capacity: int, batch: int, heads: int
     bindings (documents)."""
     sizes = {"B": batch, "H": heads, "Q_LEN": 1, "KV_LEN": capacity}
     return always(mask, position_ranges(sizes, capacity - 1, capacity - 1))
+
+
+def given_options(options: dict | None, page_size: int) -> dict:
+    """The kernel options given to ``flexspec.compile``, which a read in place runs with over
+    its own, checked against the pages: a key tile (``BLOCK_N``) must divide the page, since
+    the next page may lie anywhere in the pool."""
+    options = dict(options or {})
+    tile = options.get("BLOCK_N")
+    if tile is not None and (not isinstance(tile, int) or tile <= 0 or page_size % tile):
+        fits = [size for size in (16, 32, 64, 128) if size <= page_size and page_size % size == 0]
+        raise BindingError(f"attn.paged: kernel_options BLOCK_N={tile!r} does not divide the "
+                           f"cache's pages of {page_size} positions, and a key tile may not "
+                           f"span two pages: give one of {fits}, or leave BLOCK_N out")
+    return options
 
 
 def head_parts(kv_heads: int, positions: int, dim: int, v_dim: int) -> int | None:

@@ -464,6 +464,34 @@ def test_in_place_reads_of_new_batches_and_query_lengths_compile_on_the_cpu():
 
 
 @pytest.mark.slow
+def test_kernel_options_given_to_compile_reach_the_read_in_place():
+    """flexspec.compile(..., kernel_options=...) reaches a read in place over flexspec's own
+    options (a key tile of 16 within pages of 32), which still equals the float64 reference;
+    a key tile that does not divide the page (it would span two pages) is refused, saying
+    which tiles fit."""
+    torch._dynamo.reset()
+    slots, lengths = [3, 0, 4], [200, 150, 177]
+    paged, keys, values = filled(lengths, slots, seed=9, page_size=32, max_pages=8)
+    q = torch.randn(3, 4, 130, DIM, generator=torch.Generator().manual_seed(11))
+    attn = flexspec.compile("causal + alibi", kernel_options={"BLOCK_N": 16, "num_stages": 1})
+    with torch.no_grad():
+        read = attn.paged_read(q, paged, torch.tensor(slots))
+        out = read(q)
+    assert {"BLOCK_N": 16, "num_stages": 1}.items() <= read._tail[3].items()
+    for row, length in enumerate(lengths):
+        want = attn.reference(q[row:row + 1].double(), keys[row:row + 1, :, :length].double(),
+                              values[row:row + 1, :, :length].double(), q_offset=length - 130)
+        torch.testing.assert_close(out[row:row + 1].double(), want, rtol=1e-4, atol=1e-4)
+    for tile in (64, 24):
+        wide = flexspec.compile("causal + alibi", kernel_options={"BLOCK_N": tile})
+        with pytest.raises(flexspec.BindingError,
+                           match=rf"BLOCK_N={tile} does not divide .* pages of 32 .* one of "
+                                 r"\[16, 32\]"):
+            wide.paged_read(q, paged, torch.tensor(slots))
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
 def test_a_paged_read_made_once_serves_every_layer_of_a_step():
     """attn.paged_read: made from one layer's cache, it runs the other layers' caches (same
     operations, other keys and values) and equals each cache read on its own; it refuses a
