@@ -11,6 +11,7 @@
 #   bash benchmarks/inference.sh deep            # generate() of a 16-layer Llama (7 minutes)
 #   bash benchmarks/inference.sh paged           # paged decode at 32K (7 minutes)
 #   bash benchmarks/inference.sh small           # paged reads at 4K, two ways (3 minutes)
+#   bash benchmarks/inference.sh tiles           # paged reads with a key tile of 32 (not yet run)
 #
 # Parts: tests (the GPU tests of this area), host (host time of a step's calls: replays,
 # compiled calls without dynamo, planning), kernels (decode steps and warm calls at 32K), long
@@ -20,7 +21,8 @@
 # dynamic-cache generate() token's host time goes, flexspec against sdpa, under cProfile),
 # stages (the same by stage, clocked without a profiler: the attention layers and flexspec's
 # call path), paged (paged caches at pages 16 and 64, `causal & doc` with a moving offset),
-# small (small paged reads listing every page, then with exact masks), mixed (a prefill chunk
+# small (small paged reads listing every page, then with exact masks), tiles (paged reads with
+# a key tile narrower than the page), mixed (a prefill chunk
 # with decoded tokens; with the graph columns, captured and replayed).
 # The limits are what each part took on the H200 and the H100 with some room (2026-12-05: the
 # tests took 324 s and the mixed rows more than 200 s on the H100; 2026-12-06, on the H100: the
@@ -92,10 +94,14 @@ or paged or fresh_document_ids" ;;
             part 200 paged_small_exact python3 benchmarks/paged.py --caches 4096 --batches 8 \
                 --pages 16 64 --specs "causal;causal + alibi;causal + softcap(30)" \
                 --exact-masks ;;
+        tiles)
+            # a key tile of 32 within pages of 64 (kernel_options), the contiguous call as is
+            part 200 paged_tiles python3 benchmarks/paged.py --caches 4096 --batches 64 8 \
+                --pages 64 --specs "causal;causal + alibi" --read-options '{"BLOCK_N": 32}' ;;
         mixed)
             part 280 mixed python3 benchmarks/paged.py --mixed 512 --caches 4096 32768 \
                 --batches 8 --pages 64 ;;
-        *) echo "unknown part '$what' (tests, host, kernels, long, model, deep, stages, profile, paged, small, mixed)" >&2; exit 2 ;;
+        *) echo "unknown part '$what' (tests, host, kernels, long, model, deep, stages, profile, paged, small, tiles, mixed)" >&2; exit 2 ;;
     esac
 done
 

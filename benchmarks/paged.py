@@ -29,7 +29,9 @@ A decoding read whose slots' keys and values take at most 256 MiB, under a mask 
 decoded row see every key its slot holds (``causal``, not a narrower window or documents),
 lists every page its slots hold instead of building the exact logical mask when it is made
 (``paged_call.lists_every_page``; the first read of a spec builds it): ``--exact-masks`` makes
-every read build it, for the same table without that rule.
+every read build it, for the same table without that rule. ``--read-options '{"BLOCK_N": 32}'``
+gives the paged reads a key tile narrower than the page (``flexspec.compile(...,
+kernel_options=...)``); the contiguous call keeps flexspec's own options.
 
 Outputs are checked against the contiguous call (the mixed batch: against its parts). Times
 are medians of ``triton.testing.do_bench`` (on the CPU: of ``--repeats`` calls). The last lines
@@ -46,6 +48,7 @@ printed are the table (markdown).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -124,12 +127,15 @@ def row(text: str, batch: int, length: int, page: int, args, device) -> dict:
         padded[:length] = ids
         logical_bindings["doc_ids"] = padded.expand(batch, -1).contiguous()
     attn = flexspec.compile(text)
+    contiguous = attn
+    if args.read_options:  # the paged reads only: the contiguous call keeps flexspec's own
+        attn = flexspec.compile(text, kernel_options=json.loads(args.read_options))
     result = {"spec": text, "B": batch, "cache": length, "page": page}
     with torch.no_grad():
-        want = attn(q, keys, values, q_offset=offset, kv_lengths=lengths, **bindings)
+        want = contiguous(q, keys, values, q_offset=offset, kv_lengths=lengths, **bindings)
         result["contiguous"] = timed(
-            lambda: attn(q, keys, values, q_offset=offset, kv_lengths=lengths, **bindings),
-            device, args.repeats)
+            lambda: contiguous(q, keys, values, q_offset=offset, kv_lengths=lengths,
+                               **bindings), device, args.repeats)
         got = attn.paged(q, cache, slots, read="in_place", **logical_bindings)
         close = torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
         # a layer of a step: the read made once, outside the timed region
@@ -165,7 +171,7 @@ def mixed_row(text: str, batch: int, length: int, page: int, chunk: int, args,
     if "doc" in text:
         ids = (torch.arange(cache.capacity) * DOCUMENTS // length).clamp(max=DOCUMENTS)
         bindings["doc_ids"] = ids.to(device).expand(batch, -1).contiguous()
-    attn = flexspec.compile(text)
+    attn = flexspec.compile(text, kernel_options=json.loads(args.read_options or "null"))
     result = {"spec": text, "B": batch, "cache": length, "page": page, "chunk": chunk}
     offset = cache.lengths[slots] - torch.tensor(counts, device=device)
 
@@ -231,6 +237,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed calls off CUDA")
     parser.add_argument("--mixed", type=int, default=0, metavar="CHUNK",
                         help="time a mixed batch with a prefill chunk of CHUNK tokens instead")
+    parser.add_argument("--read-options", default="", metavar="JSON",
+                        help="kernel options (a JSON object) given to flexspec.compile for the "
+                             "paged reads; the contiguous call keeps flexspec's own")
     parser.add_argument("--exact-masks", action="store_true",
                         help="every read builds its exact logical block mask (no read lists "
                              "every page)")
