@@ -163,11 +163,10 @@ _NO_GRAPH_BREAKS = getattr(torch._dynamo, "error_on_graph_break",
 
 def run_compiled(entry, *args, static: bool = False):
     """Run a compiled entry under :data:`COMPILE_SETTINGS` (:data:`STATIC_SETTINGS` with
-    ``static``), with graph breaks made errors (as
-    ``fullgraph=True`` would), turning torch's recompile limit into :class:`CompileLimitError`
-    (by default dynamo would silently fall back to an unfused kernel that materialises the
-    scores). Calls of a warm plan skip this: dynamo's guards depend only on what the plan's key
-    holds, so they cannot recompile.
+    ``static``), with graph breaks made errors (as ``fullgraph=True`` would), turning torch's
+    recompile limit into :class:`CompileLimitError` (by default dynamo would silently fall
+    back to an unfused kernel that materialises the scores). Calls of a warm plan skip this:
+    dynamo's guards depend only on what the plan's key holds, so they cannot recompile.
 
     dynamo's settings may be process-wide: compiling calls take a lock while they are changed
     (:func:`flexspec.kernels.generations.call_with_settings`; a thread's compile then waits for

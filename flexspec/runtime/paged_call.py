@@ -234,8 +234,9 @@ def given_options(options: dict | None, page_size: int) -> dict:
     the next page may lie anywhere in the pool."""
     options = dict(options or {})
     tile = options.get("BLOCK_N")
-    if tile is not None and (not isinstance(tile, int) or tile <= 0 or page_size % tile):
-        fits = [size for size in (16, 32, 64, 128) if size <= page_size and page_size % size == 0]
+    # FlexAttention's key tiles are multiples of 16 positions
+    fits = [size for size in range(16, page_size + 1, 16) if page_size % size == 0]
+    if tile is not None and (isinstance(tile, bool) or tile not in fits):
         raise BindingError(f"attn.paged: kernel_options BLOCK_N={tile!r} does not divide the "
                            f"cache's pages of {page_size} positions, and a key tile may not "
                            f"span two pages: give one of {fits}, or leave BLOCK_N out")

@@ -482,7 +482,7 @@ def test_kernel_options_given_to_compile_reach_the_read_in_place():
         want = attn.reference(q[row:row + 1].double(), keys[row:row + 1, :, :length].double(),
                               values[row:row + 1, :, :length].double(), q_offset=length - 130)
         torch.testing.assert_close(out[row:row + 1].double(), want, rtol=1e-4, atol=1e-4)
-    for tile in (64, 24):
+    for tile in (64, 24, 8):
         wide = flexspec.compile("causal + alibi", kernel_options={"BLOCK_N": tile})
         with pytest.raises(flexspec.BindingError,
                            match=rf"BLOCK_N={tile} does not divide .* pages of 32 .* one of "
