@@ -239,7 +239,9 @@ def given_options(options: dict | None, page_size: int) -> dict:
     if tile is not None and (isinstance(tile, bool) or tile not in fits):
         raise BindingError(f"attn.paged: kernel_options BLOCK_N={tile!r} does not divide the "
                            f"cache's pages of {page_size} positions, and a key tile may not "
-                           f"span two pages: give one of {fits}, or leave BLOCK_N out")
+                           f"span two pages: give one of {fits}, or leave BLOCK_N out (for "
+                           "other calls that need it, compile the spec once more without it "
+                           "for the paged reads)")
     return options
 
 
