@@ -22,8 +22,8 @@
 # stages (the same by stage, clocked without a profiler: the attention layers and flexspec's
 # call path), paged (paged caches at pages 16 and 64, `causal & doc` with a moving offset),
 # small (small paged reads listing every page, then with exact masks), tiles (paged reads with
-# a key tile narrower than the page), mixed (a prefill chunk
-# with decoded tokens; with the graph columns, captured and replayed).
+# a key tile narrower than the page), mixed (a prefill chunk with decoded tokens, also captured
+# and replayed).
 # The limits are what each part took on the H200 and the H100 with some room (2026-12-05: the
 # tests took 324 s and the mixed rows more than 200 s on the H100; 2026-12-06, on the H100: the
 # tests 236 s, deep about 190 s, and the six decode specs at 32K about 300 s).
