@@ -974,6 +974,40 @@ def test_a_paged_cache_read_in_place_matches_each_sequence_alone(text, q_len, pa
     torch._dynamo.reset()
 
 
+def test_a_paged_read_of_pages_of_48_tuned_keeps_its_answer():
+    """Pages of 48 positions, which FlexAttention's default key tile would span: the read asks
+    for tiles of 16 (paged_call.page_tiles) and equals the float64 reference; PagedRead.tune
+    times the default candidates (the only tile is the read's own, so pipeline stages), keeps
+    the fastest, and the read still equals the reference."""
+    torch._dynamo.reset()
+    attn = flexspec.compile("causal + alibi")
+    heads, kv_heads, dim, page = 8, 2, 64, 48
+    cache = flexspec.PagedKVCache(pages=3 * 14, page_size=page, kv_heads=kv_heads,
+                                  head_dim=dim, slots=4, max_pages=14, dtype=torch.bfloat16,
+                                  device="cuda")
+    slots, lengths = [2, 0, 3], [650, 301, 470]
+    generator = torch.Generator().manual_seed(4)
+    sequences = [[torch.randn(1, kv_heads, n, dim, generator=generator).to("cuda", torch.bfloat16)
+                  for _ in range(2)] for n in lengths]
+    for slot, (k, v) in zip(slots, sequences):
+        cache.append(torch.tensor([slot], device="cuda"), k, v)
+    q = torch.randn(3, heads, 1, dim, generator=generator).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        read = attn.paged_read(q, cache, torch.tensor(slots, device="cuda"))
+        assert read._tail[3]["BLOCK_N"] == 16
+        before = read(q)
+        result = read.tune(q, repeats=3)
+        after = read(q)
+    assert result.best.items() <= read._tail[3].items(), result
+    assert len([ms for _, ms in result.times if ms is not None]) >= 2, result
+    for out in (before, after):
+        for row, (n, (k, v)) in enumerate(zip(lengths, sequences)):
+            ref = attn.reference(q[row:row + 1].double(), k.double(), v.double(),
+                                 q_offset=n - 1)
+            assert _relative_error(out[row:row + 1], ref) < TOLERANCE[torch.bfloat16], row
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("text", ["causal & (window(48) | sink(2)) + alibi", "causal + alibi"])
 def test_serving_steps_over_a_paged_cache_never_synchronise_with_the_host(text):
     """Issue 27's serving target on the GPU: 1000 decode steps with requests arriving and

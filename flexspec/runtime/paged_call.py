@@ -16,6 +16,7 @@ there is no backward pass (``attn.paged(..., read="gather")`` has one).
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from flexspec.runtime.checks import check_qkv, checked_scale
 from flexspec.runtime.contract import BackendError
 from flexspec.runtime.flexattention import (DECODE_ROWS, DECODING_OPTIONS, every_tile_fits,
                                              wide_keys)
+from flexspec.runtime.tuning import Tuned, checked_options, fastest, time_candidates
 
 # The query block of the logical masks: FlexAttention's default.
 QUERY_BLOCK = 128
@@ -63,9 +65,10 @@ class PagedRead:
     preparation: ``cache`` may be any cache of the same geometry whose pages were taken by the
     same operations (one cache per layer, appended together)."""
 
-    def __init__(self, entry, groups: list, tail: tuple, cache, signature: tuple, text: str,
-                 decoding: bool):
-        self._entry, self._groups, self._tail, self._cache = entry, groups, tail, cache
+    def __init__(self, kernel: "ReadKernel", groups: list, tail: tuple, cache, signature: tuple,
+                 text: str, decoding: bool):
+        self._kernel, self._groups, self._tail, self._cache = kernel, groups, tail, cache
+        self._entry = kernel.entry()
         self._signature, self._text, self._decoding = signature, text, decoding
         self._warm = False
         self._returns_lse = tail[-1] is not None  # the entry's last argument: the lse request
@@ -91,6 +94,45 @@ class PagedRead:
             return (torch.cat([out for out, _ in outs], dim=1),
                     torch.cat([lse for _, lse in outs], dim=1))
         return torch.cat(outs, dim=1)
+
+    def tune(self, q, cache=None, *, candidates: list | None = None,
+             repeats: int = 10) -> Tuned:
+        """Time this read of ``q`` with each of ``candidates`` (kernel options; by default
+        :func:`read_candidates`: key tiles that divide the page, pipeline stages) and with its
+        own options, check each answer against the own options' answer, and keep the fastest
+        for this read (its own unless one is faster by more than the timing's noise,
+        :data:`flexspec.runtime.tuning.MARGIN`). The result's ``best`` is what to give
+        ``flexspec.compile(spec, kernel_options=...)`` so that later reads run with it. A
+        candidate whose key tile does not divide the page is left out and said so; each of the
+        others compiles its kernel in a compiled entry of its own (seconds)."""
+        started = time.perf_counter()
+        entry, tail = self._entry, self._tail
+        own = dict(tail[3] or {})
+        result = Tuned(f"paged read of q {list(self._signature[0])}, {self._signature[1]}, "
+                       f"pages of {self._kernel.page_size}", {})
+        candidates = read_candidates(self._kernel.page_size, own) if candidates is None else [
+            checked_options(options, "candidates") for options in candidates]
+        refused = {}
+        for options in candidates:
+            try:
+                given_options(options, self._kernel.page_size)
+            except BindingError as error:
+                refused[str(options)] = (options, str(error))
+
+        def pin(options: dict) -> None:
+            self._entry = self._kernel.entry(options) if options else entry
+            self._tail = tail[:3] + ({**own, **options} or None,) + tail[4:]
+            self._warm = False
+        time_candidates(lambda: (self(q, cache),),
+                        [{}] + [options for options in candidates if str(options) not in refused],
+                        pin, result, repeats, q.device)
+        for key, (options, why) in refused.items():
+            result.times.append((options, None))
+            result.failed[key] = why
+        result.best = fastest(result.times)
+        pin(result.best)
+        result.seconds = time.perf_counter() - started
+        return result
 
     def _run(self, args: tuple, q):
         if self._warm:
@@ -175,14 +217,15 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
     options = dict(DECODING_OPTIONS) if decoding else {}
     if not decoding and q_len < DECODE_ROWS:
         options["FORCE_USE_FLEX_ATTENTION"] = True
-    if cache.page_size < WIDEST_KEY_TILE:
-        options["BLOCK_N"] = cache.page_size  # a key tile may not span two pages
+    widest = max(page_tiles(cache.page_size), default=WIDEST_KEY_TILE)
+    if widest < WIDEST_KEY_TILE:
+        options["BLOCK_N"] = widest  # a key tile may not span two pages
     options.update(given_options(sibling.kernel_options, cache.page_size))
     # decoding reads compile apart from the main kernel's: once one entry had seen a chunk's
     # rows and batch, dynamo made them dynamic in the decoding graph too, and a decoded read
     # of a second cache ran 17x slower (docs/performance.md, nineteenth session)
-    entry = compiled.compiled_entry(lower(sibling.ir),
-                                    "paged decoding" if decoding else "paged")
+    kernel = ReadKernel(lower(sibling.ir), "paged decoding" if decoding else "paged",
+                        cache.page_size)
     tail = (block_mask, scale, heads != kv_heads, options or None,
             compiled.lse_request(return_lse))
     reads_h = score_mod is not None and "h" in ir.free_vars(sibling.ir.score)
@@ -194,9 +237,33 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
     # the batch stays static where the first call compiles (PagedRead._run marks its views);
     # on the CPU every shape does (PagedRead._run)
     if q.device.type != "cpu":
-        compiled.mark_lengths_dynamic(entry, *groups[0].arguments(q, cache)[:3], score_mod,
-                                      block_mask)
-    return PagedRead(entry, groups, tail, cache, _signature(q), str(sibling.spec), decoding)
+        compiled.mark_lengths_dynamic(kernel.entry(), *groups[0].arguments(q, cache)[:3],
+                                      score_mod, block_mask)
+    return PagedRead(kernel, groups, tail, cache, _signature(q), str(sibling.spec), decoding)
+
+
+@dataclass(frozen=True)
+class ReadKernel:
+    """What a read's compiled entries are made from: the lowered spec, the entries' purpose
+    (decoding reads compile apart from the others) and the page size."""
+
+    lowered: object
+    purpose: str
+    page_size: int
+
+    def entry(self, options: dict | None = None):
+        """The compiled entry of reads (``options``: a tuning candidate's, compiled in an
+        entry of its own so that later reads never check its guards)."""
+        purpose = f"{self.purpose} with {options}" if options else self.purpose
+        return compiled.compiled_entry(self.lowered, purpose)
+
+
+def read_candidates(page_size: int, own: dict) -> list:
+    """The kernel options :meth:`PagedRead.tune` tries by default: each key tile that divides
+    the page (:func:`page_tiles`), then pipeline stages, those the read runs with left out."""
+    tiles = [size for size in page_tiles(page_size) if size != own.get("BLOCK_N")]
+    return [{"BLOCK_N": size} for size in tiles] + [
+        {"num_stages": stages} for stages in (2, 4) if stages != own.get("num_stages")]
 
 
 def lists_every_page(q, mask: ir.Expr, capacity: int, positions: int, width: int,
@@ -228,14 +295,22 @@ def last_row_sees_every_key(mask: ir.Expr, capacity: int, batch: int, heads: int
     return always(mask, position_ranges(sizes, capacity - 1, capacity - 1))
 
 
+def page_tiles(page_size: int) -> list:
+    """The key tiles a read of pages of ``page_size`` positions may run with: FlexAttention's
+    (powers of two from 16 to :data:`WIDEST_KEY_TILE`) that divide the page, narrowest first.
+    Where the widest is not :data:`WIDEST_KEY_TILE` the read asks for it, since the kernels'
+    default tile would span two pages (a page of 48 positions reads in tiles of 16)."""
+    return [16 << shift for shift in range(4)
+            if 16 << shift <= WIDEST_KEY_TILE and page_size % (16 << shift) == 0]
+
+
 def given_options(options: dict | None, page_size: int) -> dict:
     """The kernel options given to ``flexspec.compile``, which a read in place runs with over
     its own, checked against the pages: a key tile (``BLOCK_N``) must divide the page, since
     the next page may lie anywhere in the pool."""
     options = dict(options or {})
     tile = options.get("BLOCK_N")
-    # FlexAttention's key tiles are multiples of 16 positions
-    fits = [size for size in range(16, page_size + 1, 16) if page_size % size == 0]
+    fits = page_tiles(page_size)
     if tile is not None and (isinstance(tile, bool) or tile not in fits):
         raise BindingError(f"attn.paged: kernel_options BLOCK_N={tile!r} does not divide the "
                            f"cache's pages of {page_size} positions, and a key tile may not "

@@ -492,6 +492,60 @@ def test_kernel_options_given_to_compile_reach_the_read_in_place():
 
 
 @pytest.mark.slow
+def test_tuning_a_read_in_place_keeps_the_fastest_options_and_its_answer():
+    """PagedRead.tune times the read with each candidate (each compiled in an entry of its
+    own) and its own options, leaves out a key tile that does not divide the page saying why,
+    and keeps the fastest: the read still equals the float64 reference, runs with the options
+    kept, and a spec compiled with ``kernel_options=result.best`` reads with them too."""
+    torch._dynamo.reset()
+    slots, lengths = [3, 0, 4], [200, 150, 177]
+    paged, keys, values = filled(lengths, slots, seed=12, page_size=32, max_pages=8)
+    q = torch.randn(3, 4, 130, DIM, generator=torch.Generator().manual_seed(13))
+    attn = flexspec.compile("causal & window(150)")
+    with torch.no_grad():
+        read = attn.paged_read(q, paged, torch.tensor(slots))
+        result = read.tune(q, candidates=[{"BLOCK_N": 16}, {"BLOCK_N": 64}], repeats=2)
+        out = read(q)
+    assert [options for options, _ in result.times] == [{}, {"BLOCK_N": 16}, {"BLOCK_N": 64}]
+    assert all(ms > 0 for _, ms in result.times[:2]), result
+    assert result.times[2][1] is None
+    assert "does not divide the cache's pages of 32" in result.failed[str({"BLOCK_N": 64})]
+    assert result.best in ({}, {"BLOCK_N": 16})
+    assert result.best.items() <= (read._tail[3] or {}).items()
+    for row, length in enumerate(lengths):
+        want = attn.reference(q[row:row + 1].double(), keys[row:row + 1, :, :length].double(),
+                              values[row:row + 1, :, :length].double(), q_offset=length - 130)
+        torch.testing.assert_close(out[row:row + 1].double(), want, rtol=1e-4, atol=1e-4)
+    pinned = flexspec.compile("causal & window(150)", kernel_options=result.best)
+    with torch.no_grad():
+        torch.testing.assert_close(pinned.paged_read(q, paged, torch.tensor(slots))(q), out)
+    torch._dynamo.reset()
+
+
+def test_a_read_s_default_candidates_are_tiles_dividing_the_page_and_stages():
+    """paged_call.read_candidates: key tiles of a multiple of 16 that divide the page, up to
+    128, and pipeline stages, leaving out what the read already runs with."""
+    from flexspec.runtime.paged_call import read_candidates
+    assert read_candidates(64, {"BLOCK_N": 64, "num_stages": 3}) == [
+        {"BLOCK_N": 16}, {"BLOCK_N": 32}, {"num_stages": 2}, {"num_stages": 4}]
+    assert read_candidates(256, {"num_stages": 2}) == [
+        {"BLOCK_N": 16}, {"BLOCK_N": 32}, {"BLOCK_N": 64}, {"BLOCK_N": 128}, {"num_stages": 4}]
+    assert read_candidates(48, {"BLOCK_N": 16}) == [{"num_stages": 2}, {"num_stages": 4}]
+
+
+def test_a_read_asks_for_the_widest_key_tile_that_divides_its_pages():
+    """FlexAttention's key tiles are powers of two; its default (up to 128) would span two
+    pages of 48 or 96 positions, so such a read asks for the widest that divides the page, and
+    none where 128 does."""
+    from flexspec.runtime.paged_call import page_tiles
+    assert page_tiles(16) == [16]
+    assert page_tiles(48) == [16]
+    assert page_tiles(64) == [16, 32, 64]
+    assert page_tiles(96) == [16, 32]
+    assert page_tiles(128) == page_tiles(256) == [16, 32, 64, 128]
+
+
+@pytest.mark.slow
 def test_a_paged_read_made_once_serves_every_layer_of_a_step():
     """attn.paged_read: made from one layer's cache, it runs the other layers' caches (same
     operations, other keys and values) and equals each cache read on its own; it refuses a
