@@ -306,15 +306,16 @@ def page_tiles(page_size: int) -> list:
 
 def given_options(options: dict | None, page_size: int) -> dict:
     """The kernel options given to ``flexspec.compile``, which a read in place runs with over
-    its own, checked against the pages: a key tile (``BLOCK_N``) must divide the page, since
-    the next page may lie anywhere in the pool."""
+    its own, checked against the pages: a key tile (``BLOCK_N``) must be one of
+    :func:`page_tiles`, since the next page may lie anywhere in the pool."""
     options = dict(options or {})
     tile = options.get("BLOCK_N")
     fits = page_tiles(page_size)
     if tile is not None and (isinstance(tile, bool) or tile not in fits):
-        raise BindingError(f"attn.paged: kernel_options BLOCK_N={tile!r} does not divide the "
-                           f"cache's pages of {page_size} positions, and a key tile may not "
-                           f"span two pages: give one of {fits}, or leave BLOCK_N out (for "
+        raise BindingError(f"attn.paged: kernel_options BLOCK_N={tile!r} is not a key tile "
+                           f"that divides the cache's pages of {page_size} positions (a key "
+                           "tile may not span two pages, and FlexAttention's are powers of two "
+                           f"from 16 to 128): give one of {fits}, or leave BLOCK_N out (for "
                            "other calls that need it, compile the spec once more without it "
                            "for the paged reads)")
     return options

@@ -467,8 +467,8 @@ def test_in_place_reads_of_new_batches_and_query_lengths_compile_on_the_cpu():
 def test_kernel_options_given_to_compile_reach_the_read_in_place():
     """flexspec.compile(..., kernel_options=...) reaches a read in place over flexspec's own
     options (a key tile of 16 within pages of 32), which still equals the float64 reference;
-    a key tile that does not divide the page (it would span two pages) is refused, saying
-    which tiles fit."""
+    a key tile that does not divide the page (it would span two pages), or is no tile of
+    FlexAttention's, is refused, saying which tiles fit."""
     torch._dynamo.reset()
     slots, lengths = [3, 0, 4], [200, 150, 177]
     paged, keys, values = filled(lengths, slots, seed=9, page_size=32, max_pages=8)
@@ -485,9 +485,13 @@ def test_kernel_options_given_to_compile_reach_the_read_in_place():
     for tile in (64, 24, 8):
         wide = flexspec.compile("causal + alibi", kernel_options={"BLOCK_N": tile})
         with pytest.raises(flexspec.BindingError,
-                           match=rf"BLOCK_N={tile} does not divide .* pages of 32 .* one of "
-                                 r"\[16, 32\]"):
+                           match=rf"BLOCK_N={tile} is not a key tile that divides .* pages "
+                                 r"of 32 .* one of \[16, 32\]"):
             wide.paged_read(q, paged, torch.tensor(slots))
+    from flexspec.runtime.paged_call import given_options
+    assert given_options({"BLOCK_N": 32, "num_warps": 4}, 96) == {"BLOCK_N": 32, "num_warps": 4}
+    with pytest.raises(flexspec.BindingError, match=r"powers of two .* one of \[16, 32\]"):
+        given_options({"BLOCK_N": 48}, 96)  # divides the page, but is no tile of FlexAttention's
     torch._dynamo.reset()
 
 
@@ -509,7 +513,7 @@ def test_tuning_a_read_in_place_keeps_the_fastest_options_and_its_answer():
     assert [options for options, _ in result.times] == [{}, {"BLOCK_N": 16}, {"BLOCK_N": 64}]
     assert all(ms > 0 for _, ms in result.times[:2]), result
     assert result.times[2][1] is None
-    assert "does not divide the cache's pages of 32" in result.failed[str({"BLOCK_N": 64})]
+    assert "divides the cache's pages of 32" in result.failed[str({"BLOCK_N": 64})]
     assert result.best in ({}, {"BLOCK_N": 16})
     assert result.best.items() <= (read._tail[3] or {}).items()
     for row, length in enumerate(lengths):
