@@ -141,10 +141,7 @@ class PagedRead:
             if self._decoding:  # each group's views are new tensors
                 compiled.mark_batch_static(*args[:3])
             try:
-                # the C++ kernel of a read does not compile with dynamic shapes
-                # (flexspec.workarounds: cpu-dynamic-row-binding): one compile per shape
-                out = compiled.run_compiled(self._entry, *args,
-                                            static=q.device.type == "cpu")
+                out = compiled.run_compiled(self._entry, *args, static=self._kernel.static)
             except compiled.CompileLimitError:
                 raise
             except Exception as err:  # noqa: BLE001 - inductor's errors have no stable type
@@ -224,8 +221,10 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
     # decoding reads compile apart from the main kernel's: once one entry had seen a chunk's
     # rows and batch, dynamo made them dynamic in the decoding graph too, and a decoded read
     # of a second cache ran 17x slower (docs/performance.md, nineteenth session)
+    # the CPU's C++ kernel of a read does not compile with dynamic shapes
+    # (flexspec.workarounds: cpu-dynamic-row-binding): there, one compile per shape
     kernel = ReadKernel(lower(sibling.ir), "paged decoding" if decoding else "paged",
-                        cache.page_size)
+                        cache.page_size, static=q.device.type == "cpu")
     tail = (block_mask, scale, heads != kv_heads, options or None,
             compiled.lse_request(return_lse))
     reads_h = score_mod is not None and "h" in ir.free_vars(sibling.ir.score)
@@ -234,9 +233,8 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
                         slice(p * kv_group, (p + 1) * kv_group) if parts > 1 else None,
                         heads_from(score_mod, p * q_group, q.device)
                         if reads_h and parts > 1 else score_mod) for p in range(parts)]
-    # the batch stays static where the first call compiles (PagedRead._run marks its views);
-    # on the CPU every shape does (PagedRead._run)
-    if q.device.type != "cpu":
+    # the batch stays static where the first call compiles (PagedRead._run marks its views)
+    if not kernel.static:
         compiled.mark_lengths_dynamic(kernel.entry(), *groups[0].arguments(q, cache)[:3],
                                       score_mod, block_mask)
     return PagedRead(kernel, groups, tail, cache, _signature(q), str(sibling.spec), decoding)
@@ -245,11 +243,13 @@ def pool_read(sibling, q, cache, slots, *, scale=None, q_offset=None, return_lse
 @dataclass(frozen=True)
 class ReadKernel:
     """What a read's compiled entries are made from: the lowered spec, the entries' purpose
-    (decoding reads compile apart from the others) and the page size."""
+    (decoding reads compile apart from the others) and the page size; ``static``: whether they
+    compile with static shapes, once per shape (:data:`compiled.STATIC_SETTINGS`)."""
 
     lowered: object
     purpose: str
     page_size: int
+    static: bool = False
 
     def entry(self, options: dict | None = None):
         """The compiled entry of reads (``options``: a tuning candidate's, compiled in an
