@@ -436,6 +436,17 @@ def test_paged_reads_the_pool_in_place_equal_to_each_sequence_alone(text, allowe
     torch._dynamo.reset()
 
 
+def assert_rows_alone(attn, out, q, keys, values, lengths: list) -> None:
+    """Each row of a read's ``out`` equals the float64 reference of its queries alone over its
+    own sequence (the first ``lengths[row]`` of ``keys`` and ``values``), ending there."""
+    q_len = q.shape[2]
+    for row, length in enumerate(lengths):
+        want = attn.reference(q[row:row + 1].double(), keys[row:row + 1, :, :length].double(),
+                              values[row:row + 1, :, :length].double(),
+                              q_offset=length - q_len)
+        torch.testing.assert_close(out[row:row + 1].double(), want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.slow
 def test_in_place_reads_of_new_batches_and_query_lengths_compile_on_the_cpu():
     """A read in place of another batch or query length compiles again, statically, on the
@@ -452,14 +463,7 @@ def test_in_place_reads_of_new_batches_and_query_lengths_compile_on_the_cpu():
         for rows, q_len in ((2, 130), (3, 130), (3, 129)):
             q = torch.randn(rows, 4, q_len, DIM, generator=generator)
             out = attn.paged_read(q, paged, torch.tensor(slots[:rows]))(q)
-            for row in range(rows):
-                length = lengths[row]
-                want = attn.reference(q[row:row + 1].double(),
-                                      keys[row:row + 1, :, :length].double(),
-                                      values[row:row + 1, :, :length].double(),
-                                      q_offset=length - q_len)
-                torch.testing.assert_close(out[row:row + 1].double(), want, rtol=1e-4,
-                                           atol=1e-4)
+            assert_rows_alone(attn, out, q, keys, values, lengths[:rows])
     torch._dynamo.reset()
 
 
@@ -478,10 +482,7 @@ def test_kernel_options_given_to_compile_reach_the_read_in_place():
         read = attn.paged_read(q, paged, torch.tensor(slots))
         out = read(q)
     assert {"BLOCK_N": 16, "num_stages": 1}.items() <= read._tail[3].items()
-    for row, length in enumerate(lengths):
-        want = attn.reference(q[row:row + 1].double(), keys[row:row + 1, :, :length].double(),
-                              values[row:row + 1, :, :length].double(), q_offset=length - 130)
-        torch.testing.assert_close(out[row:row + 1].double(), want, rtol=1e-4, atol=1e-4)
+    assert_rows_alone(attn, out, q, keys, values, lengths)
     for tile in (64, 24, 8):
         wide = flexspec.compile("causal + alibi", kernel_options={"BLOCK_N": tile})
         with pytest.raises(flexspec.BindingError,
@@ -516,10 +517,7 @@ def test_tuning_a_read_in_place_keeps_the_fastest_options_and_its_answer():
     assert "divides the cache's pages of 32" in result.failed[str({"BLOCK_N": 64})]
     assert result.best in ({}, {"BLOCK_N": 16})
     assert result.best.items() <= (read._tail[3] or {}).items()
-    for row, length in enumerate(lengths):
-        want = attn.reference(q[row:row + 1].double(), keys[row:row + 1, :, :length].double(),
-                              values[row:row + 1, :, :length].double(), q_offset=length - 130)
-        torch.testing.assert_close(out[row:row + 1].double(), want, rtol=1e-4, atol=1e-4)
+    assert_rows_alone(attn, out, q, keys, values, lengths)
     pinned = flexspec.compile("causal & window(150)", kernel_options=result.best)
     with torch.no_grad():
         torch.testing.assert_close(pinned.paged_read(q, paged, torch.tensor(slots))(q), out)
