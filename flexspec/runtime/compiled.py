@@ -35,9 +35,13 @@ def compiled_entry(lowered: Lowered, purpose: str = "call"):
     """A compiled ``flex_attention`` call whose code object belongs to this spec alone, so each
     spec has its own dynamo cache and recompile budget (and each ``purpose`` of it: the reads
     of a paged cache compile apart from the plain calls). ``pinned`` lists the strides
-    :func:`free_strides` finds, each stated to the compiler as a factor times a number."""
+    :func:`free_strides` finds, each stated to the compiler as a factor times a number; the
+    numbers are read before the tensors, so that a number made dynamic becomes a graph input
+    ahead of the strides that name it (flexspec.workarounds: inductor-symbol-order)."""
     text = ("def run(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, lse,\n"
             "        pinned=()):\n"
+            "    for _, _, _, times in pinned:\n"
+            "        torch._check(times > 0)\n"
             "    tensors = (q, k, v)\n"
             "    for which, dim, factor, times in pinned:\n"
             "        torch._check(tensors[which].stride(dim) == factor * times)\n"

@@ -261,6 +261,28 @@ def test_a_cache_view_s_strides_stay_constants_when_lengths_turn_dynamic():
     assert compiled.free_strides(padded, contiguous, contiguous) == ((0, 2, 1, 20),)
 
 
+def test_keys_viewed_in_caches_of_two_capacities_compile_with_inductor():
+    """Keys viewed in a cache of one capacity, then of another (two models, or two static
+    caches of one spec in a process): the pinned head stride's number changes, dynamo makes it
+    a graph input of its own, and inductor refused the graph ("For 32*s0, expected [s0] to
+    have been codegen-ed") when that input came after the keys whose strides it names. The
+    entry reads the numbers first; every call equals the float64 reference, on FlexAttention
+    (``backend="flex"`` raises rather than moving the call elsewhere), in three graphs."""
+    attn = flexspec.compile("causal + softcap(30)", backend="flex")
+    before = graphs()
+    with torch.no_grad():
+        for capacity, lengths in ((1201, (900, 901, 902)), (700, (600, 601))):
+            cache = torch.randn(2, 2, capacity, 16, dtype=torch.float64).float()
+            for n in lengths:
+                q = torch.randn(2, 4, 128, 16)
+                k, v = cache[:, :, :n], cache[:, :, :n]
+                out = attn(q, k, v, q_offset=n - 128)
+                ref = attn.reference(q.double(), k.double(), v.double(), q_offset=n - 128)
+                torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    # static, dynamic in the lengths, dynamic in the stride's number
+    assert graphs() - before == 3
+
+
 @pytest.mark.parametrize("batch_static", [False, True], ids=["any call", "a decoding call"])
 def test_a_window_of_a_cache_that_grows_by_concatenation_keeps_its_stride_a_multiple_of_16(
         batch_static):
