@@ -11,7 +11,7 @@
 #   bash benchmarks/inference.sh deep            # generate() of a 16-layer Llama (7 minutes)
 #   bash benchmarks/inference.sh paged           # paged decode at 32K (7 minutes)
 #   bash benchmarks/inference.sh small           # paged reads at 4K, two ways (3 minutes)
-#   bash benchmarks/inference.sh tiles           # paged reads with a key tile of 32 (not yet run)
+#   bash benchmarks/inference.sh tiles           # paged reads with a key tile of 32 (2 minutes)
 #
 # Parts: tests (the GPU tests of this area), host (host time of a step's calls: replays,
 # compiled calls without dynamo, planning), kernels (decode steps and warm calls at 32K), long
@@ -27,7 +27,8 @@
 # The limits are what each part took on the H200 and the H100 with some room (2026-12-05: the
 # tests took 324 s and the mixed rows more than 200 s on the H100; 2026-12-06, on the H100: the
 # tests 236 s, deep about 190 s, and the six decode specs at 32K about 300 s; the paged and
-# serving tests alone 219 s with -n 4 before the second serving spec and the tuned read).
+# serving tests alone 219 s with -n 4 before the second serving spec and the tuned read;
+# 2026-12-06 again, on the H100: the tests 295 s, small about 200 s, tiles about 95 s).
 # lark travels as a wheel (.whl, see the device tool's notes); FA4 is optional (its columns
 # stay empty without it).
 set -uo pipefail
