@@ -140,9 +140,9 @@ def test_the_serving_example_tells_a_wrong_cache_from_a_right_one(monkeypatch, c
     spec = importlib.util.spec_from_file_location("serving_wrong", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    import flexspec
-    real = flexspec.runtime.Attention.paged
-    monkeypatch.setattr(flexspec.runtime.Attention, "paged",
+    from flexspec.runtime import Attention
+    real = Attention.paged
+    monkeypatch.setattr(Attention, "paged",
                         lambda self, q, cache, slots, **kw: real(self, q, cache,
                                                                  (slots + 1) % cache.slots, **kw))
     assert example.main([]) == 1
