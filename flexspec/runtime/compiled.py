@@ -41,7 +41,7 @@ def compiled_entry(lowered: Lowered, purpose: str = "call"):
     text = ("def run(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, lse,\n"
             "        pinned=()):\n"
             "    for _, _, _, times in pinned:\n"
-            "        torch._check(times > 0)\n"
+            "        torch._check(times >= 0)\n"
             "    tensors = (q, k, v)\n"
             "    for which, dim, factor, times in pinned:\n"
             "        torch._check(tensors[which].stride(dim) == factor * times)\n"

@@ -272,7 +272,7 @@ def test_keys_viewed_in_caches_of_two_capacities_compile_with_inductor():
     before = graphs()
     with torch.no_grad():
         for capacity, lengths in ((1201, (900, 901, 902)), (700, (600, 601))):
-            cache = torch.randn(2, 2, capacity, 16, dtype=torch.float64).float()
+            cache = torch.randn(2, 2, capacity, 16)
             for n in lengths:
                 q = torch.randn(2, 4, 128, 16)
                 k, v = cache[:, :, :n], cache[:, :, :n]
