@@ -81,7 +81,7 @@ def measure(batch: int, length: int, device, calls: int = 60) -> dict:
         return attn.block_mask(length, length, batch=batch, device=device, doc_ids=fresh())
 
     block_mask()  # compiles the program; makes the input plan
-    plan = next(iter(attn._mask_plans.values()))
+    plan = next(iter(attn._calls.mask_plans.values()))
     program = fused_blocks._program(plan.spec.mask, attn.block_size, plan.masks.batch,
                                     plan.masks.heads, str(device), fused_blocks.COMPILER)
     lengths = {"B": batch, "H": 1, "Q_LEN": length, "KV_LEN": length}
@@ -89,14 +89,14 @@ def measure(batch: int, length: int, device, calls: int = 60) -> dict:
     row = {"shape": f"{batch}x{length}", "block_mask": median_ms(block_mask, device, calls),
            "program": median_ms(lambda: program({key: fresh()}, lengths), device, calls)}
     ids = fresh()
-    built = masks.BlockMasks.get
-    masks.BlockMasks.get = lambda *args, **kwargs: None
+    built = masks.MaskCache.get
+    masks.MaskCache.get = lambda *args, **kwargs: None
     try:
         row["flexspec path"] = median_ms(
             lambda: attn.block_mask(length, length, batch=batch, device=device, doc_ids=ids),
             device, calls)
     finally:
-        masks.BlockMasks.get = built
+        masks.MaskCache.get = built
     row["queued"] = queued_ms(block_mask, device, calls)
     row["copy"] = median_ms(fresh, device, calls)
     return row

@@ -28,7 +28,7 @@ the split's host work is recorded away), the parts each in a graph of its own.
 A decoding read whose slots' keys and values take at most 256 MiB, under a mask that lets a
 decoded row see every key its slot holds (``causal``, not a narrower window or documents),
 lists every page its slots hold instead of building the exact logical mask when it is made
-(``paged_call.lists_every_page``; the first read of a spec builds it): ``--exact-masks`` makes
+(``flexpages.lists_every_page``; the first read of a spec builds it): ``--exact-masks`` makes
 every read build it, for the same table without that rule. ``--read-options '{"BLOCK_N": 32}'``
 gives the paged reads a key tile narrower than the page (``flexspec.compile(...,
 kernel_options=...)``); the contiguous call keeps flexspec's own options.
@@ -245,8 +245,8 @@ def main(argv=None) -> int:
                              "every page)")
     args = parser.parse_args(argv)
     if args.exact_masks:
-        from flexspec.runtime import paged_call
-        paged_call.lists_every_page = lambda *_: False
+        from flexspec.runtime import flexpages
+        flexpages.lists_every_page = lambda *_: False
     device = torch.device(args.device)
     rows = []
     for text in args.specs.split(";"):

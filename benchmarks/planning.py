@@ -41,7 +41,7 @@ SPECS = ("causal + softcap(30)", "sliding_window(4096)", "causal & (window(4096)
 # The pieces of make_plan timed apart: (owner, attribute, column).
 PIECES = ((plan, "check_qkv", "checks"), (Tensors, "gather", "bindings"),
           (plan, "LookupCheck", "lookups"), (plan, "choose", "choice"),
-          (masks.BlockMasks, "bind", "mask handle"), (plan, "_prepared", "backend state"))
+          (masks.MaskCache, "bind", "mask handle"), (plan, "_prepared", "backend state"))
 
 
 def timed_pieces(spent: Counter) -> list:
@@ -92,7 +92,7 @@ def hiding_nothing(device, cache: int, count: int) -> tuple:
     ``count`` new key lengths from ``cache`` on (B=8, H=32, one query row): as
     runtime.masks makes it, and built by the eager builder at every length."""
     spec = flexspec.ir.AttentionIR(flexspec.ir.TRUE, flexspec.ir.SCORE, "start")
-    made = masks.BlockMasks("exact", (128, 128))
+    made = masks.MaskCache("exact", (128, 128))
 
     def sizes(i):
         return {"B": 8, "H": 32, "Q_LEN": 1, "KV_LEN": cache + i}

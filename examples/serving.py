@@ -5,9 +5,11 @@ A tiny randomly initialised decoder (2 layers, grouped-query attention, any flex
 attention) serves requests that arrive and finish at random. Each step is one mixed batch: the
 prompts of new requests (prefill, into free slots of a ``flexspec.PagedKVCache``) and the next
 token of every running request, padded to the longest prompt, in whatever order the slots
-are; ``new_tokens`` tells the cache and ``attn.paged`` how many of each row's tokens are real.
-Finished requests give their pages back. Greedy decoding. At the end every request's tokens are
-compared with the same request run alone over contiguous keys and values.
+are; ``new_tokens`` tells the cache and the step how many of each row's tokens are real. A
+``flexspec.Step`` holds what the layers of one model step share (the slots and the counts): the
+first layer's ``attn.paged`` makes the read of the pages, every other layer runs it over its own
+cache. Finished requests give their pages back. Greedy decoding. At the end every request's
+tokens are compared with the same request run alone over contiguous keys and values.
 
     python examples/serving.py                       # causal, 12 requests
     python examples/serving.py --spec "causal & (window(24) | sink(4))" --requests 20
@@ -95,9 +97,13 @@ def serve(model: TinyDecoder, requests: list, slots: int, seed: int) -> dict:
     step = 0
 
     def attend_over(slot_ids, counts):
+        # what every layer of this model step shares: its first layer makes the read of the
+        # pages, the others run it (each layer's cache has the same appends: the same pages)
+        step = flexspec.Step(slots=slot_ids, new_tokens=counts)
+
         def attend(layer, q, k, v):
             caches[layer].append(slot_ids, k, v, new_tokens=counts)
-            return model.attn.paged(q, caches[layer], slot_ids, new_tokens=counts)
+            return model.attn.paged(q, caches[layer], step=step)
         return attend
 
     while waiting or running:

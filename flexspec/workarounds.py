@@ -203,7 +203,7 @@ _TABLE = (
         "such calls run on FlexAttention's main kernel (FORCE_USE_FLEX_ATTENTION), several "
         "times slower than the decoding kernel; a plain decode call runs as a call per run of "
         "batch rows whose keys are narrower (Attention.__call__), and a paged read of such a "
-        "pool as one per group of KV heads (runtime/paged_call), each on the decoding kernel",
+        "pool as one per group of KV heads (runtime/flexpages), each on the decoding kernel",
         "tests/runtime/test_plan.py::test_calls_of_few_rows_on_cuda_run_on_the_decoding_kernel"),
     Workaround(
         "flex-decoding-full-blocks", "torch (inductor)", "torch 2.11.0+cu130 and 2.13",
@@ -246,8 +246,8 @@ _TABLE = (
         "dynamic ('cur_kvSplitSize3')",
         "a compile torch gives up on under auto moves the spec's calls to the next backend that "
         "can run them, with a warning (backends.flex.FlexBackend.compile_failed); paged reads "
-        "in place on the CPU compile with static shapes, once per shape (runtime.paged_call."
-        "PagedRead)",
+        "in place on the CPU compile with static shapes, once per shape (runtime.flexpages."
+        "PagedCall.static)",
         "tests/runtime/test_compiles.py::test_a_mask_reading_rows_of_keys_compiles_for_new_"
         "lengths_on_the_cpu_or_runs_elsewhere"),
     Workaround(

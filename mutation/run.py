@@ -67,7 +67,12 @@ MODULES: dict[str, list[str]] = {
     "lang/checker": ["tests/lang/test_checker.py"],
     "parallel/balance": ["tests/parallel/test_balance.py"],
     "runtime/tuning": ["tests/runtime/test_tuning.py"],
-    "runtime/mixed": ["tests/runtime/test_mixed.py"],
+    "runtime/serving/mixed": ["tests/runtime/serving/test_mixed.py"],
+    "runtime/serving/cache": ["tests/runtime/serving/test_cache.py"],
+    "runtime/serving/reads": ["tests/runtime/serving/test_reads.py",
+                              "tests/runtime/serving/test_mixed.py"],
+    "runtime/flexpages": ["tests/runtime/test_flexpages.py", "tests/runtime/serving/test_reads.py"],
+    "runtime/calls": ["tests/runtime/test_runtime.py", "tests/runtime/test_positions.py"],
 }
 
 # Linked into each work folder: the package, its tests and the data files flexspec reads from the

@@ -140,11 +140,14 @@ def test_the_serving_example_tells_a_wrong_cache_from_a_right_one(monkeypatch, c
     spec = importlib.util.spec_from_file_location("serving_wrong", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    import flexspec
     from flexspec.runtime import Attention
     real = Attention.paged
-    monkeypatch.setattr(Attention, "paged",
-                        lambda self, q, cache, slots, **kw: real(self, q, cache,
-                                                                 (slots + 1) % cache.slots, **kw))
+
+    def neighbours(self, q, cache, slots=None, *, step, **kw):  # the example's steps
+        wrong = flexspec.Step(slots=(step.slots + 1) % cache.slots, new_tokens=step.new_tokens)
+        return real(self, q, cache, step=wrong, **kw)
+    monkeypatch.setattr(Attention, "paged", neighbours)
     assert example.main([]) == 1
     assert "DIFFERENT" in capsys.readouterr().out
 

@@ -533,10 +533,10 @@ def test_a_warm_decode_call_builds_its_block_mask_once(monkeypatch, tensor_offse
     offset made anew on every call rebuilt it every time (about 1 ms per call on an H200, 3-4x
     the kernel)."""
     from flexspec.runtime import flexattention
-    from flexspec.runtime.masks import BlockMasks
+    from flexspec.runtime.masks import MaskCache
     builds = []
-    build = BlockMasks._build
-    monkeypatch.setattr(BlockMasks, "_build",
+    build = MaskCache._build
+    monkeypatch.setattr(MaskCache, "_build",
                         lambda self, *args: builds.append(1) or build(self, *args))
     monkeypatch.setattr(flexattention, "EVERY_TILE_BYTES", 0)  # the exact mask, always
     attn = flexspec.compile("causal & (window(256) | sink(4))")  # absolute keys: no slice
@@ -560,10 +560,10 @@ def test_a_growing_decode_over_few_keys_lists_every_tile_and_equals_the_referenc
     at different positions) and fresh bindings; every step equals the float64 reference.
     With EVERY_TILE_BYTES at 0 the same steps build the exact mask, also equal to it."""
     from flexspec.runtime import flexattention
-    from flexspec.runtime.masks import BlockMasks
+    from flexspec.runtime.masks import MaskCache
     builds = []
-    build = BlockMasks._build
-    monkeypatch.setattr(BlockMasks, "_build",
+    build = MaskCache._build
+    monkeypatch.setattr(MaskCache, "_build",
                         lambda self, *args: builds.append(1) or build(self, *args))
     batch, heads, kv_heads, dim, start = 3, 8, 2, 64, 700
     generator = torch.Generator().manual_seed(0)
@@ -976,7 +976,7 @@ def test_a_paged_cache_read_in_place_matches_each_sequence_alone(text, q_len, pa
 
 def test_a_paged_read_of_pages_of_48_tuned_keeps_its_answer():
     """Pages of 48 positions, which FlexAttention's default key tile would span: the read asks
-    for tiles of 16 (paged_call.page_tiles) and equals the float64 reference; PagedRead.tune
+    for tiles of 16 (flexpages.page_tiles) and equals the float64 reference; PagedRead.tune
     times the default candidates (the only tile is the read's own, so pipeline stages), keeps
     the fastest, and the read still equals the reference."""
     torch._dynamo.reset()
@@ -994,11 +994,11 @@ def test_a_paged_read_of_pages_of_48_tuned_keeps_its_answer():
     q = torch.randn(3, heads, 1, dim, generator=generator).to("cuda", torch.bfloat16)
     with torch.no_grad():
         read = attn.paged_read(q, cache, torch.tensor(slots, device="cuda"))
-        assert read._tail[3]["BLOCK_N"] == 16
+        assert read._plan.state.kernel.options["BLOCK_N"] == 16
         before = read(q)
         result = read.tune(q, repeats=3)
         after = read(q)
-    assert result.best.items() <= read._tail[3].items(), result
+    assert result.best.items() <= read._plan.state.kernel.options.items(), result
     assert len([ms for _, ms in result.times if ms is not None]) >= 2, result
     for out in (before, after):
         for row, (n, (k, v)) in enumerate(zip(lengths, sequences)):
@@ -1011,13 +1011,13 @@ def test_a_paged_read_of_pages_of_48_tuned_keeps_its_answer():
 @pytest.mark.parametrize("text", ["causal & (window(48) | sink(2)) + alibi", "causal + alibi"])
 def test_serving_steps_over_a_paged_cache_never_synchronise_with_the_host(text):
     """Issue 27's serving target on the GPU: 1000 decode steps with requests arriving and
-    leaving at random (tests/runtime/test_paged.py's loop, every running row checked against
+    leaving at random (tests/runtime/serving/test_reads.py's loop, every running row checked against
     the float64 reference), flexspec's part of each step (appends, the in-place read,
     releases) run under torch.cuda.set_sync_debug_mode("error"): a host synchronisation
     there raises. At most two compiles in all (the block-mask program and the read), both in
     the first steps, which run before the guard (a compile reads the device); none after.
     Under the window, every read builds its exact mask; under ``causal + alibi`` every read
-    after the first lists every page its slots hold (paged_call.lists_every_page: the pool is
+    after the first lists every page its slots hold (flexpages.lists_every_page: the pool is
     small and a decoded row sees every key it holds), so this also checks that those reads
     equal the reference and run on the graph the first read's exact mask compiled."""
     import contextlib
@@ -1025,8 +1025,8 @@ def test_serving_steps_over_a_paged_cache_never_synchronise_with_the_host(text):
     from pathlib import Path
 
     from torch._dynamo.utils import counters
-    sys.path.insert(0, str(Path(__file__).parent / "runtime"))
-    from test_paged import serve_at_random
+    sys.path.insert(0, str(Path(__file__).parent / "runtime" / "serving"))
+    from test_reads import serve_at_random
 
     @contextlib.contextmanager
     def no_sync():
@@ -1165,7 +1165,7 @@ def test_a_pool_of_two_to_the_31_elements_decodes_on_the_decoding_kernel(text):
     with torch.no_grad():
         read = attn.paged_read(q, cache, torch.arange(3, device="cuda"), **extra)
         out, code = _run_and_get_new_code(lambda: read(q))
-    assert len(read._groups) == 2  # 4 KV heads a call: 2**30 elements
+    assert read._plan.state.parts == 2  # 4 KV heads a call: 2**30 elements
     assert any("SPLIT_KV" in source for source in code)  # the decoding template
     for row, (n, (k, v)) in enumerate(zip(lengths, sequences)):
         alone = {name: value[row:row + 1, :n] for name, value in extra.items()}

@@ -154,7 +154,7 @@ BACKENDS = PACKAGE / "runtime" / "backends"
 ABOVE_BACKENDS = ("flexspec.runtime.plan", "flexspec.runtime.masks", "flexspec.runtime.attention",
                   "flexspec.runtime.calls", "flexspec.runtime.positions",
                   "flexspec.runtime.module", "flexspec.runtime.multihead",
-                  "flexspec.runtime.explanation")
+                  "flexspec.runtime.explanation", "flexspec.runtime.serving")
 
 
 @pytest.mark.parametrize("path", sorted(p for p in BACKENDS.glob("*.py")
@@ -166,3 +166,54 @@ def test_a_backend_imports_no_other_backend_and_nothing_above_the_contract(path)
                       and name != "flexspec.runtime.backends")
     assert siblings == []
     assert sorted(name for name in imported if name.startswith(ABOVE_BACKENDS)) == []
+
+
+# The facade: the objects users hold. The serving room lies below it, the engine below both.
+FACADE = ("flexspec.runtime.attention", "flexspec.runtime.module", "flexspec.runtime.multihead")
+SERVING = PACKAGE / "runtime" / "serving"
+
+
+@pytest.mark.parametrize("path", sorted(SERVING.glob("*.py")), ids=lambda p: p.stem)
+def test_serving_never_imports_the_facade(path):
+    """The serving room (paged caches, their reads, mixed and jagged batches) calls the engine
+    and is called by the facade: it never imports the facade's modules."""
+    assert sorted(name for name in _imports(path) if name.startswith(FACADE)) == []
+
+
+@pytest.mark.parametrize("path", sorted(p for p in (PACKAGE / "runtime").rglob("*.py")
+                                        if SERVING not in p.parents and p.parent.name != "serving"
+                                        and _module_name(p) not in FACADE
+                                        and p.name != "__init__.py"),
+                         ids=lambda p: str(p.relative_to(PACKAGE / "runtime")))
+def test_the_engine_never_imports_serving_or_the_facade(path):
+    """Below the serving room, the engine (the call path, plans, backends, block masks) never
+    imports it nor the facade, so neither can be called through it."""
+    imported = _imports(path)
+    assert sorted(name for name in imported
+                  if name.startswith(("flexspec.runtime.serving", *FACADE))) == []
+
+
+def test_serving_functions_take_the_engine_not_the_facade():
+    """The serving room's entry points are handed the engine's ``Calls``: a paged call, a read
+    and a jagged call reach it without touching the ``Attention`` object (its methods are
+    replaced by ones that fail, after the call has begun)."""
+    import torch
+
+    import flexspec
+    from flexspec.runtime.attention import Attention
+    attn = flexspec.compile("causal")
+    cache = flexspec.PagedKVCache(pages=4, page_size=16, kv_heads=1, head_dim=16, slots=2,
+                                  max_pages=2)
+    slots = torch.tensor([0, 1])
+    cache.append(slots, torch.randn(2, 1, 5, 16), torch.randn(2, 1, 5, 16))
+    q = torch.randn(2, 2, 1, 16)
+    calls = attn._calls
+    names = [name for name in vars(Attention) if callable(getattr(Attention, name))
+             and not name.startswith("__")]
+    for name in names:
+        setattr(attn, name, lambda *a, name=name, **k: pytest.fail(f"serving called {name}"))
+    from flexspec.runtime.serving import reads
+    with torch.no_grad():
+        out = reads.paged(calls, q, cache, slots, bindings={})
+        read = reads.paged_read(calls, q, cache, slots, read="auto", bindings={})
+    torch.testing.assert_close(read(q), out)

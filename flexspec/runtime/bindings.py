@@ -1,7 +1,8 @@
 """The tensors a spec reads, gathered for a call: every binding checked against its declared
 shape and dtype (errors that name the binding and its expected shape), built-in tensors
 computed, learnable ones taken from the caller or initialised once, and the IR specialized to
-their shapes."""
+their shapes; and the rows of a call's per-row values, for a call run as several of some of its
+batch rows (:func:`batch_rows_of`)."""
 
 from __future__ import annotations
 
@@ -197,3 +198,36 @@ def sizes_tensors_read(spec: ir.AttentionIR) -> set:
         used = ir.free_vars(tensor) & set(ir.SIZE_VARS)
         needed |= used - {"B", "H"} if tensor.origin == "binding" else used
     return needed
+
+
+def batch_bindings(spec_tensors) -> dict:
+    """The bindings indexed by the batch (declared ``[B, ...]``): name -> declared dimensions
+    (a value given with fewer leaves its batch dimension out, and is broadcast)."""
+    return {tensor.name: len(tensor.shape) for tensor in spec_tensors
+            if tensor.shape and isinstance(tensor.shape[0], ir.Var)
+            and tensor.shape[0].name == "B"}
+
+
+def batch_rows_of(bindings: dict, by_batch: dict, cut) -> dict:
+    """``bindings`` with those declared ``[B, ...]`` and given with their batch dimension
+    (``by_batch``, :func:`batch_bindings`) passed through ``cut``; the others as they are."""
+    return {name: cut(value) if isinstance(value, torch.Tensor)
+            and value.dim() == by_batch.get(name) else value for name, value in bindings.items()}
+
+
+def rows_between(value, start: int, stop: int, batch: int):
+    """Rows ``start`` to ``stop`` of a per-row value (a tensor with a row per batch row), as a
+    view; anything else (an int, a batch dimension of 1, broadcast) as it is."""
+    return value[start:stop] if per_row(value, batch) else value
+
+
+def rows_at(value, index: torch.Tensor, batch: int):
+    """The rows ``index`` of a per-row value (a tensor with a row per batch row); anything else
+    (an int, a batch dimension of 1, broadcast) as it is."""
+    return value.index_select(0, index.to(value.device)) if per_row(value, batch) else value
+
+
+def per_row(value, batch: int) -> bool:
+    """Whether ``value`` has a row per batch row (of a batch of more than one)."""
+    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch \
+        and batch > 1

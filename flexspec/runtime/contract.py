@@ -3,6 +3,13 @@ the facts of one call), what it is given (:class:`Plan`, immutable, with :class:
 for its block masks), what it gives back (:class:`Prepared`), and how it hands a call back
 (:class:`Replan`). The decision among backends is a :class:`Choice`.
 
+Keys and values come in one of two layouts. *Contiguous*: ``k`` and ``v`` are ``(B, Hkv,
+KV_LEN, D)`` tensors. *Paged*: the keys and values of many sequences lie in the pages of one
+pool (``[Hkv, pages * page_size, D]``); the request carries the pool's :class:`PageGeometry`
+and a call's :class:`PageTables` say where each row's sequence lies. Only a backend that says it
+reads pages (:attr:`Backend.reads_pages`) is given paged calls; for any other, the runtime
+copies the sequences out of their pages first (a contiguous call).
+
 Backends import this module and nothing of the runtime above it (planning, caches, the
 ``Attention`` facade); the runtime builds plans, backends only read them. Nothing here names a
 particular backend: facts only one backend reads are namespaced (``"fa4.installed"``).
@@ -25,6 +32,68 @@ from flexspec.runtime.lookups import LookupCheck
 
 class BackendError(SpecError):
     """The backend asked for cannot run this spec on these inputs."""
+
+
+# The query block of a paged plan's block masks (FlexAttention's default); their key block is
+# the page, so that a key block is one page of the pool.
+PAGED_QUERY_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    """The shape of a paged pool: ``pages`` pages of ``page_size`` positions each, of which one
+    sequence holds at most ``max_pages``."""
+
+    page_size: int
+    pages: int
+    max_pages: int
+
+    @property
+    def capacity(self) -> int:
+        """The positions a sequence may hold (the KV_LEN its spec sees)."""
+        return self.max_pages * self.page_size
+
+    @property
+    def positions(self) -> int:
+        """The positions of the whole pool."""
+        return self.pages * self.page_size
+
+    @property
+    def block_size(self) -> tuple:
+        """The blocks of a paged plan's block masks: a page wide."""
+        return (PAGED_QUERY_BLOCK, self.page_size)
+
+
+@dataclass(frozen=True, eq=False)
+class PageTables:
+    """Where the sequences a paged call reads lie in its pool, as they were when the call's read
+    was made (copies: later appends and releases do not change them). Row ``b`` of the call
+    reads the sequence of slot ``slots[b]``: its logical page ``i`` is the pool's page
+    ``pages[b, i]`` (entries past its pages are never read), and it holds ``lengths[b]``
+    positions. ``page_slot`` and ``page_index`` say, for each page of the pool, which slot holds
+    it and as which of its logical pages (-1 where the page is free)."""
+
+    geometry: PageGeometry
+    slots: torch.Tensor        # [B] int64
+    pages: torch.Tensor        # [B, max_pages] int32
+    lengths: torch.Tensor      # [B] int64
+    page_slot: torch.Tensor    # [pages] int64
+    page_index: torch.Tensor   # [pages] int64
+
+    def physical(self, positions: torch.Tensor) -> torch.Tensor:
+        """The pool index of each logical position (``[B, ...]``) of each row."""
+        page = self.geometry.page_size
+        index = (positions // page).reshape(positions.shape[0], -1)
+        found = self.pages.long().gather(1, index).reshape(positions.shape)
+        return found * page + positions % page
+
+    def gather(self, pool: torch.Tensor) -> torch.Tensor:
+        """The rows' sequences of ``pool`` (``[Hkv, pages * page_size, D]``) laid out
+        contiguously, ``[B, Hkv, capacity, D]`` (a copy; positions past a row's length hold
+        whatever their page holds)."""
+        positions = torch.arange(self.geometry.capacity, device=pool.device)
+        where = self.physical(positions.expand(self.slots.shape[0], -1))
+        return pool[:, where].permute(1, 0, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -56,6 +125,22 @@ class Request:
     # kernel options given to compile or tuned for this call ((name, value) pairs, sorted):
     # FlexAttention's backends run with them over their own (flexspec.runtime.tuning)
     kernel_options: tuple = ()
+    # the pool's geometry where the keys and values are paged (kv_len is then a sequence's
+    # capacity), else None
+    pages: PageGeometry | None = None
+
+    @property
+    def layout(self) -> str:
+        """``"paged"`` or ``"contiguous"``: how the keys and values lie (auto's order differs)."""
+        return "contiguous" if self.pages is None else "paged"
+
+    @property
+    def key_positions(self) -> int:
+        """The rows of keys the kernel is given, over every batch row and head: the pool's for
+        a paged call, ``batch * kv_heads * kv_len`` otherwise."""
+        if self.pages is not None:
+            return self.kv_heads * self.pages.positions
+        return self.batch * self.kv_heads * self.kv_len
 
     @property
     def mode(self) -> str:
@@ -235,6 +320,10 @@ class Backend:
     float64: bool = False
     # computes every (q, kv) pair, whatever the mask (what explain counts as its work)
     dense: bool = False
+    # reads paged keys and values in place: it is given paged calls (Request.pages), whose k
+    # and v are the pools ([Hkv, pages * page_size, D]) and whose run and launcher get the
+    # call's PageTables as ``pages``
+    reads_pages: bool = False
 
     def cannot_run(self, spec: ir.AttentionIR) -> str | None:
         """Why this backend can run no call of ``spec`` (said when the spec is compiled), or
@@ -273,12 +362,20 @@ class Backend:
         several (what ``explain`` reports), or ``None``."""
         return None
 
-    def launcher(self, plan: Plan, scale, bindings: dict, values: dict | None, step):
+    def tune_candidates(self, plan: Plan) -> list:
+        """The kernel options worth timing for ``plan``'s calls (``Attention.tune``), each a
+        dict; none where the backend takes no tuned options."""
+        return []
+
+    def launcher(self, plan: Plan, scale, bindings: dict, values: dict | None, step,
+                 pages: PageTables | None = None):
         """A function of ``(q, k, v)`` that runs ``plan``'s call with these bindings (and
         ``values``, when the plan needs them) with everything else resolved now: what the layers
-        of one model step call, whose calls differ only in q, k and v. ``None`` where the
-        backend has none, or cannot resolve this plan's calls yet (a kernel not compiled, a call
-        it may hand back): every call then takes :meth:`run`."""
+        of one model step call, whose calls differ only in q, k and v (for a paged plan, in q
+        and the layer's pools, read through the step's ``pages``). ``None`` where the backend
+        has none, or cannot resolve this plan's calls yet (a kernel not compiled, a call it may
+        hand back): every call then takes :meth:`run`. The runtime passes ``pages`` only for a
+        paged plan."""
         return None
 
     def run(self, plan: Plan, q, k, v, scale, bindings: dict, values: dict | None, step=None):
@@ -286,5 +383,6 @@ class Backend:
         them (see :class:`Prepared`), else ``None``; ``step`` is the model step the call belongs
         to (:class:`flexspec.runtime.step.Step`, or ``NO_STEP``): what a backend derives from
         the step's inputs it keeps there (``step.shared(key, make)``), for the step's other
-        layers."""
+        layers. A backend that :attr:`reads_pages` takes a paged plan's calls with ``k`` and
+        ``v`` the pools and a keyword ``pages``, the call's :class:`PageTables`."""
         raise NotImplementedError

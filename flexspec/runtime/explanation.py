@@ -1,5 +1,6 @@
 """What ``Attention.explain`` reports: the canonical spec, the call's sizes, how much of the score
-matrix is visible, the work in FLOPs, and the backend chosen with its reason."""
+matrix is visible, the work in FLOPs, the backend chosen with its reason, and for a paged call
+how its pages are read."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ class Explanation:
     kernel: str | None = None  # which of the backend's kernels runs the call, and why
     options: str | None = None  # the kernel options given or tuned, and where they come from
     runs: tuple | None = None  # (batch rows, calls, rows a call): a wide decode call's runs
+    pages: str | None = None  # a paged call: how its pages are read (in place, or copied out)
 
     def __str__(self) -> str:
         s = self.sizes
@@ -64,6 +66,7 @@ class Explanation:
                f"up to {self.runs[2]} rows (keys of 2**31 elements or more: the decoding kernel "
                "compiles for narrower ones); the lines here are the first call's"]
               if self.runs else []),
+            *([f"pages:    {self.pages}"] if self.pages else []),
             *([f"keys:     only {self.keys[0]}:{self.keys[1]} of the {self.keys[2]} keys are read "
                "(the rows see no other key)"] if self.keys else []),
             f"density:  {self.density:.2%} of (q, kv) pairs visible; "
@@ -91,7 +94,7 @@ def _flops_text(flops: float) -> str:
 
 def explain_plan(plan, values: dict, block_mask, text: str, q, k, v, *, choice=None,
                  device: str | None = None, keys: tuple | None = None,
-                 options_source: str | None = None) -> Explanation:
+                 options_source: str | None = None, pages: str | None = None) -> Explanation:
     """The explanation of a planned call, given its tensor values and its block mask.
 
     The visible pairs are the area of the block mask's full tiles plus the pairs counted cell by
@@ -99,7 +102,8 @@ def explain_plan(plan, values: dict, block_mask, text: str, q, k, v, *, choice=N
     backend (the reference) computes every pair: its work counts them all. ``choice`` and
     ``device`` replace the plan's where the call is explained for another device; ``keys`` says
     which keys of the cache a call reads, where it reads only some; ``options_source`` where
-    the call's kernel options come from (given to compile, tuned)."""
+    the call's kernel options come from (given to compile, tuned); ``pages`` how a paged call
+    reads its pages."""
     choice = plan.choice if choice is None else choice
     kernel = REGISTRY[choice.backend].kernel(plan)
     sizes, spec, mask = plan.sizes, plan.spec, plan.masks
@@ -123,5 +127,6 @@ def explain_plan(plan, values: dict, block_mask, text: str, q, k, v, *, choice=N
         tile_density=tiles / (mask.batch * mask.heads * nq * nk), block_size=block_size,
         flops=attention_flops(pairs, q.shape[-1], v.shape[-1], backward=False),
         grads=plan.request.grads, choice=choice, dense=dense, keys=keys, kernel=kernel,
+        pages=pages,
         options=(f"{dict(plan.request.kernel_options)} ({options_source})"
                  if plan.request.kernel_options and options_source else None))

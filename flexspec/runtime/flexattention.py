@@ -8,7 +8,7 @@ means (:meth:`FlexAttentionBackend.compile_failed`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -32,15 +32,62 @@ except ImportError:  # torch before FlexKernelOptions was public
     FlexKernelOptions = dict
 
 
+@dataclass(frozen=True, eq=False)
+class KernelParts:
+    """What every compiled FlexAttention call of a plan is made of (:func:`kernel_parts`): the
+    lowered spec (a given scale made a tensor the score reads), its compiled entry, the kernel
+    options, whether it runs on the decoding kernel, and the log-sum-exp request."""
+
+    lowered: Lowered
+    entry: object                            # compiled.compiled_entry(lowered, purpose)
+    options: FlexKernelOptions | None
+    decoding: bool                           # runs on the decoding kernel (see decodes)
+    lse: dict | None                         # compiled.lse_request(return_lse)
+    scale_values: dict                       # the scale as a tensor (rewrites.scaled)
+
+    def score_mod(self, plan: Plan, values: dict):
+        """The ``score_mod`` of a call with these tensor values: float64 tables read as float32
+        copies (the kernel computes scores in float32), each tensor a view of its own
+        (:func:`own_tensors`)."""
+        kernel_values = {key: value.float() if value.dtype == torch.float64 else value
+                         for key, value in values.items()}
+        return self.lowered.make_mods(plan.sizes, own_tensors(
+            {**kernel_values, **self.scale_values}))[1]
+
+
+def kernel_parts(plan: Plan, values: dict, options: dict | None, decoding: bool, purpose: str,
+                 given: dict | None = None, dialect: str = "torch") -> KernelParts:
+    """The :class:`KernelParts` of ``plan``'s calls: flexspec's ``options`` for them, over
+    :data:`DECODING_OPTIONS` where they run on the decoding kernel, under those ``given``
+    (given to compile or tuned for the call: the request's by default). Calls with options of
+    their own compile in an entry of their own: tune's candidates would otherwise leave their
+    graphs in the default entry, whose every later call would then check their guards too
+    (host time, docs/performance.md "Tuning kernel options")."""
+    spec, scale_values = plan.spec, {}
+    if plan.scale is not None:
+        # the kernel keeps its default 1/sqrt(D) and the score is multiplied by a tensor: a
+        # new scale is a new value, not a new kernel
+        spec = rewrites.scaled(plan.spec)
+        ratio = float(plan.scale) * math.sqrt(plan.request.head_dim)
+        scale_values = {rewrites.SCALE: torch.full((plan.sizes["B"],), ratio,
+                                                   dtype=torch.float32, device=plan.device)}
+    lowered = lower(spec, dialect=dialect)
+    if decoding:
+        options = {**DECODING_OPTIONS, **(options or {})}
+    given = dict(plan.request.kernel_options) if given is None else given
+    if given:
+        options, purpose = {**(options or {}), **given}, f"{purpose} with {given}"
+    return KernelParts(lowered=lowered, entry=compiled.compiled_entry(lowered, purpose),
+                       options=options or None, decoding=decoding,
+                       lse=compiled.lse_request(plan.request.lse), scale_values=scale_values)
+
+
 @dataclass(eq=False)
 class FlexCall:
     """What a FlexAttention plan keeps between calls (its backend's ``state``)."""
 
-    lowered: Lowered
-    entry: object                            # compiled.compiled_entry(lowered)
-    kernel_options: FlexKernelOptions | None
+    kernel: KernelParts
     masks: object = None                     # the plan's PlanMasks, in the kernel's form
-    decoding: bool = False                   # runs on the decoding kernel (see decodes)
     every_tile: bool = False                 # lists every tile outside a capture (see below)
     mask_bindings: tuple = ()                # names of the bindings the mask reads
     # the learnable tables the mask reads (a module's parameters, changed in place by an
@@ -56,8 +103,6 @@ class FlexCall:
     # (values, versions of its float64 ones, score_mod) of the last call whose score_mod
     # captured its bindings: one tuple, replaced whole (see last)
     last_score: tuple | None = None
-    lse: dict | None = None                  # compiled.lse_request(return_lse)
-    scale_values: dict = field(default_factory=dict)  # the scale as a tensor (rewrites.scaled)
     warm: bool = False                       # the compiled entry has run once for this plan
     pinned: tuple = ()                       # compiled.free_strides of the plan's q, k, v
     # the compiled code of an earlier call of the plan (its first, where it was a layer of a
@@ -134,18 +179,19 @@ def needs_block_mask(plan: Plan) -> bool:
 DECODING_OPTIONS: FlexKernelOptions = {"num_stages": 3}
 
 
-def decodes(plan: Plan) -> bool:
+def decodes(plan: Plan, parts: int = 1) -> bool:
     """Whether FlexAttention runs ``plan``'s calls on its decoding kernel (split-KV) with no
     backward pass: fewer than :data:`DECODE_ROWS` rows on CUDA, no gradients, a power-of-two
-    number of query heads per key head, and block masks with one head (or, without grouped
-    heads, as many as q): torch's rule (``flex_decoding._use_flex_decoding``), with the batch
-    and head dimensions kept static (:func:`compiled.mark_batch_static`)."""
+    number of query heads per key head, block masks with one head (or, without grouped heads,
+    as many as q), and keys narrow enough (:func:`wide_indices`; a paged pool read in ``parts``
+    groups of KV heads counts a group's): torch's rule (``flex_decoding._use_flex_decoding``),
+    with the batch and head dimensions kept static (:func:`compiled.mark_batch_static`)."""
     request = plan.request
     group = request.heads // request.kv_heads
     mask_heads = plan.masks.heads == 1 or (not plan.gqa and plan.masks.heads == request.heads)
     return (request.device_type == "cuda" and request.q_len < DECODE_ROWS
             and not request.grads and group & (group - 1) == 0 and mask_heads
-            and not wide_indices(request))
+            and not wide_indices(request, parts))
 
 
 # A decoding call whose keys and values hold at most this many bytes lists every tile of its
@@ -157,7 +203,7 @@ EVERY_TILE_BYTES = 256 * 1024**2
 
 def lists_every_tile(request) -> bool:
     """Whether a decoding call whose mask reads its bindings runs with a block mask listing
-    every tile (:meth:`masks.BlockMasks.every_tile`) instead of its exact one, outside CUDA graph
+    every tile (:meth:`masks.MaskCache.every_tile`) instead of its exact one, outside CUDA graph
     captures: where its keys and values are at most :data:`EVERY_TILE_BYTES`. Its bindings are
     new at almost every step of a decode (a position that moves), so the exact mask would be
     built each time; inside a capture its build runs on the device and is kept exact."""
@@ -169,7 +215,7 @@ def every_tile_fits(positions: int, width: int, itemsize: int) -> bool:
     """Whether reading the keys and values of ``positions`` rows over all batch rows and heads
     (``width`` elements each, key and value together) costs at most :data:`EVERY_TILE_BYTES`:
     the rule of :func:`lists_every_tile`, which a paged read's every-page mask follows too
-    (:func:`flexspec.runtime.paged_call.lists_every_page`)."""
+    (:func:`flexspec.runtime.flexpages.lists_every_page`)."""
     return positions * width * itemsize <= EVERY_TILE_BYTES
 
 
@@ -177,17 +223,17 @@ def every_tile_fits(positions: int, width: int, itemsize: int) -> bool:
 WIDE_INDEX_ELEMENTS = 2**31
 
 
-def wide_indices(request) -> bool:
-    """Whether the keys or values hold so many elements that inductor indexes them in int64,
-    where FlexAttention's decoding kernel does not compile (flexspec.workarounds:
+def wide_indices(request, parts: int = 1) -> bool:
+    """Whether the keys or values a call gives the kernel (a paged pool read in ``parts``
+    groups of KV heads: a group's slice) hold so many elements that inductor indexes them in
+    int64, where FlexAttention's decoding kernel does not compile (flexspec.workarounds:
     flex-decoding-wide-indices)."""
-    return wide_keys(request.batch * request.kv_heads * request.kv_len, request.head_dim,
-                     request.v_head_dim)
+    return wide_keys(request.key_positions // parts, request.head_dim, request.v_head_dim)
 
 
 def wide_keys(positions: int, head_dim: int, v_head_dim: int) -> bool:
     """:func:`wide_indices` for keys and values of ``positions`` rows over all batch rows and
-    heads (a paged cache's pool: its heads times its positions)."""
+    heads."""
     return positions * max(head_dim, v_head_dim) >= WIDE_INDEX_ELEMENTS
 
 
@@ -226,13 +272,10 @@ def varying_score(call: FlexCall, plan: Plan, values: dict):
             values[key] is seen for key, seen in last[0].items()) and all(
             seen is not None and version(values[key]) == seen for key, seen in last[1].items()):
         return last[2]
-    # the kernel computes scores in float32: a float64 table would turn them into float64
+    # the kernel reads float64 tables as float32 copies: a change in place makes a new one
     copied = {key: version(value) for key, value in values.items()
               if value.dtype == torch.float64}
-    kernel_values = {key: value.float() if key in copied else value
-                     for key, value in values.items()}
-    score_mod = call.lowered.make_mods(plan.sizes, own_tensors(
-        {**kernel_values, **call.scale_values}))[1]
+    score_mod = call.kernel.score_mod(plan, values)
     if not in_graph_memory(plan.device):  # a graph's tensors: new contents at every replay
         call.last_score = (dict(values), copied, score_mod)
     return score_mod
@@ -265,16 +308,17 @@ def warm_call(call: FlexCall, args: tuple):
         if out is not None:
             call.replay_served = True
             return out
+    entry = call.kernel.entry
     if in_graph_memory(args[0].device):
-        return call_compiled(call.entry, *args)
+        return call_compiled(entry, *args)
     if call.replays and (replay is None or call.replay_served):
-        out, call.replay = call_kept(call.entry, *args)
+        out, call.replay = call_kept(entry, *args)
         call.replay_served = False
         call.replays = call.replay is not None  # None: this torch has no replays
         return out
     if call.replays:  # the code kept last never served a call
         call.replay, call.replays = None, False
-    return call_compiled(call.entry, *args)
+    return call_compiled(entry, *args)
 
 
 class FlexAttentionBackend(Backend):
@@ -293,32 +337,13 @@ class FlexAttentionBackend(Backend):
         raise err
 
     def prepare(self, plan: Plan, values: dict) -> Prepared:
-        spec, scale_values = plan.spec, {}
-        if plan.scale is not None:
-            # the kernel keeps its default 1/sqrt(D) and the score is multiplied by a tensor:
-            # a new scale is a new value, not a new kernel
-            spec = rewrites.scaled(plan.spec)
-            ratio = float(plan.scale) * math.sqrt(plan.request.head_dim)
-            scale_values = {rewrites.SCALE: torch.full((plan.sizes["B"],), ratio,
-                                                       dtype=torch.float32, device=plan.device)}
-            values = {**values, **scale_values}
-        lowered = lower(spec, dialect=self.dialect)
-        options, masks = self.kernel_options(plan.request), plan.masks
         decoding = self.decoding and decodes(plan)
-        if decoding:
-            # the decoding kernel splits a row's tiles evenly among its splits only when none
-            # is listed full (flexspec.workarounds: flex-decoding-full-blocks)
-            options, masks = {**DECODING_OPTIONS, **(options or {})}, masks.partial_only()
-        if plan.request.kernel_options:  # given to compile, or tuned: over flexspec's own
-            options = {**(options or {}), **dict(plan.request.kernel_options)}
-        # options of their own compile in an entry of their own: tune's candidates would
-        # otherwise leave their graphs in the default entry, whose every later call would then
-        # check their guards too (host time, docs/performance.md "Tuning kernel options")
-        purpose = ("call" if not plan.request.kernel_options
-                   else f"call with {dict(plan.request.kernel_options)}")
-        call = FlexCall(lowered=lowered, entry=compiled.compiled_entry(lowered, purpose),
-                        kernel_options=options, masks=masks, decoding=decoding,
-                        lse=compiled.lse_request(plan.request.lse), scale_values=scale_values)
+        kernel = kernel_parts(plan, values, self.kernel_options(plan.request), decoding, "call",
+                              dialect=self.dialect)
+        # the decoding kernel splits a row's tiles evenly among its splits only when none is
+        # listed full (flexspec.workarounds: flex-decoding-full-blocks)
+        masks = plan.masks.partial_only() if decoding else plan.masks
+        call = FlexCall(kernel=kernel, masks=masks)
         slot_keys = {slot.key for slot in plan.slots}
         call.mask_bindings = tuple(slot.name for slot in plan.slots
                                    if slot.key in masks.reads)
@@ -331,7 +356,7 @@ class FlexAttentionBackend(Backend):
         score_keys = plan.score_keys
         float64 = any(values[key].dtype == torch.float64 for key in score_keys)
         if not (score_keys & {slot.key for slot in plan.slots}) and not float64:
-            call.score_mod = lowered.make_mods(plan.sizes, own_tensors(values))[1]
+            call.score_mod = kernel.score_mod(plan, values)
             call.score_varies = False
         return Prepared(state=call, needs_values=call.score_varies)
 
@@ -352,7 +377,8 @@ class FlexAttentionBackend(Backend):
         block_mask = call.block_mask if not call.mask_varies else call.block_mask_for(
             plan, bindings, values, plan.device)
         score_mod = call.score_mod if not call.score_varies else varying_score(call, plan, values)
-        entry, options, lse, gqa, detach, pinned = (call.entry, call.kernel_options, call.lse,
+        kernel = call.kernel
+        entry, options, lse, gqa, detach, pinned = (kernel.entry, kernel.options, kernel.lse,
                                                     plan.gqa, plan.detach, call.pinned)
         # the compiled code the later layers replay (kernels.replay): the plan's first call's,
         # where its score and block mask are this launch's, else this launch's first call's
@@ -382,33 +408,34 @@ class FlexAttentionBackend(Backend):
             q, k, v = q.detach(), k.detach(), v.detach()
         if not call.warm:  # the plan's key holds the strides: the same for all its calls
             call.pinned = compiled.free_strides(q, k, v)
-        # a given scale is in the score_mod (see prepare): the kernel keeps its default
-        args = (q, k, v, score_mod, block_mask, None, plan.gqa, call.kernel_options, call.lse,
+        # a given scale is in the score_mod (see kernel_parts): the kernel keeps its default
+        kernel = call.kernel
+        args = (q, k, v, score_mod, block_mask, None, plan.gqa, kernel.options, kernel.lse,
                 call.pinned)
         if call.warm:
             # a warm plan cannot recompile (see compiled.run_compiled): no watch needed
             out = warm_call(call, args)
         else:
             try:
-                compiled.mark_lengths_dynamic(call.entry, *args[:5])
-                if call.decoding:
+                compiled.mark_lengths_dynamic(kernel.entry, *args[:5])
+                if kernel.decoding:
                     compiled.mark_batch_static(q, k, v)
                 sizes = plan.sizes
                 # in a step, the code that runs this call is kept for the next layer, which
                 # launches it (kernels.replay): found before the call where no compile is
                 # needed, so that its guards are checked once
                 stepping = step is not None and step is not NO_STEP
-                found = Replay.of(call.entry, args) if stepping else None
+                found = Replay.of(kernel.entry, args) if stepping else None
                 with timed(f"first call of '{plan.text}' on backend '{self.name}' at "
                            f"B={sizes['B']} H={sizes['H']} Q_LEN={sizes['Q_LEN']} "
                            f"KV_LEN={sizes['KV_LEN']}, which compiles its kernel where new"):
                     out = (found.function(*args) if found is not None
-                           else compiled.run_compiled(call.entry, *args))
+                           else compiled.run_compiled(kernel.entry, *args))
             except compiled.CompileLimitError:
                 raise
             except Exception as err:  # noqa: BLE001 - inductor's errors have no stable type
                 return self.compile_failed(plan, err)
             if stepping and not in_graph_memory(q.device):  # see warm_call
-                call.replay = found or Replay.of(call.entry, args)
+                call.replay = found or Replay.of(kernel.entry, args)
             call.warm = True
-        return compiled.split_lse(out) if call.lse is not None else out
+        return compiled.split_lse(out) if kernel.lse is not None else out

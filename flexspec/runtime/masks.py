@@ -1,6 +1,6 @@
 """Block masks for the runtime: which extents a mask needs, a small key standing for a mask at
 given sizes, the bounded cache of built block masks one :class:`Attention` keeps, and the
-handle a plan holds of it (:class:`BoundMasks`, what backends see)."""
+handle a plan holds of it (:class:`MaskHandle`, what backends see)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ PROBATION_SIZE = 2
 # one at every length, and a process that serves for days must not keep them all.
 TOKENS_KEPT = 4096
 # Tables of the masks that hide nothing or list every tile, kept per grid of tiles (see
-# BlockMasks._hiding_nothing and BlockMasks.every_tile).
+# MaskCache._hiding_nothing and MaskCache.every_tile).
 EVERY_KEY_GRIDS_KEPT = 64
 
 
@@ -69,11 +69,11 @@ class MaskKey:
 
 
 @dataclass(frozen=True, eq=False)
-class BoundMasks:
+class MaskHandle:
     """The block masks of one mask at one plan's sizes: what a plan holds of its Attention's
     cache (see flexspec.runtime.contract.PlanMasks)."""
 
-    cache: "BlockMasks"
+    cache: "MaskCache"
     spec: ir.AttentionIR
     sizes: dict
     key: MaskKey
@@ -101,14 +101,14 @@ class BoundMasks:
 
     def every_tile(self, values: dict, device) -> BlockMask:
         """A block mask listing every tile, the mask evaluated in each (see
-        :meth:`BlockMasks.every_tile`)."""
+        :meth:`MaskCache.every_tile`)."""
         return self.cache.every_tile(self.spec, self.sizes, values, device, self.key)
 
     def compiled_for_captures(self, device) -> bool:
-        """See :meth:`BlockMasks.compiled_for_captures`."""
+        """See :meth:`MaskCache.compiled_for_captures`."""
         return self.cache.compiled_for_captures(self.key, self.sizes, device)
 
-    def partial_only(self) -> "BoundMasks":
+    def partial_only(self) -> "MaskHandle":
         """The same masks with their full tiles listed as partial ones, kv side only (see
         :class:`MaskKey`), cached apart from these."""
         return self.cache.bind(self.spec, self.sizes, self.device, self.key.dialect,
@@ -128,7 +128,7 @@ def _mask_facts(mask: ir.Expr) -> tuple:
     return "b" in free, "h" in free, ir.tensor_keys(mask)
 
 
-class BlockMasks:
+class MaskCache:
     """The block masks of one Attention: built in ``mode`` with ``block_size`` blocks, cached
     (least recently used first out) by mask token and the identity of the tensors it reads."""
 
@@ -176,9 +176,9 @@ class BlockMasks:
         return MaskKey(token, batch, heads, tuple(sorted(reads)), dialect, partial, mask_id)
 
     def bind(self, spec: ir.AttentionIR, sizes: dict, device, dialect: str = "torch",
-             partial: bool = False) -> BoundMasks:
+             partial: bool = False) -> MaskHandle:
         """The handle of ``spec``'s block masks at ``sizes`` a plan holds."""
-        return BoundMasks(self, spec, sizes, self.key(spec, sizes, device, dialect, partial),
+        return MaskHandle(self, spec, sizes, self.key(spec, sizes, device, dialect, partial),
                           device)
 
     def _fused(self, key: MaskKey, sizes: dict, device) -> bool:
@@ -323,7 +323,7 @@ class BlockMasks:
         captured in a CUDA graph, where the exact mask is built, does not compile again. What a
         decoding call whose bindings are new at every step runs with where reading its keys
         costs less than building its exact mask (see flexattention.lists_every_tile), and the
-        logical mask of a small paged decoding read (paged_call.lists_every_page)."""
+        logical mask of a small paged decoding read (flexpages.lists_every_page)."""
         nq, nk = tile_grid(sizes, self.block_size)
         rows = (key.batch, key.heads, nq)
 

@@ -46,7 +46,7 @@ class SpecAttention(nn.Module):
             found = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else "no heads"
             raise BindingError(f"this module was built for {self.num_heads} heads, but q has "
                                f"{found}; q must be (B, H, S, D)")
-        return self.attention.call(q, k, v, bindings=bindings, learnables=self.learnables(),
+        return self.attention._call(q, k, v, bindings=bindings, learnables=self.learnables(),
                                    scale=scale, q_offset=q_offset, kv_lengths=kv_lengths,
                                    return_lse=return_lse, step=step)
 

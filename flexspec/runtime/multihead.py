@@ -145,7 +145,7 @@ class MultiheadAttention(nn.Module):
             k, v = cache.append(k, v)
             q_offset = seen if q_offset is None else q_offset
         if key_padding_mask is None:
-            out = self._unpadded.call(q, k, v, bindings=bindings,
+            out = self._unpadded._call(q, k, v, bindings=bindings,
                                       learnables=self.attention.learnables(), q_offset=q_offset)
         else:
             out = self.attention(q, k, v, q_offset=q_offset,

@@ -29,11 +29,11 @@ from flexspec.runtime.backends import REGISTRY, choose
 from flexspec.runtime.bindings import Tensors
 from flexspec.runtime.capture import capturing
 from flexspec.runtime.checks import check_qkv, checked_scale
-from flexspec.runtime.contract import (BackendError, Choice, InputPlan, Plan, Replan, Request,
-                                       Slot)
+from flexspec.runtime.contract import (BackendError, Choice, InputPlan, PageGeometry, Plan,
+                                       Replan, Request, Slot)
 from flexspec.runtime.identity import meta
 from flexspec.runtime.lookups import LookupCheck
-from flexspec.runtime.masks import BlockMasks
+from flexspec.runtime.masks import MaskCache
 from flexspec.runtime.step import NO_STEP
 
 PLAN_CACHE_SIZE = 64
@@ -41,13 +41,13 @@ PLAN_CACHE_SIZE = 64
 FAILURES_KEPT = 256
 
 
-def make_mask_plan(*, tensors: Tensors, masks: BlockMasks, sizes: dict, bindings: dict,
-                   device, mask_only: bool = True) -> InputPlan:
+def make_mask_plan(*, tensors: Tensors, masks: MaskCache, sizes: dict, bindings: dict,
+                   device) -> InputPlan:
     """The :class:`InputPlan` of the mask alone (for ``Attention.block_mask``; with
     ``mask_only=False``, of the mask and the score, for the mods of a paged read): its bindings
     checked, its IR specialized to their shapes, its integer arithmetic checked at these sizes
     (positions as in :func:`check_ranges`) and its lookups proven in range where they can be."""
-    values, spec = tensors.gather(sizes, bindings, device, mask_only=mask_only)
+    values, spec = tensors.gather(sizes, bindings, device, mask_only=True)
     lookups = LookupCheck(spec, sizes, values)
     check_ranges(spec, sizes, "int64")
     slots = _slots(spec, bindings)
@@ -174,13 +174,16 @@ def call_key(q, k, v, scale, bindings: dict, learnables: dict | None,
             tuple((name, id(value), meta(value)) for name, value in learnables.items()))
 
 
-def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, block_size: tuple,
+def make_plan(*, text: str, asked: str, tensors: Tensors, masks: MaskCache, block_size: tuple,
               q, k, v, scale, bindings: dict, learnables: dict | None,
               return_lse: bool = False, written: ir.AttentionIR | None = None,
-              options=None) -> Plan:
+              options=None, pages: PageGeometry | None = None, vetoes: bool = True) -> Plan:
     """Check a call's inputs and decide everything that depends only on their signature.
     ``written`` is the spec before its query positions were placed (see check_ranges);
-    ``options`` the Attention's :class:`~flexspec.runtime.tuning.KernelOptions`."""
+    ``options`` the Attention's :class:`~flexspec.runtime.tuning.KernelOptions`; ``pages`` the
+    pool's geometry where the keys are paged (``k`` and ``v`` then stand for the sequences at
+    their capacity, ``(B, Hkv, capacity, D)``), for a backend that reads them in place;
+    ``vetoes``: see :func:`~flexspec.runtime.backends.choose`."""
     float64 = asked != "auto" and REGISTRY[asked].float64
     sizes = check_qkv(q, k, v, allow_float64=float64).as_dict()
     scale = checked_scale(scale)
@@ -209,11 +212,11 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, blo
         score_tensors=bool(score_keys) or scale is not None, block_size=block_size,
         reference_fits=dense_fits(*q.shape[:3], k.shape[2]),
         lse=bool(return_lse), scale=scale, facts=tuple(sorted(facts.items())),
-        failed=FAILURES.of(spec))
+        failed=FAILURES.of(spec), pages=pages)
     chosen_options = () if options is None else options.for_request(request)
     if chosen_options:
         request = dataclasses.replace(request, kernel_options=chosen_options)
-    choice = choose(asked, request, spec)
+    choice = choose(asked, request, spec, vetoes=vetoes)
     check_ranges(written or spec, sizes, REGISTRY[choice.backend].index_dtype(device.type))
     draft = Plan(text=text, asked=asked, sizes=sizes, device=device, spec=spec, request=request,
                  choice=choice, backend=REGISTRY[choice.backend], fixed=_fixed(values, slots),
@@ -224,7 +227,7 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: BlockMasks, blo
     return _prepared(draft, values, masks)
 
 
-def _prepared(plan: Plan, values: dict, masks: BlockMasks) -> Plan:
+def _prepared(plan: Plan, values: dict, masks: MaskCache) -> Plan:
     """``plan`` with what its backend prepared, and a fallback plan where the backend may hand
     calls back."""
     prepared = plan.backend.prepare(plan, values)
@@ -244,7 +247,7 @@ def _with(plan: Plan, **changes) -> Plan:
     return made
 
 
-def _fallback(plan: Plan, values: dict, masks: BlockMasks, why: str):
+def _fallback(plan: Plan, values: dict, masks: MaskCache, why: str):
     """The plan of the best other backend that can run ``plan``'s calls, prepared (and warmed,
     outside a capture), for the calls the backend hands back (``why``); a
     :class:`BackendError` saying why when no other backend can."""
@@ -266,16 +269,19 @@ def _fallback(plan: Plan, values: dict, masks: BlockMasks, why: str):
     return fallback
 
 
-def run(plan: Plan, q, k, v, scale, bindings: dict, step=NO_STEP):
-    """One call on ``plan`` (in the model step ``step``): its values gathered where read,
-    lookups checked, the backend run; a call the backend hands back for this call alone runs on
-    the plan's fallback. A lasting hand-back (:class:`Replan`) propagates to the caller, who
-    plans anew (flexspec.runtime.calls)."""
+def run(plan: Plan, q, k, v, scale, bindings: dict, step=NO_STEP, pages=None):
+    """One call on ``plan`` (in the model step ``step``; ``pages``, the call's
+    :class:`~flexspec.runtime.contract.PageTables`, where the plan is paged): its values
+    gathered where read, lookups checked, the backend run; a call the backend hands back for
+    this call alone runs on the plan's fallback. A lasting hand-back (:class:`Replan`)
+    propagates to the caller, who plans anew (flexspec.runtime.calls)."""
     # gathering the values costs a dict and a view per binding: only where they are read
     values = plan.values(bindings) if plan.needs_values else None
     if plan.lookups:
         plan.lookups.check(values)
     try:
+        if pages is not None:
+            return plan.backend.run(plan, q, k, v, scale, bindings, values, step, pages=pages)
         return plan.backend.run(plan, q, k, v, scale, bindings, values, step)
     except Replan as signal:
         if signal.lasting:
@@ -285,7 +291,7 @@ def run(plan: Plan, q, k, v, scale, bindings: dict, step=NO_STEP):
         if plan.fallback is None:
             raise BackendError(f"backend '{plan.backend.name}' handed back a call it said it "
                                f"would run ({signal.reason}); please report it") from None
-        return run(plan.fallback, q, k, v, scale, bindings, step)
+        return run(plan.fallback, q, k, v, scale, bindings, step, pages)
 
 
 def failed(plan: Plan, signal: Replan) -> None:

@@ -10,6 +10,12 @@ k and v have the same signature (:func:`launch_signature`) only launches the ker
 step's tensors must not change while its layers run (a step is one step's inputs), and a CUDA
 graph that captures a step captures one build of each block mask, which its layers share.
 
+A paged step (``attn.paged(q, cache, step=step)``) names the slots its rows read, and for a
+mixed batch each row's count of new tokens: ``Step(slots=..., new_tokens=...)``. Its first
+layer's call makes the read of the pages (the block mask mapped to them, the mods, the plan),
+which every later layer runs over its own cache; so every layer's cache must have had the same
+appends and releases (the same pages) before the step's calls.
+
 Documents are given as ids (``doc_ids=...``, any binding by name) or as boundaries:
 ``cu_seqlens`` (int ``[n + 1]``, the start of each of ``n`` documents in the rows laid end to
 end, then the total, as FlashAttention's variable-length interface takes them) and, optionally,
@@ -29,7 +35,7 @@ class Step:
     """What the attention calls of one model step share (see the module docstring)."""
 
     def __init__(self, *, q_offset=None, kv_lengths=None, cu_seqlens=None, max_seqlen=None,
-                 documents: str = "doc_ids", **bindings):
+                 documents: str = "doc_ids", slots=None, new_tokens=None, **bindings):
         if cu_seqlens is not None:
             if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
                     or cu_seqlens.dtype.is_floating_point or cu_seqlens.numel() < 2:
@@ -39,7 +45,18 @@ class Step:
                 raise BindingError(f"give the documents once: as cu_seqlens or as {documents}")
         if max_seqlen is not None and cu_seqlens is None:
             raise BindingError("max_seqlen goes with cu_seqlens")
+        if slots is not None and (not isinstance(slots, torch.Tensor) or slots.dim() != 1
+                                  or slots.dtype.is_floating_point
+                                  or slots.dtype == torch.bool):
+            raise BindingTypeError(f"slots must be a 1-D int tensor of slot numbers, got "
+                                   f"{slots!r}")
+        if new_tokens is not None and slots is None:
+            raise BindingError("new_tokens goes with slots (a paged step)")
+        if slots is not None and (kv_lengths is not None or cu_seqlens is not None):
+            raise BindingError("a paged step's lengths are its slots' in the cache: it takes no "
+                               "kv_lengths or cu_seqlens")
         self.q_offset, self.kv_lengths = q_offset, kv_lengths
+        self.slots, self.new_tokens = slots, new_tokens
         self.cu_seqlens, self.max_seqlen, self.documents = cu_seqlens, max_seqlen, documents
         self.bindings = bindings
         self._shared: dict = {}
@@ -122,7 +139,7 @@ class NoStep:
     """A call without a step: nothing is kept from one call to the next."""
 
     bindings: dict = {}
-    q_offset = kv_lengths = None
+    q_offset = kv_lengths = slots = new_tokens = None
 
     def shared(self, key, make):
         return make()

@@ -1,6 +1,6 @@
 """Kernel options: those given to ``flexspec.compile(..., kernel_options=...)`` for every call,
-and those :meth:`Attention.tune <flexspec.runtime.attention.Attention.tune>` found fastest for
-one call signature and pinned.
+and those :func:`tune` (``Attention.tune``, ``PagedRead.tune``) found fastest for one call
+signature and pinned.
 
 FlexAttention's kernels take options (tile sizes ``BLOCK_M`` / ``BLOCK_N``, ``num_warps``,
 ``num_stages``, the decoding kernel's ``SPLIT_KV``...); the backends that call it (``flex``,
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexspec.errors import BindingError
+from flexspec.errors import BindingError, SpecError
 
 # Options flexspec sets itself, which a user's options may not replace.
 RESERVED = {"BACKEND": "pick the kernel with compile(..., backend='flash') or 'flex' instead",
@@ -46,11 +46,13 @@ def checked_options(options, where: str = "kernel_options") -> dict:
 
 
 def signature(request) -> str:
-    """The text a tuned table keys a call by: its device, dtype, sizes and mode."""
+    """The text a tuned table keys a call by: its device, dtype, sizes and mode, and for a
+    paged call its pool (``:pages64x512``: 512 pages of 64 positions)."""
     dtype = str(request.dtype).replace("torch.", "")
+    pages = request.pages
     return (f"{request.device_type}:{dtype}:B{request.batch}:H{request.heads}:"
             f"KV{request.kv_heads}:Q{request.q_len}:K{request.kv_len}:D{request.head_dim}:"
-            f"{request.mode}")
+            f"{request.mode}" + (f":pages{pages.page_size}x{pages.pages}" if pages else ""))
 
 
 class KernelOptions:
@@ -70,6 +72,10 @@ class KernelOptions:
             return tuple(sorted(self.given.items()))
         found = {**self.given, **self.tuned.get(signature(request), {})}
         return tuple(sorted(found.items()))
+
+    def pin(self, request, options: dict) -> None:
+        """Pin ``options`` for the calls of ``request``'s signature."""
+        self.tuned[signature(request)] = options
 
     def source(self, request) -> str | None:
         """Where a call's options come from, for ``explain``: ``None`` where none is set."""
@@ -143,12 +149,14 @@ def time_candidates(run, candidates: list, pin, result: "Tuned", repeats: int, d
     one's answer the expected one, into ``result``'s times and failures."""
     expected = None
     for options in candidates:
-        pin(options)
         try:
+            pin(options)  # a read made anew may refuse the options (a paged read's tile)
             answer = run()
         except Exception as error:  # noqa: BLE001 - a candidate that fails is a row
             result.times.append((options, None))
-            result.failed[str(options)] = f"failed: {type(error).__name__}"
+            # flexspec's own refusals say why; another error by its type
+            result.failed[str(options)] = (str(error) if isinstance(error, SpecError)
+                                           else f"failed: {type(error).__name__}")
             continue
         if expected is None:
             expected = answer
@@ -165,9 +173,35 @@ def time_candidates(run, candidates: list, pin, result: "Tuned", repeats: int, d
         result.times[0] = (own, min(first_ms, median_ms(run, repeats, device)))
 
 
+def tune(plan, run, pin, candidates: list | None, repeats: int, device) -> "Tuned":
+    """Time ``run`` (a function of no arguments that runs a call of ``plan``'s signature and
+    returns its answer, see :func:`answer_of`) with each of ``candidates`` (by default those
+    ``plan``'s backend offers, ``Backend.tune_candidates``) and with flexspec's own options,
+    each pinned for the signature by ``pin(options)`` before it runs (which then makes the
+    call's plan anew); check each answer against the own options' answer, and pin the fastest
+    (flexspec's own unless one is faster by more than :data:`MARGIN`)."""
+    started = time.perf_counter()
+    key = signature(plan.request)
+    offered = plan.backend.tune_candidates(plan)
+    if not offered:
+        return Tuned(key, {}, failed={"all": f"this call runs on backend "
+                                             f"'{plan.choice.backend}', which takes no tuned "
+                                             "kernel options"},
+                     seconds=time.perf_counter() - started)
+    candidates = offered if candidates is None else [
+        checked_options(options, "candidates") for options in candidates]
+    result = Tuned(key, {})
+    # each candidate compiles in an entry of its own (flexattention.kernel_parts)
+    time_candidates(run, [{}] + candidates, pin, result, repeats, device)
+    result.best = fastest(result.times)
+    pin(result.best)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
 @dataclass
 class Tuned:
-    """What :meth:`Attention.tune` found: the call's ``signature``, the ``best`` options (``{}``:
+    """What :func:`tune` found: the call's ``signature``, the ``best`` options (``{}``:
     flexspec's own), each candidate's median ``times`` in ms (``None`` for one that failed or
     gave another answer, with the reason in ``failed``), and the ``seconds`` tuning took."""
 

@@ -464,7 +464,7 @@ def test_auto_falls_back_to_flex_when_flash_cannot_compile(monkeypatch):
     # tests twice) must see it again
     monkeypatch.setattr(notices, "_warned", set())
     real_choose = planning.choose
-    monkeypatch.setattr(planning, "choose", lambda backend, request, spec: (
+    monkeypatch.setattr(planning, "choose", lambda backend, request, spec, vetoes=True: (
         real_choose(backend, request, spec) if request.failure("flash")
         else Choice("flash", "test")))
     real = compiled.run_compiled
@@ -546,8 +546,8 @@ def test_the_same_binding_object_reuses_its_block_mask(monkeypatch):
     ids = torch.arange(200) // 50
     attn(q, k, v, doc_ids=ids)
     builds = []
-    original = attn._masks.get
-    monkeypatch.setattr(attn._masks, "get", lambda *a: builds.append(1) or original(*a))
+    original = attn._calls.masks.get
+    monkeypatch.setattr(attn._calls.masks, "get", lambda *a: builds.append(1) or original(*a))
     attn(q, k, v, doc_ids=ids)
     assert builds == []  # same tensor, same version: no lookup at all
     ids[:100] = 0  # in place: the version counter moves on
@@ -877,12 +877,12 @@ def test_decode_calls_cut_into_runs_of_rows_equal_the_reference(monkeypatch, tex
         extra["doc_ids"] = torch.randint(0, 3, (batch, kv_len), generator=generator).sort().values
     attn = flexspec.compile(text)
     seen = []
-    calls = attn._calls
+    call = attn._calls._call
 
     def spy(q, *args, **kwargs):
         seen.append(q.shape[0])
-        return calls(q, *args, **kwargs)
-    monkeypatch.setattr(attn, "_calls", spy)
+        return call(q, *args, **kwargs)
+    monkeypatch.setattr(attn._calls, "_call", spy)
     out, lse = attn(q, k, v, q_offset=offsets, kv_lengths=lengths, return_lse=True, **extra)
     assert seen == [2, 2, 1]
     want, want_lse = attn.reference(q.double(), k.double(), v.double(), q_offset=offsets,
@@ -890,7 +890,6 @@ def test_decode_calls_cut_into_runs_of_rows_equal_the_reference(monkeypatch, tex
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
     # explain says so, and explains the first run's call
-    monkeypatch.setattr(attn, "_calls", calls)
     explained = attn.explain(q, k, v, q_offset=offsets, kv_lengths=lengths, **extra)
     assert explained.runs == (5, 3, 2) and explained.sizes["B"] == 2
     assert "runs:     the call's 5 batch rows run as 3 calls of up to 2 rows" in str(explained)

@@ -12,7 +12,8 @@ import torch
 import flexspec
 from flexspec import BindingError, ir
 from flexspec.lang.library import load_text
-from flexspec.runtime.bindings import Tensors, contiguous, implied_sizes, sizes_tensors_read
+from flexspec.runtime.bindings import (Tensors, contiguous, implied_sizes, rows_between,
+                                       sizes_tensors_read)
 from flexspec.testing import Shape, document_ids
 
 BINDINGS = load_text("""
@@ -346,3 +347,20 @@ def test_a_built_in_tensor_is_made_once_per_argument_and_device_and_outside_any_
     assert torch.equal(first[key], builtin_tensor(slopes, sizes))
     assert other[key].shape == (6,) and torch.equal(other[key],
                                                     builtin_tensor(slopes, {**sizes, "H": 6}))
+
+
+def test_rows_between_cuts_per_row_values_and_leaves_the_rest():
+    """bindings.rows_between (the rows of a run of a call's batch rows, and of a mixed batch's
+    part): a value with a row per batch row gives the rows' view; an int, a 0-d tensor, a batch
+    dimension of one (broadcast) and a batch of one pass as they are."""
+    per_row = torch.arange(12).view(4, 3)
+    cut = rows_between(per_row, 1, 3, 4)
+    assert cut.tolist() == [[3, 4, 5], [6, 7, 8]] and cut.data_ptr() == per_row[1].data_ptr()
+    assert rows_between(torch.arange(4), 1, 3, 4).tolist() == [1, 2]  # offsets, lengths
+    assert rows_between(torch.arange(2), 1, 2, 2).tolist() == [1]  # a batch of two
+    assert rows_between(7, 1, 3, 4) == 7
+    scalar, broadcast = torch.tensor(5), torch.arange(3).view(1, 3)
+    assert rows_between(scalar, 1, 3, 4) is scalar
+    assert rows_between(broadcast, 1, 3, 4) is broadcast
+    one = torch.arange(3).view(1, 3)
+    assert rows_between(one, 0, 1, 1) is one

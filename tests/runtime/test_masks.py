@@ -22,7 +22,7 @@ from flexspec.kernels.block_tables import (EMPTY, FULL, PARTIAL, as_partial, tab
                                           tile_classes)
 from flexspec.lang.library import load_text
 from flexspec.runtime import masks
-from flexspec.runtime.masks import BlockMasks, mask_extent
+from flexspec.runtime.masks import MaskCache, mask_extent
 from flexspec.testing import Shape, document_ids
 
 LIBRARY = load_text("""
@@ -120,7 +120,7 @@ def test_a_mask_needs_the_batch_and_head_extents_it_reads_and_no_others():
 
 
 def test_a_key_stands_for_the_mask_its_extents_lengths_and_device():
-    block_masks = BlockMasks("exact", (16, 16))
+    block_masks = MaskCache("exact", (16, 16))
     cpu = torch.device("cpu")
     per_row = spec_of("per_row")
     first = block_masks.key(per_row, SIZES, cpu)
@@ -149,7 +149,7 @@ def test_a_mask_keeps_its_id_at_every_size_and_tokens_are_bounded(monkeypatch):
     """A growing cache asks for a key at every length: the tokens kept are bounded (the oldest
     out first, never given again), while the mask's id stays that of the mask."""
     monkeypatch.setattr(masks, "TOKENS_KEPT", 3)
-    block_masks = BlockMasks("exact", (16, 16))
+    block_masks = MaskCache("exact", (16, 16))
     cpu = torch.device("cpu")
     per_row = spec_of("per_row")
     keys = [block_masks.key(per_row, {**SIZES, "KV_LEN": n}, cpu) for n in range(50, 60)]
@@ -162,7 +162,7 @@ def test_a_mask_keeps_its_id_at_every_size_and_tokens_are_bounded(monkeypatch):
 
 def test_a_key_lists_the_tensors_read_in_sorted_order():
     spec = spec_of("two")
-    key = BlockMasks("exact", (16, 16)).key(spec, SIZES, torch.device("cpu"))
+    key = MaskCache("exact", (16, 16)).key(spec, SIZES, torch.device("cpu"))
     assert key.reads == tuple(sorted(ir.tensor_key(t) for t in spec.tensors()))
     assert len(key.reads) == 2 and (key.batch, key.heads) == (1, 1)
 
@@ -192,7 +192,7 @@ def test_a_mask_that_reads_the_lengths_gets_them(mode):
 
 def test_a_given_key_finds_the_mask_built_without_one():
     # a call passes its plan's key; Attention.block_mask passes none: both find one entry
-    block_masks = BlockMasks("exact", (16, 16))
+    block_masks = MaskCache("exact", (16, 16))
     spec, cpu = spec_of("per_row"), torch.device("cpu")
     sizes = {"B": 2, "H": 1, "Q_LEN": 40, "KV_LEN": 50}
     values = {ir.tensor_key(t): doc_ids(((10,), (30,)), 50) for t in spec.tensors()}
@@ -215,7 +215,7 @@ def test_a_block_mask_for_flash_carries_flashs_form_of_the_mask(mode):
     # the maximum a clamp becomes (natten, torch 2.11): a FLASH key's masks carry the where form
     attn = flexspec.compile("natten(6, 5, 3, 3)", block_masks=mode, block_size=16)
     spec, sizes, cpu = attn.ir, {"B": 1, "H": 1, "Q_LEN": 30, "KV_LEN": 30}, torch.device("cpu")
-    block_masks = BlockMasks(mode, (16, 16))
+    block_masks = MaskCache(mode, (16, 16))
     plain = block_masks.get(spec, sizes, {}, cpu)
     flash = block_masks.get(spec, sizes, {}, cpu, block_masks.key(spec, sizes, cpu, "cute"))
     assert flash is not plain
@@ -229,7 +229,7 @@ def test_a_mask_built_again_after_the_fused_builder_fails_keeps_flashs_form(monk
     FusedProgram(monkeypatch, fail=True)  # intervals mode takes the fused builder first
     attn = flexspec.compile("natten(6, 5, 3, 3)", block_masks="intervals", block_size=16)
     spec, sizes, cpu = attn.ir, {"B": 1, "H": 1, "Q_LEN": 30, "KV_LEN": 30}, torch.device("cpu")
-    block_masks = BlockMasks("intervals", (16, 16))
+    block_masks = MaskCache("intervals", (16, 16))
     flash = block_masks.get(spec, sizes, {}, cpu, block_masks.key(spec, sizes, cpu, "cute"))
     assert not {"clamp", "abs", "maximum", "minimum"} & _aten_ops(flash.mask_mod)
     assert_is_the_reference(flash, attn, 30, 30, exact=False)
@@ -284,7 +284,7 @@ def test_a_mask_that_hides_nothing_is_built_once_per_grid_and_equals_a_build(
     that grid first, and equals the eager builder's at that length (in the decoding kernel's
     partial form too), with the length's own seq_lengths."""
     spec = ir.AttentionIR(ir.TRUE, ir.SCORE, "start")
-    cache = BlockMasks(mode, block)
+    cache = MaskCache(mode, block)
     sizes = {"B": batch, "H": heads, "Q_LEN": q_len, "KV_LEN": kv_len}
     other = {**sizes, "Q_LEN": _same_grid_length(q_len, block[0]),
              "KV_LEN": _same_grid_length(kv_len, block[1])}
@@ -307,7 +307,7 @@ def test_a_growing_cache_s_mask_that_hides_nothing_builds_once_per_grid(monkeypa
     own length. Inside a CUDA graph capture the tables are built every time, never kept."""
     analysis = Builds(monkeypatch, "build_block_mask")
     spec = ir.AttentionIR(ir.TRUE, ir.SCORE, "start")
-    cache, cpu = BlockMasks("exact", (128, 128)), torch.device("cpu")
+    cache, cpu = MaskCache("exact", (128, 128)), torch.device("cpu")
     for kv_len in list(range(1001, 1021)) + [1024]:
         made = cache.bind(spec, {"B": 8, "H": 32, "Q_LEN": 1, "KV_LEN": kv_len}, cpu,
                           partial=True).get({}, cpu)
@@ -406,7 +406,7 @@ def test_a_mask_the_fused_builder_cannot_trace_is_built_eagerly_from_then_on(mon
     assert_is_the_reference(attn.block_mask(41, 61, batch=2, r=r), attn, 41, 61, batch=2, r=r)
     assert len(fused.calls) == 1
     # another mask on the same cache is still tried
-    attn._masks.get(spec_of("two"), {"B": 1, "H": 1, "Q_LEN": 40, "KV_LEN": 50},
+    attn._calls.masks.get(spec_of("two"), {"B": 1, "H": 1, "Q_LEN": 40, "KV_LEN": 50},
                     {ir.tensor_key(t): torch.zeros(50, dtype=torch.int64)
                      for t in spec_of("two").tensors()}, torch.device("cpu"))
     assert len(fused.calls) == 2
@@ -420,14 +420,14 @@ def test_a_mask_is_cached_when_asked_for_a_second_time(monkeypatch):
     attn = flexspec.compile("causal & document")
     ids = doc_ids()
     first = attn.block_mask(100, 150, batch=2, doc_ids=ids)
-    assert attn._masks.cached_bytes() == 0  # on probation
+    assert attn._calls.masks.cached_bytes() == 0  # on probation
     assert attn.block_mask(100, 150, batch=2, doc_ids=ids) is first
     expected = sum(t.numel() * t.element_size() for t in (
         first.kv_num_blocks, first.kv_indices, first.full_kv_num_blocks, first.full_kv_indices,
         first.q_num_blocks, first.q_indices, first.full_q_num_blocks, first.full_q_indices, ids))
-    assert attn._masks.cached_bytes() == expected
+    assert attn._calls.masks.cached_bytes() == expected
     assert attn.block_mask(100, 150, batch=2, doc_ids=ids) is first  # from the cache
-    assert attn._masks.cached_bytes() == expected
+    assert attn._calls.masks.cached_bytes() == expected
     assert len(builds) == 1
     # another tensor is another binding, even with equal values: built anew, equal content
     other = attn.block_mask(100, 150, batch=2, doc_ids=ids.clone())
@@ -501,20 +501,20 @@ def test_new_masks_wait_on_probation_where_the_oldest_leaves_first(monkeypatch):
     attn = flexspec.compile("causal", block_size=16)  # an empty cache
     for length in (20, 21, 22):
         attn.block_mask(length, length)
-    assert len(attn._masks._probation) == masks.PROBATION_SIZE == 2
+    assert len(attn._calls.masks._probation) == masks.PROBATION_SIZE == 2
     attn.block_mask(22, 22)
     attn.block_mask(21, 21)
     assert len(builds) == 5  # 21 and 22 were waiting
     attn.block_mask(20, 20)
     assert len(builds) == 6  # 20, the oldest, had left
-    assert attn._masks.cached_bytes() > 0
+    assert attn._calls.masks.cached_bytes() > 0
 
 
 def test_block_mask_plans_once_per_signature_and_builds_each_call_s_values(monkeypatch):
-    from flexspec.runtime import attention
+    from flexspec.runtime import calls
     plans = []
-    original = attention.make_mask_plan
-    monkeypatch.setattr(attention, "make_mask_plan",
+    original = calls.make_mask_plan
+    monkeypatch.setattr(calls, "make_mask_plan",
                         lambda **kwargs: plans.append(kwargs) or original(**kwargs))
     attn = flexspec.compile("causal & document")
     rows = (((40, 90), (20,)), ((10,), (70, 71)), ((), (140,)))
@@ -599,41 +599,42 @@ def test_fresh_bindings_every_call_do_not_fill_the_block_mask_cache(monkeypatch)
     attn = flexspec.compile("causal & doc")
     for step in range(40):
         attn.block_mask(300, 300, doc_ids=torch.arange(300) * (step % 7 + 2) // 300)
-    assert attn._masks.cached_bytes() == 0 and len(attn._masks._probation) <= masks.PROBATION_SIZE
+    cache = attn._calls.masks
+    assert cache.cached_bytes() == 0 and len(cache._probation) <= masks.PROBATION_SIZE
     ids = torch.arange(300) // 100
     first = attn.block_mask(300, 300, doc_ids=ids)
     assert attn.block_mask(300, 300, doc_ids=ids) is first  # the second request keeps it
-    kept = attn._masks.cached_bytes()
+    kept = attn._calls.masks.cached_bytes()
     assert kept > 0
     # a byte budget smaller than two entries keeps one
     monkeypatch.setattr(masks, "BLOCK_MASK_CACHE_BYTES", kept + kept // 2)
     other = torch.arange(300) // 50
     attn.block_mask(300, 300, doc_ids=other)
     attn.block_mask(300, 300, doc_ids=other)
-    assert len(attn._masks._cache) == 1 and attn._masks.cached_bytes() <= kept + kept // 2
+    assert len(cache._cache) == 1 and cache.cached_bytes() <= kept + kept // 2
 
 
 def test_the_byte_budget_counts_every_entry_and_refuses_one_larger_than_itself(monkeypatch):
     attn = flexspec.compile("causal", block_size=16)
     attn.block_mask(64, 64)
     attn.block_mask(64, 64)
-    size = attn._masks.cached_bytes()
+    size = attn._calls.masks.cached_bytes()
     attn = flexspec.compile("causal", block_size=16)  # an empty cache
     monkeypatch.setattr(masks, "BLOCK_MASK_CACHE_BYTES", size - 1)  # too small for one
     for _ in range(3):
         attn.block_mask(64, 64)
-    assert attn._masks.cached_bytes() == 0 and not attn._masks._cache
+    assert attn._calls.masks.cached_bytes() == 0 and not attn._calls.masks._cache
     monkeypatch.setattr(masks, "BLOCK_MASK_CACHE_BYTES", size)  # room for exactly one
     attn.block_mask(64, 64)
-    assert attn._masks.cached_bytes() == size and len(attn._masks._cache) == 1
+    assert attn._calls.masks.cached_bytes() == size and len(attn._calls.masks._cache) == 1
     attn = flexspec.compile("causal", block_size=16)  # an empty cache
     monkeypatch.setattr(masks, "BLOCK_MASK_CACHE_BYTES", 2 * size)  # room for exactly two
     for length in (64, 64, 63, 63):  # 63 has as many tiles and tables as 64
         attn.block_mask(length, length)
-    assert attn._masks.cached_bytes() == 2 * size and len(attn._masks._cache) == 2
+    assert attn._calls.masks.cached_bytes() == 2 * size and len(attn._calls.masks._cache) == 2
     attn.block_mask(62, 62)
     attn.block_mask(62, 62)
-    assert attn._masks.cached_bytes() == 2 * size and len(attn._masks._cache) == 2
+    assert attn._calls.masks.cached_bytes() == 2 * size and len(attn._calls.masks._cache) == 2
 
 
 def test_inside_a_cuda_graph_capture_a_mask_that_reads_tensors_is_built_every_time(monkeypatch):
@@ -737,7 +738,7 @@ def test_a_mask_that_reads_an_inference_tensor_is_built_every_time(monkeypatch):
     first = attn.block_mask(100, 150, batch=2, doc_ids=ids)
     second = attn.block_mask(100, 150, batch=2, doc_ids=ids)
     assert second is not first and len(builds) == 2
-    assert attn._masks.cached_bytes() == 0 and not attn._masks._probation
+    assert attn._calls.masks.cached_bytes() == 0 and not attn._calls.masks._probation
     for block_mask in (first, second):
         assert_is_the_reference(block_mask, attn, 100, 150, batch=2, doc_ids=ids)
     # ... and inside a capture it is refused like any eager build there
@@ -760,7 +761,7 @@ def test_a_mask_built_inside_inference_mode_holds_no_inference_tensors():
 
 
 def test_a_bound_handle_finds_its_plan_s_entry_in_its_dialect():
-    block_masks = BlockMasks("exact", (16, 16))
+    block_masks = MaskCache("exact", (16, 16))
     spec, cpu = spec_of("per_row"), torch.device("cpu")
     sizes = {"B": 2, "H": 1, "Q_LEN": 40, "KV_LEN": 50}
     bound = block_masks.bind(spec, sizes, cpu)
@@ -784,12 +785,12 @@ def test_a_bound_handle_finds_its_plan_s_entry_in_its_dialect():
                                                   ("both", 2, 64), ("causal", 20, 50)])
 def test_a_mask_listing_every_tile_evaluates_its_mask_in_each_with_the_exact_form_s_tables(
         text, q_len, kv_len):
-    """BlockMasks.every_tile (what a decoding call with new bindings runs with where its keys
+    """MaskCache.every_tile (what a decoding call with new bindings runs with where its keys
     are few): every tile of the grid listed as partial, so the mask_mod decides every cell,
     and that mask_mod is the reference's cell by cell; the tables have the exact partial
     form's extents, dtypes and layout (a kernel compiled for one runs the other) and are kept
     per grid while the mask_mod is each call's."""
-    block_masks = BlockMasks("exact", (16, 16))
+    block_masks = MaskCache("exact", (16, 16))
     attn = compile_mask(text, block_size=16)
     spec, cpu = spec_of(text), torch.device("cpu")
     batch, heads = 2, 3
@@ -830,7 +831,7 @@ def test_a_mask_is_compiled_for_captures_once_its_program_built_its_form(monkeyp
     must find the program compiled for the mask's form (partial or not), unless no program
     builds the mask (then a capture cannot build it at all)."""
     cpu = torch.device("cpu")
-    block_masks = BlockMasks("exact", (16, 16))
+    block_masks = MaskCache("exact", (16, 16))
     spec = spec_of("per_row")
     sizes = {"B": 2, "H": 1, "Q_LEN": 1, "KV_LEN": 50}
     values = {ir.tensor_key(t): doc_ids(((10,), (30,)), 50) for t in spec.tensors()}
@@ -870,7 +871,7 @@ def test_the_fused_program_s_first_build_of_a_mask_is_logged_and_no_other(monkey
 def test_a_partial_only_handle_lists_every_visible_tile_as_partial_cached_apart(dialect):
     # FlexAttention's decoding kernel gets block masks without full tiles (MaskKey.partial): the
     # same mask, every tile with a visible cell listed as partial, kv side only
-    block_masks = BlockMasks("exact", (16, 16))
+    block_masks = MaskCache("exact", (16, 16))
     spec, cpu = spec_of("per_row"), torch.device("cpu")
     attn = compile_mask("per_row", block_size=16)
     sizes = {"B": 2, "H": 1, "Q_LEN": 40, "KV_LEN": 50}

@@ -152,7 +152,7 @@ def _plan_on_a_gpu_that_is_not_there(text, **facts):
     choice = choose("auto", request, plan.spec)
     values = plan.values({"doc_ids": ids})
     return (dataclasses.replace(plan, request=request, choice=choice,
-                                backend=REGISTRY[choice.backend]), values, attn._masks)
+                                backend=REGISTRY[choice.backend]), values, attn._calls.masks)
 
 
 def test_ids_that_are_not_runs_go_where_auto_would_send_them_without_fa4():

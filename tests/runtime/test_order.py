@@ -159,3 +159,103 @@ def test_a_module_of_the_backends_without_a_backend_is_not_one(tmp_path, monkeyp
         assert list(backends.discover()) == ["fa4", "flash", "sdpa", "flex", "reference"]
     finally:
         sys.modules.pop("flexspec.runtime.backends.helpers_for_tests", None)
+
+
+def test_paged_reads_have_rows_of_their_own():
+    """auto's order for a paged call (Request.pages): the backends that read pages in place,
+    flex on every device, vetoed off CUDA (a CPU call is copied out of its pages instead);
+    every other backend says it does not read a paged pool."""
+    from flexspec.runtime.backends import choose, why_not
+    from flexspec.runtime.contract import PageGeometry
+    geometry = PageGeometry(page_size=64, pages=512, max_pages=128)
+    paged = dataclasses.replace(H200, pages=geometry, kv_len=geometry.capacity)
+    spec = flexspec.compile("causal").ir
+    for request in (paged, dataclasses.replace(paged, device_type="cpu", capability=None)):
+        assert names(request) == ["flex"]
+        assert names(dataclasses.replace(request, grads=True)) == ["flex"]
+    assert choose("auto", paged, spec).backend == "flex"
+    cpu = dataclasses.replace(paged, device_type="cpu", capability=None, dtype=torch.float32)
+    with pytest.raises(flexspec.BackendError, match="no backend reads this paged pool in place "
+                                                    r"\(flex: on cpu, copying the sequences"):
+        choose("auto", cpu, spec)
+    assert choose("auto", cpu, spec, vetoes=False).backend == "flex"
+    for name in ("fa4", "flash", "sdpa", "reference"):
+        assert why_not(name, paged, spec) == "it does not read a paged pool in place"
+    with pytest.raises(flexspec.BackendError, match="flex: the pool is read in place for "
+                                                    "inference only"):
+        choose("auto", dataclasses.replace(paged, grads=True), spec)
+    assert paged.layout == "paged" and H200.layout == "contiguous"
+    assert paged.key_positions == 16 * 512 * 64 and H200.key_positions == 4 * 16 * 8192
+
+
+TOY_PAGED = '''"""A toy page-table kernel: it copies each row's pages out and runs the dense reference."""
+
+from flexspec.kernels.reference import reference_attention
+from flexspec.runtime.contract import Backend, Prepared
+
+
+class ToyPages(Backend):
+    name = "toypages"
+    reads_pages = True
+
+    def why_not(self, request, spec):
+        if request.pages is None:
+            return "the toy reads paged pools only"
+        return None if request.device_type == "cpu" else "the toy runs on the CPU only"
+
+    def prepare(self, plan, values):
+        return Prepared(state="toy pages", needs_values=True)
+
+    def run(self, plan, q, k, v, scale, bindings, values, step=None, pages=None):
+        assert plan.state == "toy pages" and plan.request.pages == pages.geometry
+        return reference_attention(plan.spec, q, pages.gather(k), pages.gather(v), scale=scale,
+                                   tensors=values)
+
+
+BACKEND = ToyPages()
+'''
+
+
+def test_a_page_table_kernel_is_one_file_and_one_row(tmp_path, monkeypatch, request):
+    """A backend that reads pages in place is one file (reads_pages, its why_not and run, which
+    takes the call's PageTables) and one paged row of the order table: auto picks it for paged
+    calls, explain names it, and each row of a paged call equals the float64 reference over its
+    own sequence; a layer's read made once runs another cache of the same layout."""
+    from flexspec.runtime import backends
+    (tmp_path / "toypages.py").write_text(TOY_PAGED)
+    monkeypatch.setattr(backends, "__path__", [*backends.__path__, str(tmp_path)])
+    request.addfinalizer(lambda: sys.modules.pop("flexspec.runtime.backends.toypages", None))
+    row = order.Row(("cpu",), "any", "toypages", "the toy reads pages on the CPU",
+                    layout="paged")
+    monkeypatch.setattr(order, "ORDER", (row,) + order.ORDER)
+    found = backends.discover()
+    assert list(found)[0] == "toypages"
+    monkeypatch.setitem(backends.REGISTRY, "toypages", found["toypages"])
+    monkeypatch.setattr(backends, "BACKENDS", ("auto", *backends.REGISTRY))
+
+    attn = flexspec.compile("causal & window(5) + alibi")
+    caches = [flexspec.PagedKVCache(pages=12, page_size=4, kv_heads=2, head_dim=8, slots=4,
+                                    max_pages=6) for _ in range(2)]
+    generator = torch.Generator().manual_seed(3)
+    slots, lengths = torch.tensor([3, 0]), [13, 7]
+    sequences = []
+    for cache in caches:
+        kv = [torch.randn(2, 2, 13, 8, generator=generator) for _ in range(2)]
+        for row, (slot, length) in enumerate(zip(slots.tolist(), lengths)):
+            cache.append(torch.tensor([slot]), kv[0][row:row + 1, :, :length],
+                         kv[1][row:row + 1, :, :length])
+        sequences.append(kv)
+    q = torch.randn(2, 4, 2, 8, generator=generator)
+    explanation = attn.explain(q, caches[0], slots)
+    assert (explanation.choice.backend, explanation.choice.reason) == (
+        "toypages", "the toy reads pages on the CPU")
+    assert explanation.pages.startswith("read in place")
+    read = attn.paged_read(q, caches[0], slots)
+    for cache, (keys, values) in zip(caches, sequences):
+        out = attn.paged(q, cache, slots)
+        torch.testing.assert_close(read(q, cache), out)
+        for row, length in enumerate(lengths):
+            want = attn.reference(q[row:row + 1].double(), keys[row:row + 1, :, :length].double(),
+                                  values[row:row + 1, :, :length].double(),
+                                  q_offset=length - 2)
+            torch.testing.assert_close(out[row:row + 1].double(), want)

@@ -23,7 +23,7 @@ from flexspec.kernels.reference import reference_attention
 from flexspec.runtime.contract import (Backend, BackendError, Prepared, Replan, Request,
                                        Slot)
 from flexspec.runtime.fa4 import INSTALLED
-from flexspec.runtime.masks import BlockMasks
+from flexspec.runtime.masks import MaskCache
 from flexspec.runtime.plan import PlanCache, call_key, check_ranges, make_mask_plan, make_plan
 from flexspec.testing import Shape
 
@@ -40,7 +40,7 @@ mask even_heads = h % 2 == 0 | q >= kv
 def plan_for(text, q, k, v, *, asked="auto", scale=None, learnables=None, return_lse=False,
              block_size=(16, 32), written=None, **bindings):
     spec = flexspec.parse(text, library=LIBRARY)
-    masks = BlockMasks("exact", block_size)
+    masks = MaskCache("exact", block_size)
     return make_plan(text=text, asked=asked, tensors=Tensors(spec.ir), masks=masks,
                      block_size=block_size, q=q, k=k, v=v, scale=scale, bindings=bindings,
                      learnables=learnables, return_lse=return_lse, written=written)
@@ -160,7 +160,7 @@ def test_a_plan_made_without_the_optional_arguments_asks_for_no_lse():
     spec = flexspec.parse("causal")
     q, k, v = qkv()
     plan = make_plan(text="causal", asked="auto", tensors=Tensors(spec.ir),
-                     masks=BlockMasks("exact", (16, 32)), block_size=(16, 32), q=q, k=k, v=v,
+                     masks=MaskCache("exact", (16, 32)), block_size=(16, 32), q=q, k=k, v=v,
                      scale=None, bindings={}, learnables=None)
     assert not plan.request.lse
 
@@ -238,7 +238,7 @@ def test_the_plan_s_mask_key_is_its_spec_s_on_its_device():
     text = "causal & document"
     q, k, v = qkv(Q_LEN=40)
     spec = flexspec.parse(text)
-    masks = BlockMasks("exact", (16, 32))
+    masks = MaskCache("exact", (16, 32))
     plan = make_plan(text=text, asked="auto", tensors=Tensors(spec.ir), masks=masks,
                      block_size=(16, 32), q=q, k=k, v=v, scale=None,
                      bindings={"doc_ids": torch.zeros(40, dtype=torch.int64)}, learnables=None)
@@ -293,7 +293,7 @@ def test_a_call_s_values_are_its_bindings_contiguous_with_their_declared_dimensi
 
 def mask_plan_for(text, sizes, **bindings):
     spec = flexspec.parse(text, library=LIBRARY)
-    masks = BlockMasks("exact", (16, 32))
+    masks = MaskCache("exact", (16, 32))
     plan = make_mask_plan(tensors=Tensors(spec.ir), masks=masks, sizes=sizes, bindings=bindings,
                           device=torch.device("cpu"))
     return plan, masks
@@ -490,11 +490,11 @@ def test_calls_of_few_rows_on_cuda_run_on_the_decoding_kernel(change, decodes):
     on_cuda = as_cuda_call(plan, **{"q_len": 3, **change})
     assert flexattention.decodes(on_cuda) is decodes
     state = REGISTRY["flex"].prepare(on_cuda, plan.values({})).state
-    assert state.decoding is decodes
+    assert state.kernel.decoding is decodes
     assert state.masks.key.partial is decodes
-    assert ((state.kernel_options or {}).get("num_stages") == 3) is decodes
+    assert ((state.kernel.options or {}).get("num_stages") == 3) is decodes
     wide = change.get("batch") == 64
-    assert bool((state.kernel_options or {}).get("FORCE_USE_FLEX_ATTENTION")) is wide
+    assert bool((state.kernel.options or {}).get("FORCE_USE_FLEX_ATTENTION")) is wide
     # what explain says of it
     kernel = REGISTRY["flex"].kernel(on_cuda)
     if change.get("q_len") == 128 or change.get("device_type") == "cpu":

@@ -405,8 +405,8 @@ def test_a_strided_binding_given_again_finds_its_block_mask(monkeypatch):
     call, 3.8 ms per call at B=64 on an H200), and again after an in-place change."""
     from flexspec.runtime import masks
     builds = []
-    build = masks.BlockMasks._build
-    monkeypatch.setattr(masks.BlockMasks, "_build",
+    build = masks.MaskCache._build
+    monkeypatch.setattr(masks.MaskCache, "_build",
                         lambda self, *args, **kwargs: builds.append(1) or build(self, *args,
                                                                                 **kwargs))
     q, k, v = Shape(1, 4, 4, 200, 200, 16).qkv(0)  # test_strided_bindings_run's compile
@@ -564,16 +564,16 @@ def test_every_argument_of_a_call_reaches_it():
     torch.testing.assert_close(lse, want_lse)
     bindings = {"doc_ids": ids}
     rest = {key: value for key, value in given.items() if key != "doc_ids"}
-    out, lse = attn.call(q, k, v, bindings=bindings, return_lse=True, **rest)
+    out, lse = attn._call(q, k, v, bindings=bindings, return_lse=True, **rest)
     torch.testing.assert_close(out, want)
     torch.testing.assert_close(lse, want_lse)
-    plain = attn.call(q, k, v, bindings=bindings, **rest)  # return_lse defaults to False
+    plain = attn._call(q, k, v, bindings=bindings, **rest)  # return_lse defaults to False
     assert isinstance(plain, torch.Tensor)
     torch.testing.assert_close(plain, want)
     # a step's positions and documents
     step = flexspec.Step(q_offset=7, kv_lengths=torch.tensor([10]), doc_ids=ids)
     torch.testing.assert_close(attn(q, k, v, scale=0.3, step=step), want)
-    torch.testing.assert_close(attn.call(q, k, v, bindings={}, scale=0.3, step=step), want)
+    torch.testing.assert_close(attn._call(q, k, v, bindings={}, scale=0.3, step=step), want)
 
 
 def test_the_reference_entry_point_against_attention_by_hand():
@@ -658,10 +658,10 @@ def test_block_masks_with_positions_batch_and_heads():
 
 
 def test_block_mask_keeps_one_plan_per_signature_and_checks_lookups(monkeypatch):
-    from flexspec.runtime import attention
+    from flexspec.runtime import calls
     plans = []
-    original = attention.make_mask_plan
-    monkeypatch.setattr(attention, "make_mask_plan",
+    original = calls.make_mask_plan
+    monkeypatch.setattr(calls, "make_mask_plan",
                         lambda **kwargs: plans.append(kwargs) or original(**kwargs))
     attn = flexspec.compile("doc", block_size=16)
     ids = torch.arange(40) // 15

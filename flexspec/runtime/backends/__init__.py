@@ -60,11 +60,15 @@ def why_not(backend: str, request: Request, spec: ir.AttentionIR) -> str | None:
     failure = request.failure(backend)
     if failure is not None:
         return f"it failed to compile this spec before: {failure}"
+    if request.pages is not None and not REGISTRY[backend].reads_pages:
+        return "it does not read a paged pool in place"
     return REGISTRY[backend].why_not(request, spec)
 
 
-def _auto_refusal(name: str, request: Request, spec: ir.AttentionIR) -> str | None:
-    return why_not(name, request, spec) or REGISTRY[name].auto_veto(request, spec)
+def _auto_refusal(name: str, request: Request, spec: ir.AttentionIR,
+                  vetoes: bool = True) -> str | None:
+    refusal = why_not(name, request, spec)
+    return refusal or (REGISTRY[name].auto_veto(request, spec) if vetoes else None)
 
 
 def auto_order(request: Request) -> list[tuple[str, str]]:
@@ -72,7 +76,8 @@ def auto_order(request: Request) -> list[tuple[str, str]]:
     chosen."""
     # the same for every call of a device and mode, while the order table is the same object
     # (kept here, so that its id is not reused) and the same backends are registered
-    key = (id(order.ORDER), tuple(REGISTRY), request.device_type, request.mode)
+    key = (id(order.ORDER), tuple(REGISTRY), request.device_type, request.mode,
+           request.layout)
     found = _AUTO_ORDERS.get(key)
     if found is None or found[0] is not order.ORDER:
         found = _AUTO_ORDERS[key] = (order.ORDER, tuple(
@@ -81,15 +86,18 @@ def auto_order(request: Request) -> list[tuple[str, str]]:
     return list(found[1])
 
 
-# (id of the order table, backends, device type, mode) -> (the table, the order)
+# (id of the order table, backends, device type, mode, layout) -> (the table, the order)
 _AUTO_ORDERS: dict = {}
 
 
-def choose(backend: str, request: Request, spec: ir.AttentionIR) -> Choice:
+def choose(backend: str, request: Request, spec: ir.AttentionIR, *,
+           vetoes: bool = True) -> Choice:
     """The backend for one call: ``backend`` itself when it can run (else a
     :class:`BackendError` saying why), or for ``"auto"`` the first of :func:`auto_order` that
-    can run it and is not vetoed as slower. Either way the choice lists the other backends of
-    ``auto``'s order that could run it, best first."""
+    can run it and is not vetoed as slower (``vetoes=False``: the first that can run it, where
+    the caller asked for a way of running it that auto would pass over, such as a paged pool
+    read in place on the CPU). Either way the choice lists the other backends of ``auto``'s
+    order that could run it, best first."""
     tried = auto_order(request)
     if backend != "auto":
         reason = why_not(backend, request, spec)
@@ -97,13 +105,14 @@ def choose(backend: str, request: Request, spec: ir.AttentionIR) -> Choice:
             raise BackendError(f"backend '{backend}' cannot run this call: {reason}. "
                                "backend='auto' chooses one that can")
         viable = tuple((name, because) for name, because in tried
-                       if name != backend and _auto_refusal(name, request, spec) is None)
+                       if name != backend and _auto_refusal(name, request, spec, vetoes) is None)
         return Choice(backend, f"backend='{backend}' was asked for", viable=viable)
-    refusals = {name: _auto_refusal(name, request, spec) for name, _ in tried}
+    refusals = {name: _auto_refusal(name, request, spec, vetoes) for name, _ in tried}
     viable = [(name, because) for name, because in tried if refusals[name] is None]
     if not viable:
         reasons = "; ".join(f"{name}: {reason}" for name, reason in refusals.items())
-        raise BackendError(f"no backend can run this call ({reasons})")
+        what = "reads this paged pool in place" if request.pages else "can run this call"
+        raise BackendError(f"no backend {what} ({reasons})")
     (chosen, because), viable = viable[0], viable[1:]
     # those tried before the chosen one in order, then every other backend by name
     before = list(refusals)[:list(refusals).index(chosen)]

@@ -1,16 +1,18 @@
 """The ``flex`` backend: FlexAttention through ``torch.compile`` with its default kernel (the
 Triton template on a GPU, the C++ template on the CPU). The call itself is
-:mod:`flexspec.runtime.flexattention`'s, which ``flash`` makes too with other kernel options."""
+:mod:`flexspec.runtime.flexattention`'s, which ``flash`` makes too with other kernel options. It
+reads paged pools in place (:mod:`flexspec.runtime.flexpages`)."""
 
 from __future__ import annotations
 
 from flexspec.kernels.fused_blocks import compile_error
 from flexspec.limits import kernel_int_dtype
-from flexspec.runtime import compiled
+from flexspec.runtime import compiled, flexpages
 from flexspec.runtime.contract import BackendError, Replan
 from flexspec.runtime.flexattention import (DECODE_ROWS, DECODING_OPTIONS,
                                              FlexAttentionBackend, FlexKernelOptions, decodes,
                                              wide_indices)
+from flexspec.runtime.tuning import default_candidates
 
 # On the CPU, sequences shorter than one 128-position block run elsewhere (flexspec.workarounds:
 # cpu-short-sequences).
@@ -26,8 +28,11 @@ LARGEST_SMALL_TILE = 64
 class FlexBackend(FlexAttentionBackend):
     name = "flex"
     decoding = True
+    reads_pages = True
 
     def why_not(self, request, spec):
+        if request.pages is not None:
+            return flexpages.why_not(request)
         device = request.device_type
         if request.grads and device in ("cpu", "mps"):
             return f"FlexAttention has no backward pass on {device}"
@@ -46,8 +51,34 @@ class FlexBackend(FlexAttentionBackend):
                     "cpu-short-sequences), so flexspec does not run it there")
         return None
 
+    def auto_veto(self, request, spec):
+        return None if request.pages is None else flexpages.auto_veto(request)
+
+    def prepare(self, plan, values):
+        if plan.request.pages is not None:
+            return flexpages.prepare(plan, values)
+        return super().prepare(plan, values)
+
+    def launcher(self, plan, scale, bindings, values, step, pages=None):
+        if pages is not None:
+            return flexpages.launcher(plan, values, pages)
+        return super().launcher(plan, scale, bindings, values, step)
+
+    def run(self, plan, q, k, v, scale, bindings, values, step=None, pages=None):
+        if pages is not None:
+            return flexpages.launcher(plan, values, pages)(q, k, v)
+        return super().run(plan, q, k, v, scale, bindings, values, step)
+
+    def tune_candidates(self, plan):
+        if plan.request.pages is not None:
+            return flexpages.read_candidates(plan.request.pages.page_size,
+                                             plan.state.kernel.options or {})
+        return default_candidates(plan.request)
+
     def kernel(self, plan):
         request = plan.request
+        if request.pages is not None:
+            return flexpages.kernel(plan)
         if request.device_type != "cuda" or request.q_len >= DECODE_ROWS:
             return None
         if decodes(plan):

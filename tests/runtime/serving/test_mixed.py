@@ -1,6 +1,6 @@
-"""runtime.mixed: a mixed batch over a paged cache (issue 27, item 2): prefill chunks and decoded
-tokens of many requests in one ``attn.paged(..., new_tokens=...)`` call, each request's rows
-equal to the float64 reference over its own keys, each count of new tokens run apart and
+"""runtime.serving.mixed: a mixed batch over a paged cache (issue 27, item 2): prefill chunks
+and decoded tokens of many requests in one ``attn.paged(..., new_tokens=...)`` call, each
+request's rows equal to the float64 reference over its own keys, each count of new tokens run apart and
 unpadded, the padding rows zero."""
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flexspec
-from flexspec.runtime import mixed
 from flexspec.testing import Shape, bindings, spec_texts
 
-from test_paged import DIM, KV_HEADS, filled  # pytest puts tests/runtime on sys.path
+from test_cache import DIM, KV_HEADS, filled  # pytest puts this folder on sys.path
 
 HEADS = 6  # not DIM: an output's last dimension is not its heads'
 
@@ -85,12 +84,13 @@ def test_rows_of_each_count_of_new_tokens_run_together_unpadded(monkeypatch):
     paged, _, _ = filled([9, 12, 30, 5, 16], [4, 0, 2, 1, 5], seed=3, page_size=16,
                          max_pages=3)
     q = torch.randn(5, HEADS, 6, DIM)
-    seen, calls = [], attn._calls
+    from flexspec.runtime.calls import Calls
+    seen, call = [], Calls.__call__
 
-    def recording(q, k, v, **options):  # the gathered parts' ordinary calls
+    def recording(self, q, k, v, **options):  # the gathered parts' ordinary calls
         seen.append((q.shape[0], q.shape[2]))
-        return calls(q, k, v, **options)
-    monkeypatch.setattr(attn, "_calls", recording)
+        return call(self, q, k, v, **options)
+    monkeypatch.setattr(Calls, "__call__", recording)
     attn.paged(q, paged, torch.tensor([4, 0, 2, 1, 5]), new_tokens=[1, 3, 1, 2, 3],
                read="gather")
     assert seen == [(2, 1), (1, 2), (2, 3)]
@@ -100,7 +100,7 @@ def test_consecutive_rows_of_a_count_are_read_and_written_through_views():
     """mixed.split: the rows of a count that stand together in the batch get a span, and
     their queries are a view of q (no copy), written back through a view of the output; rows
     apart are gathered and scattered by index. Either way each row lands where it came from."""
-    from flexspec.runtime import mixed
+    from flexspec.runtime.serving import mixed
     q = torch.randn(5, HEADS, 3, DIM)
     slots = torch.arange(5)
     cases = {(1, 1, 2, 3, 3): [(0, 2), (2, 3), (3, 5)], (1, 3, 1, 2, 3): [None, (3, 4), None]}
@@ -246,19 +246,3 @@ def test_only_bindings_of_the_batch_are_cut_to_a_part_s_rows():
                               kv_lengths=torch.tensor([length]), bias=bias,
                               doc_ids=ids[row:row + 1])
         torch.testing.assert_close(got[row:row + 1, :, :count], want, rtol=1e-4, atol=1e-4)
-
-
-def test_rows_between_cuts_per_row_values_and_leaves_the_rest():
-    """A value with a row per batch row gives the rows' view; an int, a 0-d tensor, a batch
-    dimension of one (broadcast) and a batch of one pass as they are."""
-    per_row = torch.arange(12).view(4, 3)
-    cut = mixed.rows_between(per_row, 1, 3, 4)
-    assert cut.tolist() == [[3, 4, 5], [6, 7, 8]] and cut.data_ptr() == per_row[1].data_ptr()
-    assert mixed.rows_between(torch.arange(4), 1, 3, 4).tolist() == [1, 2]  # offsets, lengths
-    assert mixed.rows_between(torch.arange(2), 1, 2, 2).tolist() == [1]  # a batch of two
-    assert mixed.rows_between(7, 1, 3, 4) == 7
-    scalar, broadcast = torch.tensor(5), torch.arange(3).view(1, 3)
-    assert mixed.rows_between(scalar, 1, 3, 4) is scalar
-    assert mixed.rows_between(broadcast, 1, 3, 4) is broadcast
-    one = torch.arange(3).view(1, 3)
-    assert mixed.rows_between(one, 0, 1, 1) is one

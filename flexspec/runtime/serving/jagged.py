@@ -62,12 +62,13 @@ def _parts(name: str, value) -> tuple:
     return value.transpose(1, 2).values(), value.offsets()
 
 
-def jagged_call(attention, q, k, v, *, scale, return_lse: bool, bindings: dict,
+def jagged_call(calls, q, k, v, *, scale, return_lse: bool, bindings: dict,
                 learnables: dict | None = None):
-    """Attention of jagged ``q``, ``k``, ``v`` (see the module docstring) through the packed
-    ``attention`` (an :class:`~flexspec.runtime.attention.Attention` of :func:`packed_spec`):
-    a jagged ``(B, H, j, Dv)`` output (and the log-sum-exp, ``(B, H, j)`` jagged, with
-    ``return_lse``). ``learnables`` are a module's tables (``SpecAttention``), by tensor key."""
+    """Attention of jagged ``q``, ``k``, ``v`` (see the module docstring) through ``calls``, the
+    call path (:class:`~flexspec.runtime.calls.Calls`) of the spec rewritten by
+    :func:`packed_spec`: a jagged ``(B, H, j, Dv)`` output (and the log-sum-exp, ``(B, H, j)``
+    jagged, with ``return_lse``). ``learnables`` are a module's tables (``SpecAttention``), by
+    tensor key."""
     if bindings:
         raise BindingError(f"a jagged batch takes no bindings; got {', '.join(sorted(bindings))}")
     (q_rows, q_starts), (k_rows, k_starts), (v_rows, v_starts) = (
@@ -81,12 +82,12 @@ def jagged_call(attention, q, k, v, *, scale, return_lse: bool, bindings: dict,
         or (k_starts.shape == v_starts.shape and torch.equal(k_starts, v_starts)))
     if not same:
         raise BindingError("k and v must hold sequences of the same lengths")
-    read = set(attention.bindings)
+    read = {tensor.name for tensor in calls.ir.bindings()}
     tables = {name: table for name, table in sequence_tables(
         q_starts, k_starts, q_rows.shape[0], k_rows.shape[0]).items() if name in read}
-    out = attention.call(q_rows.transpose(0, 1).unsqueeze(0), k_rows.transpose(0, 1).unsqueeze(0),
-                         v_rows.transpose(0, 1).unsqueeze(0), bindings=tables, scale=scale,
-                         return_lse=return_lse, learnables=learnables)
+    out = calls(q_rows.transpose(0, 1).unsqueeze(0), k_rows.transpose(0, 1).unsqueeze(0),
+                v_rows.transpose(0, 1).unsqueeze(0), bindings=tables, scale=scale,
+                return_lse=return_lse, learnables=learnables)
     lse = None
     if return_lse:
         out, lse = out

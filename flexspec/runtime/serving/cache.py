@@ -23,28 +23,50 @@ A :class:`PagedKVCache` holds:
 Memory other than the pool grows with the slots and the pages a slot may hold (the page
 table), never with the pool times the batch. Masks, scores and bindings see logical positions:
 a sequence's key ``i`` is position ``i``, wherever its page lies.
+
+The cache is an allocator and its tables only: :meth:`PagedKVCache.tables` hands a read the
+tables of some slots (:class:`~flexspec.runtime.contract.PageTables`), and reading them is the
+runtime's (:mod:`flexspec.runtime.serving.reads`).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask
 
 from flexspec.errors import BindingError, BindingTypeError
-from flexspec.runtime.mixed import checked_counts, rows_by_count
+from flexspec.runtime.contract import PageGeometry, PageTables
+from flexspec.runtime.flexpages import pool_block_mask, pool_score_mod
 
 
-def _widened(table: torch.Tensor, width: int) -> torch.Tensor:
-    """``table`` (``[..., n]``, contiguous) seen as ``[..., width]`` with ``width >= n``: each
-    row runs on into the rows after it, and the last into ``width - n`` spare entries. The
-    kernels read a row only up to its count; the shape is what they check against the keys'
-    length (a table as wide as the pool, written out, would grow with the pool times the
-    batch)."""
-    n = table.shape[-1]
-    if width <= n:
-        return table
-    flat = torch.cat([table.reshape(-1), table.new_zeros(width - n)])
-    return flat.as_strided((*table.shape[:-1], width), table.stride())
+def checked_counts(new_tokens, batch: int, q_len: int) -> list:
+    """``new_tokens`` (a mixed batch's count of real tokens per row) as a list of ints, one per
+    row, each in ``1..q_len``, or an error that says what is wrong."""
+    if isinstance(new_tokens, torch.Tensor):
+        if new_tokens.device.type != "cpu":
+            raise BindingTypeError("new_tokens is read on the host: give it as a list of ints "
+                                   "(or a CPU tensor), not a tensor on "
+                                   f"{new_tokens.device.type}, whose read would wait for the "
+                                   "device")
+        new_tokens = new_tokens.tolist()
+    if not isinstance(new_tokens, (list, tuple)) or not all(
+            isinstance(n, int) and not isinstance(n, bool) for n in new_tokens):
+        raise BindingTypeError(f"new_tokens must be a list of ints (the new tokens of each row "
+                               f"of q), got {new_tokens!r}")
+    if len(new_tokens) != batch:
+        raise BindingError(f"new_tokens has {len(new_tokens)} entries, q has {batch} rows: "
+                           "give one count per row")
+    wrong = [n for n in new_tokens if not 1 <= n <= q_len]
+    if wrong:
+        raise BindingError(f"new_tokens must lie in 1..{q_len} (q's Q_LEN, the longest "
+                           f"request's new tokens), got {wrong[0]}")
+    return list(new_tokens)
+
+
+def rows_by_count(new_tokens: list) -> list:
+    """``(count, rows)`` for each count of new tokens, fewest first: the rows that are appended
+    (or run) together."""
+    return [(count, [row for row, n in enumerate(new_tokens) if n == count])
+            for count in sorted(set(new_tokens))]
 
 
 class PagedKVCache:
@@ -61,6 +83,7 @@ class PagedKVCache:
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         device = torch.device(device)
         self.page_size, self.max_pages, self.pages, self.slots = page_size, max_pages, pages, slots
+        self.geometry = PageGeometry(page_size, pages, max_pages)
         self.keys = torch.zeros(kv_heads, pages * page_size, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(kv_heads, pages * page_size, v_head_dim, dtype=dtype,
                                   device=device)
@@ -73,6 +96,10 @@ class PagedKVCache:
         self.free_count = torch.full((1,), pages, dtype=torch.int64, device=device)
         # set on the device when a reservation asked for more pages than were free
         self.exhausted = torch.zeros((), dtype=torch.bool, device=device)
+        # what a read of the cache depends on besides its tables' values: a read made from one
+        # cache runs over another of the same layout (a model's other layers)
+        self.layout = (self.geometry, slots, tuple(self.keys.shape), tuple(self.values.shape),
+                       dtype, device)
 
     @property
     def device(self) -> torch.device:
@@ -203,102 +230,31 @@ class PagedKVCache:
         found = rows.gather(1, index).reshape(positions.shape)
         return found * page + positions % page
 
+    def tables(self, slots) -> PageTables:
+        """The page tables of ``slots`` (``[B]``: row ``b`` reads slot ``slots[b]``) as they are
+        now, copied: what a read of them is made from. Tensor operations only."""
+        slots = self._slots(slots)
+        return PageTables(geometry=self.geometry, slots=slots, pages=self.page_table[slots],
+                          lengths=self.lengths[slots], page_slot=self.page_slot.long(),
+                          page_index=self.page_index.long())
+
     def gathered(self, slots: torch.Tensor) -> tuple:
         """``(keys, values)`` of ``slots`` laid out contiguously, ``[n, kv_heads, capacity, D]``
         (positions past a slot's length hold whatever their page holds): what a backend that
         cannot read pages runs on (a copy)."""
-        slots = self._slots(slots)
-        positions = torch.arange(self.capacity, device=self.device).expand(slots.shape[0], -1)
-        where = self.physical(slots, positions)
-        return tuple(pool[:, where].permute(1, 0, 2, 3) for pool in (self.keys, self.values))
+        tables = self.tables(slots)
+        return tables.gather(self.keys), tables.gather(self.values)
 
-    def block_mask(self, logical: BlockMask, slots: torch.Tensor) -> BlockMask:
-        """The block mask over the pool (``keys.unsqueeze(0)``, KV_LEN = ``pages * page_size``)
-        of ``logical``, a block mask over the logical positions of ``slots`` (batch row ``b``
-        is slot ``slots[b]``; KV_LEN the ``capacity``; key blocks of ``page_size``). Each row's
-        key blocks become the pages that hold them; its mask_mod sees each pool position's
-        logical position, and leaves out positions past the slot's length and pages the slot
-        does not hold (the pages of a block past its pages are dropped from its rows). Tensor
-        operations only: no value is read on the host. It serves one call: pages reserved,
-        released or filled after it is made are not seen.
-
-        For inference: it has no query-side tables (no backward). Its index tables are
-        ``[B, H, rows, pages]`` views of ``[B, H, rows, max_pages]`` tables (the columns past a
-        row's count are never read), so their memory grows with the pages a slot may hold,
-        not with the pool."""
-        slots = self._slots(slots)
-        page = self.page_size
-        if not isinstance(logical, BlockMask):
-            raise BindingTypeError(f"PagedKVCache.block_mask: the logical mask must be a "
-                                   f"BlockMask, got {type(logical).__name__}")
-        rows, kv_blocks = logical.kv_indices.shape[-2:]
-        if logical.BLOCK_SIZE[1] != page or kv_blocks != self.max_pages:
-            raise BindingError(
-                f"PagedKVCache.block_mask: the logical mask must have key blocks of the page "
-                f"size ({page}) over the capacity ({self.capacity} positions, {self.max_pages} "
-                f"blocks), got blocks of {logical.BLOCK_SIZE[1]} and {kv_blocks} key blocks: "
-                f"build it with block_size=(query block, {page}) for KV_LEN = {self.capacity}")
-        batch = slots.shape[0]
-        if logical.kv_indices.shape[0] not in (1, batch):
-            raise BindingError(f"PagedKVCache.block_mask: the logical mask has batch "
-                               f"{logical.kv_indices.shape[0]}, the call {batch} slots")
-        heads = logical.kv_indices.shape[1]
-        held = (self.lengths[slots] + page - 1) // page                       # [B]
-        table = self.page_table[slots]                                        # [B, max_pages]
-        limit = held.view(batch, 1, 1, 1)
-
-        def mapped(counts, indices):
-            if counts is None:
-                return None, None
-            counts = counts.expand(batch, heads, rows)
-            indices = indices.expand(batch, heads, rows, kv_blocks).long()
-            # a row's blocks come first in increasing order: those of pages held stay first
-            listed = torch.arange(kv_blocks, device=indices.device) < counts.unsqueeze(-1)
-            kept = (listed & (indices < limit)).sum(-1, dtype=torch.int32)
-            found = table.view(batch, 1, 1, kv_blocks).expand(-1, heads, rows, -1).gather(
-                -1, indices.clamp(max=kv_blocks - 1))
-            return kept, _widened(found.to(torch.int32), self.pages)
-
-        counts, indices = mapped(logical.kv_num_blocks, logical.kv_indices)
-        full_counts, full_indices = mapped(logical.full_kv_num_blocks, logical.full_kv_indices)
-        logical_mask = logical.mask_mod
-        position_of = self._position_of()
-        # int64 copies (see _position_of); the mask serves one call, as the pages are now
-        page_slot, lengths = self.page_slot.long(), self.lengths.clone()
-        slot_of_row = slots
-
-        def pool_mask(b, h, q_idx, kv_idx):
-            where = kv_idx // page
-            slot = slot_of_row[b]
-            position = position_of(kv_idx)
-            mine = (page_slot[where] == slot) & (position < lengths[slot])
-            return mine & logical_mask(b, h, q_idx, position)
-        return BlockMask.from_kv_blocks(counts, indices, full_counts, full_indices,
-                                        BLOCK_SIZE=logical.BLOCK_SIZE, mask_mod=pool_mask,
-                                        seq_lengths=(logical.seq_lengths[0],
-                                                     self.pages * page),
-                                        compute_q_blocks=False)
+    def block_mask(self, logical, slots: torch.Tensor):
+        """FlexAttention's block mask over the pool of ``logical``, a block mask over the
+        logical positions of ``slots`` (key blocks of the page over the capacity): see
+        :func:`flexspec.runtime.flexpages.pool_block_mask`. It serves one call."""
+        return pool_block_mask(logical, self.tables(slots))
 
     def score_mod(self, logical_score):
-        """``logical_score`` (a ``score_mod`` over logical positions) as a ``score_mod`` over
-        the pool: each pool position is given to it as its logical position (0 for a free
-        page, whose scores the mask leaves out). Like :meth:`block_mask`, it serves one call."""
-        position_of = self._position_of()
-
-        def pool_score(score, b, h, q_idx, kv_idx):
-            return logical_score(score, b, h, q_idx, position_of(kv_idx))
-        return pool_score
-
-    def _position_of(self):
-        """The function from pool positions to logical ones, as the pages are now (a free
-        page's positions give 0: never a negative index into a binding). It reads an int64
-        copy of ``page_index``: the CPU's compiled kernel fails to build mods that mix int32
-        tables into int64 positions."""
-        page_index, page = self.page_index.long(), self.page_size
-
-        def position_of(kv_idx):
-            return (page_index[kv_idx // page] * page + kv_idx % page).clamp(min=0)
-        return position_of
+        """``logical_score`` as a ``score_mod`` over the pool, as the pages are now: see
+        :func:`flexspec.runtime.flexpages.pool_score_mod`. It serves one call."""
+        return pool_score_mod(logical_score, self.page_index.long(), self.page_size)
 
     # ---- checks
     def _slots(self, slots) -> torch.Tensor:

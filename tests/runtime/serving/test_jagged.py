@@ -1,4 +1,4 @@
-"""runtime.jagged (issue 27, item 3): q, k, v as nested tensors of the jagged layout, each
+"""runtime.serving.jagged (issue 27, item 3): q, k, v as nested tensors of the jagged layout, each
 sequence equal to its call alone (forward and backward, Q_LEN != KV_LEN per sequence, grouped
 heads), never attending across sequences, with no padding."""
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import flexspec
 from flexspec.ir import rewrites
-from flexspec.runtime.jagged import why_not_packed
+from flexspec.runtime.serving.jagged import why_not_packed
 from flexspec.testing import spec_texts
 
 HEADS, KV_HEADS, DIM = 4, 2, 8

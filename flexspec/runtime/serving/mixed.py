@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from flexspec import ir
-from flexspec.errors import BindingError, BindingTypeError
+from flexspec.errors import BindingError
+from flexspec.runtime.bindings import batch_rows_of, rows_at
+from flexspec.runtime.serving.cache import rows_by_count
 
 
 @dataclass(frozen=True)
@@ -55,45 +56,6 @@ class Part:
             target[self.rows, :, :self.q_len] = value
 
 
-def checked_counts(new_tokens, batch: int, q_len: int) -> list:
-    """``new_tokens`` as a list of ints, one per row, each in ``1..q_len``, or an error that
-    says what is wrong."""
-    if isinstance(new_tokens, torch.Tensor):
-        if new_tokens.device.type != "cpu":
-            raise BindingTypeError("new_tokens is read on the host: give it as a list of ints "
-                                   "(or a CPU tensor), not a tensor on "
-                                   f"{new_tokens.device.type}, whose read would wait for the "
-                                   "device")
-        new_tokens = new_tokens.tolist()
-    if not isinstance(new_tokens, (list, tuple)) or not all(
-            isinstance(n, int) and not isinstance(n, bool) for n in new_tokens):
-        raise BindingTypeError(f"new_tokens must be a list of ints (the new tokens of each row "
-                               f"of q), got {new_tokens!r}")
-    if len(new_tokens) != batch:
-        raise BindingError(f"new_tokens has {len(new_tokens)} entries, q has {batch} rows: "
-                           "give one count per row")
-    wrong = [n for n in new_tokens if not 1 <= n <= q_len]
-    if wrong:
-        raise BindingError(f"new_tokens must lie in 1..{q_len} (q's Q_LEN, the longest "
-                           f"request's new tokens), got {wrong[0]}")
-    return list(new_tokens)
-
-
-def rows_by_count(new_tokens: list) -> list:
-    """``(count, rows)`` for each count of new tokens, fewest first: the rows that run (or are
-    appended) together."""
-    return [(count, [row for row, n in enumerate(new_tokens) if n == count])
-            for count in sorted(set(new_tokens))]
-
-
-def batch_bindings(spec_tensors) -> dict:
-    """The bindings indexed by the batch (declared ``[B, ...]``): name -> declared dimensions
-    (a value given with fewer leaves its batch dimension out, and is broadcast)."""
-    return {tensor.name: len(tensor.shape) for tensor in spec_tensors
-            if tensor.shape and isinstance(tensor.shape[0], ir.Var)
-            and tensor.shape[0].name == "B"}
-
-
 @dataclass(frozen=True)
 class Mixed:
     """A mixed batch split into its :class:`Part` s, and which query rows are real (``[B,
@@ -114,36 +76,11 @@ def split(q, slots, new_tokens: list, q_offset, bindings: dict, by_batch: dict) 
     for count, rows in rows_by_count(new_tokens):
         index = torch.tensor(rows, device=device)
         picked = batch_rows_of(bindings, by_batch,
-                               lambda value: _rows_of(value, index, len(new_tokens)))
+                               lambda value: rows_at(value, index, len(new_tokens)))
         span = (rows[0], rows[-1] + 1) if rows[-1] - rows[0] == len(rows) - 1 else None
         found.append(Part(index, count, slots.index_select(0, index.to(slots.device)),
-                          _rows_of(q_offset, index, len(new_tokens)), picked, span))
+                          rows_at(q_offset, index, len(new_tokens)), picked, span))
     return Mixed(found, real)
-
-
-def batch_rows_of(bindings: dict, by_batch: dict, cut) -> dict:
-    """``bindings`` with those declared ``[B, ...]`` and given with their batch dimension
-    (``by_batch``, :func:`batch_bindings`) passed through ``cut``; the others as they are."""
-    return {name: cut(value) if isinstance(value, torch.Tensor)
-            and value.dim() == by_batch.get(name) else value for name, value in bindings.items()}
-
-
-def rows_between(value, start: int, stop: int, batch: int):
-    """Rows ``start`` to ``stop`` of a per-row value (a tensor with a row per batch row), as a
-    view; anything else (an int, a batch dimension of 1, broadcast) as it is."""
-    return value[start:stop] if _per_row(value, batch) else value
-
-
-def _rows_of(value, index: torch.Tensor, batch: int):
-    """The rows ``index`` of a per-row value (a tensor with a row per batch row); anything else
-    (an int, a batch dimension of 1, broadcast) as it is."""
-    return value.index_select(0, index.to(value.device)) if _per_row(value, batch) else value
-
-
-def _per_row(value, batch: int) -> bool:
-    """Whether ``value`` has a row per batch row (of a batch of more than one)."""
-    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch \
-        and batch > 1
 
 
 def assemble(q: torch.Tensor, mixed: Mixed, results: list, return_lse: bool):
@@ -167,7 +104,7 @@ def assemble(q: torch.Tensor, mixed: Mixed, results: list, return_lse: bool):
 class MixedRead:
     """A mixed batch's in-place read made once per model step (``attn.paged_read(...,
     new_tokens=...)``): the reads of its parts, made once; ``read(q)`` and ``read(q, cache)``
-    split q, run them and put the outputs back, as :class:`~flexspec.runtime.paged_call.
+    split q, run them and put the outputs back, as :class:`~flexspec.runtime.serving.reads.
     PagedRead` does for one part."""
 
     def __init__(self, mixed: Mixed, reads: list, return_lse: bool):
