@@ -283,6 +283,9 @@ class Plan(InputPlan):
     # the learnable tensors the call gave, kept alive: the plan's key holds their ids, which a
     # new tensor could otherwise take once they are freed (a module's replaced parameters)
     learnables: tuple = ()
+    # the spec as written, before its rows were placed (q_offset, kv_lengths) and its tensors
+    # specialized: what is proven of every placement (a paged read's every-page rule) reads it
+    written: ir.AttentionIR | None = None
 
 
 @dataclass(frozen=True)

@@ -295,7 +295,7 @@ def prepare(plan: Plan, values: dict) -> Prepared:
     masks = plan.masks.partial_only() if decoding else plan.masks
     free = ir.free_vars(plan.spec.score)
     call = PagedCall(kernel=kernel, masks=masks, parts=parts,
-                     every_page=lists_every_page(request, plan.spec.mask),
+                     every_page=lists_every_page(request, plan.written.mask),
                      # the CPU's C++ kernel of a read does not compile with dynamic shapes
                      # (flexspec.workarounds: cpu-dynamic-row-binding): one compile per shape
                      static=request.device_type == "cpu",

@@ -223,7 +223,8 @@ def make_plan(*, text: str, asked: str, tensors: Tensors, masks: MaskCache, bloc
                  slots=slots, score_keys=score_keys, lookups=lookups,
                  masks=masks.bind(spec, sizes, device, REGISTRY[choice.backend].dialect),
                  gqa=k.shape[1] != q.shape[1], detach=not grad_on, scale=scale,
-                 learnables=tuple(learnables.values()) if learnables else ())
+                 learnables=tuple(learnables.values()) if learnables else (),
+                 written=written or spec)
     return _prepared(draft, values, masks)
 
 

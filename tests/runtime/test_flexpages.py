@@ -179,3 +179,33 @@ def test_a_read_lists_every_page_for_small_decoding_reads_on_cuda_only():
     assert lists_every_page(request("cuda", 1, 1024), mask("sliding_window(1024)"))
     for text in ("sliding_window(1024)", "causal & doc", "causal & window(100) + alibi"):
         assert not lists_every_page(request("cuda", 1), mask(text)), text
+
+
+@pytest.mark.parametrize("text, listed", [("causal", True), ("causal + alibi", True),
+                                          ("causal & window(10)", False),
+                                          ("causal & doc", False)])
+def test_a_paged_decoding_plan_on_cuda_lists_every_page_where_its_spec_sees_every_key(text,
+                                                                                      listed):
+    """The every-page rule reads the spec as written: the plan's own IR has its rows placed
+    (q_offset, kv_lengths as tensors), of which interval analysis proves nothing. A decoding
+    plan of a small pool planned on the CPU and prepared as if on CUDA lists every page under
+    ``causal`` (and a score over it), not under a window narrower than the capacity nor over
+    documents; and it runs on the decoding kernel."""
+    import dataclasses
+
+    from flexspec.runtime import flexpages
+    attn = flexspec.compile(text)
+    paged = cache(pages=12, page_size=16, slots=3, max_pages=4)
+    slots = torch.tensor([2, 0])
+    paged.append(slots, *(torch.randn(2, KV_HEADS, 40, DIM) for _ in range(2)))
+    q = torch.randn(2, 4, 1, DIM)
+    extra = {"doc_ids": torch.zeros(2, 64, dtype=torch.long)} if "doc" in text else {}
+    plan, placed = attn._calls.paged_plan(q, paged.keys, paged.values, paged.tables(slots),
+                                          scale=None, bindings=extra, q_offset=None,
+                                          return_lse=False, vetoes=False)
+    on_cuda = dataclasses.replace(plan, request=dataclasses.replace(plan.request,
+                                                                    device_type="cuda"))
+    state = flexpages.prepare(on_cuda, plan.values(placed)).state
+    assert state.every_page is listed and state.kernel.decoding
+    assert state.kernel.options["num_stages"] == 3 and state.parts == 1
+    assert flexpages.prepare(plan, plan.values(placed)).state.every_page is False  # the CPU
