@@ -589,7 +589,7 @@ def test_a_growing_decode_over_few_keys_lists_every_tile_and_equals_the_referenc
                 ref = attn.reference(q.double(), k.double(), v.double(), **bindings)
                 assert _relative_error(out, ref) < TOLERANCE[torch.bfloat16], (limit, n)
         state = attn._calls.last_plan.state
-        assert state.decoding and state.every_tile == (limit > 0), limit
+        assert state.kernel.decoding and state.every_tile == (limit > 0), limit
         # listing every tile, the first step still builds the exact mask: its program then has
         # compiled, as a later capture needs
         assert len(builds) == (1 if limit > 0 else 5), (limit, len(builds))
@@ -655,7 +655,7 @@ def test_decode_calls_run_on_the_decoding_kernel_at_every_batch_size():
         assert _relative_error(out, attn.reference(q, k, v, q_offset=2999)) < \
             TOLERANCE[torch.bfloat16], batch
     plan = next(p for p in attn._calls.plans.values() if p.sizes["B"] == 3)
-    assert plan.state.decoding and plan.state.kernel_options["num_stages"] == 3
+    assert plan.state.kernel.decoding and plan.state.kernel.options["num_stages"] == 3
     assert plan.state.last[-1].full_kv_num_blocks is None
 
 

@@ -55,7 +55,7 @@ from flexspec.runtime.capture import outside_graph_pool
 
 
 @dataclass(frozen=True)
-class Placement:
+class HandedMask:
     """What the mask function hands to the attention function: where the queries and keys stand,
     and which keys are padding (``valid``: bool ``[B, KV_LEN]``, ``None`` when none is). Every
     layer of a forward (of one kind: full or sliding) gets the same one, so it keeps the
@@ -139,19 +139,19 @@ def _inside_graph() -> bool:
 
 def placement(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
               mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs
-              ) -> Placement:
+              ) -> HandedMask:
     """transformers' mask function for flexspec: instead of a mask, where the call's queries and
     keys stand and which keys are padding. The mask itself comes from the spec. A placement
     given as the attention mask (generate() prepared it for this step) is kept, at this call's
     offsets. Inside torch.compile it is traced with the model (no graph break): it reads nothing
     on the host there."""
-    if isinstance(attention_mask, Placement):
+    if isinstance(attention_mask, HandedMask):
         if attention_mask.valid is not None and attention_mask.valid.shape[-1] != kv_length:
             raise SpecError(f"the prepared placement covers {attention_mask.valid.shape[-1]} "
                             f"keys, this call {kv_length}: please report it")
         return dataclasses.replace(attention_mask, q_offset=q_offset, kv_offset=kv_offset)
     if attention_mask is None:
-        return Placement(q_offset, kv_offset, None, False)
+        return HandedMask(q_offset, kv_offset, None, False)
     if attention_mask.dim() != 2:
         raise SpecError("flexspec takes the 2-D attention_mask (1 for a token, 0 for "
                         f"padding), got one of shape {list(attention_mask.shape)}")
@@ -164,11 +164,11 @@ def placement(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
     # no padding: a host read, as transformers makes one too (inside a graph, which must not
     # read, the padding stays, all valid)
     if not traced and bool(mask.all()):
-        return Placement(q_offset, kv_offset, None, True, prepared)
+        return HandedMask(q_offset, kv_offset, None, True, prepared)
     missing = kv_length + kv_offset - mask.shape[-1]
     if missing > 0:  # a static cache longer than the tokens seen: its tail is empty
         mask = torch.nn.functional.pad(mask, (0, missing))
-    return Placement(q_offset, kv_offset, mask[:, kv_offset:kv_offset + kv_length], True,
+    return HandedMask(q_offset, kv_offset, mask[:, kv_offset:kv_offset + kv_length], True,
                      prepared)
 
 
@@ -234,7 +234,7 @@ class _Layers:
         if kwargs.get("output_attentions"):
             raise SpecError("flexspec does not return attention weights (output_attentions): "
                             "use attn_implementation='eager' for them")
-        if attention_mask is not None and not isinstance(attention_mask, Placement):
+        if attention_mask is not None and not isinstance(attention_mask, HandedMask):
             raise SpecError("the attention mask did not come from flexspec's mask function: "
                             "register() both with transformers (it does) and build the model "
                             "with attn_implementation set to the registered name")
@@ -266,7 +266,7 @@ class _Layers:
         """Whether a call inside torch.compile runs as the operator: an inference call (the
         operator has no gradient) that needs nothing a forward finds or is given by name
         (packed documents, the spec's own bindings); every other call breaks the graph."""
-        if not isinstance(where, Placement) or self.name is None:
+        if not isinstance(where, HandedMask) or self.name is None:
             return False
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                            for t in (query, key, value, s_aux)):
@@ -281,9 +281,9 @@ class _Layers:
     def eager_attention(self, query, key, value, attention_mask, scaling, sliding_window,
                         softcap, s_aux, kwargs: dict, shared: bool = True) -> tuple:
         """The attention of one layer call, outside any graph: the forward's step is shared
-        with its other layers (see Placement.step), unless ``shared`` is False (the operator's
+        with its other layers (see HandedMask.step), unless ``shared`` is False (the operator's
         call, whose placement is its own)."""
-        where = attention_mask or Placement(0, 0, None)
+        where = attention_mask or HandedMask(0, 0, None)
         if shared:
             step = where.step(kwargs, query.shape[0])
             placed, step_bindings = {"step": step}, step.bindings
@@ -340,7 +340,7 @@ def _attend(name: str, sliding_window: int, softcap: float, query: torch.Tensor,
     layers = _REGISTERED[name]
     with outside_graph_pool(query.device), _one_dispatch_state():
         tensor_offset, valid, s_aux = (_ordinary(t) for t in (tensor_offset, valid, s_aux))
-        where = Placement(q_offset if tensor_offset is None else tensor_offset, kv_offset,
+        where = HandedMask(q_offset if tensor_offset is None else tensor_offset, kv_offset,
                           valid, True)
         out = layers.eager_attention(query, key, value, where, scaling,
                                      None if sliding_window < 0 else sliding_window,

@@ -323,6 +323,9 @@ class Attention:
         keys are too wide for the decoding kernel, which runs as calls over runs of batch rows,
         is explained by its first run's call."""
         if isinstance(k, PagedKVCache):
+            if target is not None:
+                raise BindingError("a paged call is explained on the device of its cache: "
+                                   "target= plans contiguous calls for another device")
             return self.paged_read(q, k, v, scale=scale, q_offset=q_offset,
                                    return_lse=return_lse, read=read, **bindings).explain(q)
         return self._calls.explain(q, k, v, scale=scale, q_offset=q_offset,

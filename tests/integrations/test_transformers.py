@@ -460,9 +460,9 @@ def test_a_spec_from_a_library_reaches_every_kind_of_layer():
 
 
 def test_a_placement_keeps_one_step_per_kind_of_call():
-    """Placement.step: packed documents from restarting position_ids, only without a cache and
+    """HandedMask.step: packed documents from restarting position_ids, only without a cache and
     without doc_ids given by name; one step per position tensor, cache use, doc_ids and batch."""
-    where = integration.Placement(0, 0, None)
+    where = integration.HandedMask(0, 0, None)
     packed, plain = torch.tensor([[0, 1, 2, 0, 1]]), torch.tensor([[0, 1, 2, 3, 4]])
     first = where.step({"position_ids": packed}, 1)
     assert first.bindings["doc_ids"].tolist() == [[0, 0, 0, 1, 1]] and first.q_offset == 0
@@ -473,7 +473,7 @@ def test_a_placement_keeps_one_step_per_kind_of_call():
     assert "doc_ids" not in where.step({"position_ids": packed, "doc_ids": given}, 1).bindings
     assert where.step({"position_ids": packed}, 2).bindings["doc_ids"].shape == (2, 5)
     # a sliding cache that dropped keys shifts the queries by its key offset
-    assert integration.Placement(10, 4, None).step({}, 1).q_offset == 6
+    assert integration.HandedMask(10, 4, None).step({}, 1).q_offset == 6
 
 
 def test_each_kind_of_layer_is_compiled_once_with_the_registered_options():
@@ -624,7 +624,7 @@ def test_a_compiled_call_runs_as_the_operator_only_when_nothing_needs_the_graph_
     each of those keeps the call outside the graph."""
     layers = integration._Layers(flexspec.parse("causal & doc"), None, {}, "flexspec_test")
     q = k = v = torch.zeros(1, 2, 4, 8)
-    where = integration.Placement(torch.tensor(0), 0, None)
+    where = integration.HandedMask(torch.tensor(0), 0, None)
     assert layers._operator_runs(where, {}, q, k, v, None)
     assert layers._operator_runs(where, {"use_cache": True}, q, k, v, None)
     assert not layers._operator_runs(None, {}, q, k, v, None)
@@ -640,12 +640,12 @@ def test_a_compiled_call_runs_as_the_operator_only_when_nothing_needs_the_graph_
     assert not plain._operator_runs(where, {"doc_ids": torch.zeros(1, 4)}, q, k, v, None)
     # position_ids that may restart (no mask given, no cache, offset 0): packing is looked for
     positions = {"position_ids": torch.arange(4)[None]}
-    at_start = integration.Placement(0, 0, None)
+    at_start = integration.HandedMask(0, 0, None)
     assert not plain._operator_runs(at_start, positions, q, k, v, None)
     assert plain._operator_runs(at_start, {**positions, "use_cache": True}, q, k, v, None)
-    assert plain._operator_runs(integration.Placement(0, 0, None, True), positions, q, k, v,
+    assert plain._operator_runs(integration.HandedMask(0, 0, None, True), positions, q, k, v,
                                 None)
-    assert plain._operator_runs(integration.Placement(3, 0, None), positions, q, k, v, None)
+    assert plain._operator_runs(integration.HandedMask(3, 0, None), positions, q, k, v, None)
     assert plain._operator_runs(where, positions, q, k, v, None)
 
 
@@ -677,11 +677,11 @@ def test_inside_torch_compile_the_attention_function_calls_the_operator(name, mo
     for variant in ("transformers_attention", "transformers_attention_between_graphs"):
         monkeypatch.setattr(integration.torch.ops.flexspec, variant, counted(variant),
                             raising=False)
-    cases = [(integration.Placement(torch.tensor(17), 0, valid), None, None, None),
-             (integration.Placement(torch.tensor(17), 0, valid), 5, 2.0, sinks),
-             (integration.Placement(21, 4, valid), 6, None, None),
-             (integration.Placement(torch.tensor(19), 0, None), None, None, sinks),
-             (integration.Placement(torch.tensor(17), 3, valid), 6, None, None)]
+    cases = [(integration.HandedMask(torch.tensor(17), 0, valid), None, None, None),
+             (integration.HandedMask(torch.tensor(17), 0, valid), 5, 2.0, sinks),
+             (integration.HandedMask(21, 4, valid), 6, None, None),
+             (integration.HandedMask(torch.tensor(19), 0, None), None, None, sinks),
+             (integration.HandedMask(torch.tensor(17), 3, valid), 6, None, None)]
     for compiling in (False, True):
         monkeypatch.setattr(integration, "_inside_graph", lambda: compiling)
         for where, window, softcap, s_aux in cases:
@@ -807,7 +807,7 @@ def test_a_registration_serves_the_operator_under_its_name():
     layers = integration._REGISTERED[implementation]
     assert layers.name == implementation
     q = torch.zeros(1, 2, 4, 8)
-    assert layers._operator_runs(integration.Placement(torch.tensor(0), 0, None), {}, q, q, q,
+    assert layers._operator_runs(integration.HandedMask(torch.tensor(0), 0, None), {}, q, q, q,
                                  None)
     out = torch.ops.flexspec.transformers_attention(implementation, -1, 0.0, q, q, q, None, None,
                                                     0, 0, None, None)
@@ -818,10 +818,10 @@ def test_the_mask_function_places_the_call(monkeypatch):
     """placement() as transformers calls it: offsets, padding, a static cache longer than the
     tokens seen, a placement generate() prepared, and inside torch.compile (flag set by hand)
     an unpadded batch keeps its all-true padding instead of reading it on the host."""
-    assert integration.placement(2, 3, 10) == integration.Placement(0, 0, None)
+    assert integration.placement(2, 3, 10) == integration.HandedMask(0, 0, None)
     ones = torch.ones(2, 8, dtype=torch.long)
     assert integration.placement(2, 4, 6, q_offset=3, kv_offset=2, attention_mask=ones) == \
-        integration.Placement(3, 2, None, True)
+        integration.HandedMask(3, 2, None, True)
     padded = ones.clone()
     padded[1, :3] = 0
     placed = integration.placement(2, 1, 10, q_offset=7, kv_offset=2, attention_mask=padded)
@@ -829,7 +829,7 @@ def test_the_mask_function_places_the_call(monkeypatch):
     # keys 2..11 of a cache of 12 slots, 8 seen: the last four are empty
     expected = torch.cat([padded.bool(), torch.zeros(2, 4, dtype=torch.bool)], dim=1)[:, 2:12]
     assert torch.equal(placed.valid, expected)
-    prepared = integration.Placement(0, 0, placed.valid, True)
+    prepared = integration.HandedMask(0, 0, placed.valid, True)
     again = integration.placement(2, 1, 10, q_offset=8, kv_offset=2, attention_mask=prepared)
     assert (again.q_offset, again.kv_offset, again.valid) == (8, 2, placed.valid)
     with pytest.raises(flexspec.SpecError, match=exactly(

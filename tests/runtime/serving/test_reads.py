@@ -646,6 +646,8 @@ def test_explain_says_how_a_paged_call_reads_its_pages():
     assert "pages:    read in place" in str(in_place)
     # 41 of 50 keys a row sees, out of the capacity's 64
     assert in_place.density == pytest.approx(41 / 64)
+    with pytest.raises(flexspec.BindingError, match="explained on the device of its cache"):
+        attn.explain(q, paged, slots, target="cuda")
 
 
 @pytest.mark.slow
