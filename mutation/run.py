@@ -54,7 +54,8 @@ MODULES: dict[str, list[str]] = {
     "runtime/bindings": ["tests/runtime/test_bindings.py"],
     "runtime/lookups": ["tests/runtime/test_lookups.py", "tests/runtime/test_plan.py"],
     "runtime/order": ["tests/runtime/test_order.py"],
-    "runtime/attention": ["tests/runtime/test_runtime.py"],
+    "runtime/attention": ["tests/runtime/test_runtime.py", "tests/runtime/serving/test_reads.py",
+                          "tests/runtime/serving/test_jagged.py"],
     "runtime/positions": ["tests/runtime/test_positions.py"],
     "runtime/multihead": ["tests/runtime/test_multihead.py"],
     "runtime/capture": ["tests/runtime/test_capture.py"],
@@ -74,7 +75,8 @@ MODULES: dict[str, list[str]] = {
     "runtime/serving/reads": ["tests/runtime/serving/test_reads.py",
                               "tests/runtime/serving/test_mixed.py"],
     "runtime/flexpages": ["tests/runtime/test_flexpages.py", "tests/runtime/serving/test_reads.py"],
-    "runtime/calls": ["tests/runtime/test_runtime.py", "tests/runtime/test_positions.py"],
+    "runtime/calls": ["tests/runtime/test_runtime.py", "tests/runtime/test_positions.py",
+                      "tests/runtime/serving/test_reads.py"],
 }
 
 # Linked into each work folder: the package, its tests and the data files flexspec reads from the

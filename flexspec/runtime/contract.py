@@ -89,11 +89,16 @@ class PageTables:
 
     def gather(self, pool: torch.Tensor) -> torch.Tensor:
         """The rows' sequences of ``pool`` (``[Hkv, pages * page_size, D]``) laid out
-        contiguously, ``[B, Hkv, capacity, D]`` (a copy; positions past a row's length hold
-        whatever their page holds)."""
+        contiguously, ``[B, Hkv, capacity, D]`` (a copy), zero past each row's length: what
+        other sequences or earlier owners left in the pages a position past the length maps to
+        (a NaN) never reaches a row, whose mask leaves those positions out but whose kernel may
+        still multiply them by a weight of 0."""
         positions = torch.arange(self.geometry.capacity, device=pool.device)
         where = self.physical(positions.expand(self.slots.shape[0], -1))
-        return pool[:, where].permute(1, 0, 2, 3)
+        valid = (positions < self.lengths.unsqueeze(1)).view(1, *where.shape, 1)
+        found = pool[:, where]
+        return torch.where(valid, found, torch.zeros((), dtype=found.dtype,
+                                                     device=found.device)).permute(1, 0, 2, 3)
 
 
 @dataclass(frozen=True)
