@@ -8,8 +8,9 @@ backward passes, short CPU sequences). It must never import the lowering nor cal
 FlexAttention, or those tests would compare the code with itself.
 
 Attention: logits ``q @ k^T * scale`` go through the score pipeline at every position, masked
-positions become ``-inf``, then softmax. A query row with no finite logit returns zeros (never
-NaN), as FlexAttention does.
+positions become ``-inf``, then softmax, then the weighted sum of the values the row sees (a
+value a row does not see, NaN or not, never reaches it). A query row with no finite logit
+returns zeros (never NaN), as FlexAttention does.
 """
 
 from __future__ import annotations
@@ -170,9 +171,28 @@ def reference_attention(spec: ir.AttentionIR, q: torch.Tensor, k: torch.Tensor, 
     weights = torch.exp(scores - row_max)
     total = weights.sum(dim=-1, keepdim=True)
     weights = weights / torch.where(total > 0, total, 1.0)
-    out = torch.matmul(weights.reshape(batch, kv_heads, group * n_rows, kv_len), v64)
+    out = _weighted_values(weights.reshape(batch, kv_heads, group * n_rows, kv_len), v64)
     out = out.reshape(batch, heads, n_rows, v.shape[-1]).to(q.dtype)
     if not return_lse:
         return out
     lse = torch.where(total > 0, torch.log(total) + row_max, -math.inf).squeeze(-1)
     return out, lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
+def _weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``weights @ values``, where a key of weight 0 contributes nothing, as in the sum the
+    attention is: a matrix product would give ``0 * NaN = NaN`` and spread a non-finite value to
+    every row of the head, also those that do not see it. A row that reads a NaN (or +inf and
+    -inf in one column) gets NaN there, one that reads only +inf or only -inf gets it."""
+    finite = torch.isfinite(values)
+    out = torch.matmul(weights, torch.where(finite, values, 0.0))
+    if bool(finite.all()):
+        return out
+    reads = (weights > 0).to(values.dtype)
+
+    def read(where: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(reads, where.to(values.dtype)) > 0
+    nan, plus, minus = read(values.isnan()), read(values == math.inf), read(values == -math.inf)
+    out = torch.where(plus, math.inf, out)
+    out = torch.where(minus, -math.inf, out)
+    return torch.where(nan | (plus & minus), math.nan, out)

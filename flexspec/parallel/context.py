@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from flexspec import ir
 from flexspec.errors import BindingError, BindingTypeError, SpecError
 from flexspec.ir.rewrites import ROW_POSITION
 from flexspec.parallel import balance as balancers
@@ -56,6 +57,16 @@ class ContextParallel:
         # head-tail cuts the blocks into 2 x ranks runs
         unit = self.ranks * BLOCK * (2 if balance == "head_tail" else 1)
         self.padded = -(-seq_len // unit) * unit
+        sizes = _sizes_read(attn.ir)
+        if "Q_LEN" in sizes or ("KV_LEN" in sizes and self.padded != seq_len):
+            size = "Q_LEN" if "Q_LEN" in sizes else "KV_LEN"
+            raise SpecError(f"'{attn.spec}' reads {size}, which inside a rank is not the "
+                            f"sequence's ({seq_len}): "
+                            + ("a rank runs its own rows only" if size == "Q_LEN" else
+                               f"the sequence is padded to {self.padded} positions, a "
+                               f"multiple of {unit}")
+                            + ", so context parallelism would answer differently from one "
+                              "process; run it in one process, or write the spec without it")
         self.bindings = {name: self._padded(value, -1) for name, value in bindings.items()}
         blocks = self.padded // BLOCK
         if balance == "none":
@@ -259,6 +270,15 @@ def _all_gather(tensor, dim: int, group):
     gather = getattr(collectives, "all_gather_single_autograd", None) \
         or collectives.all_gather_tensor_autograd
     return gather(tensor, dim, group)
+
+
+def _sizes_read(spec) -> set:
+    """The sizes (``Q_LEN``, ``KV_LEN``...) a spec's mask and score read, directly or in the
+    declared shapes of the tensors they read."""
+    found = ir.direct_vars(spec.mask) | ir.direct_vars(spec.score)
+    for tensor in spec.tensors():
+        found |= ir.free_vars(tensor)
+    return found
 
 
 def _rows(blocks: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from flexspec.runtime.explanation import Explanation
 from flexspec.runtime.lookups import check_lookups
 from flexspec.runtime.masks import BLOCK_MASK_MODES, BlockMaskMode, mask_extent
 from flexspec.runtime.serving import PagedKVCache, reads
-from flexspec.runtime.serving.jagged import is_jagged, jagged_call, packed_spec
+from flexspec.runtime.serving.jagged import jagged_batch, jagged_call, packed_spec
 from flexspec.runtime.tuning import KernelOptions, Tuned, answer_of, tune
 
 
@@ -168,6 +168,9 @@ class Attention:
         """The dense float64 reference result (in q's dtype); with ``rows`` (row numbers of q),
         only those rows of it, to check long sequences at a fraction of the memory. The
         arguments mean what they mean in a call."""
+        if jagged_batch(q, k, v, "reference"):
+            raise BindingError("reference takes dense q, k, v: give each sequence of a jagged "
+                               "batch alone, (1, H, length, D)")
         sizes = check_qkv(q, k, v, allow_float64=True).as_dict()
         offset, lengths = self._placement.for_reference(q_offset, kv_lengths, sizes, q.device)
         values, spec = self._tensors(sizes, bindings, q.device)
@@ -195,7 +198,7 @@ class Attention:
               q_offset=None, kv_lengths=None, return_lse: bool = False, step=None):
         """A call, with the bindings as a dict and the values of the spec's learnable tensors
         (by tensor key) from the module that owns them (``SpecAttention``)."""
-        if is_jagged(q):
+        if jagged_batch(q, k, v):
             if q_offset is not None or kv_lengths is not None or step is not None:
                 raise BindingError("a jagged batch places every sequence at its own start: "
                                    "it takes no q_offset, kv_lengths or step")
@@ -242,7 +245,7 @@ class Attention:
         A paged call is tuned as it is called: ``attn.tune(q, cache, slots)`` (see
         :meth:`paged`), which :meth:`PagedRead.tune
         <flexspec.runtime.serving.reads.PagedRead.tune>` does for a read made already."""
-        if is_jagged(q):
+        if not isinstance(k, PagedKVCache) and jagged_batch(q, k, v, "tune"):
             raise BindingError("tune times dense q, k, v: give it one padded batch of the "
                                "shapes you run (a jagged batch runs laid end to end, as "
                                "(1, H, total, D))")
@@ -322,6 +325,9 @@ class Attention:
         there, by the names backends read (``{"fa4.installed": True}``). A decode call whose
         keys are too wide for the decoding kernel, which runs as calls over runs of batch rows,
         is explained by its first run's call."""
+        if not isinstance(k, PagedKVCache) and jagged_batch(q, k, v, "explain"):
+            raise BindingError("explain takes dense q, k, v: a jagged batch runs laid end to "
+                               "end, so explain that call, (1, H, total, D)")
         if isinstance(k, PagedKVCache):
             if target is not None:
                 raise BindingError("a paged call is explained on the device of its cache: "

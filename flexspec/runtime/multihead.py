@@ -46,14 +46,24 @@ class KVCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple:
         """The cache's keys and values with ``k`` and ``v`` after them (kept)."""
-        if self.k is not None and (self.k.shape[:2] != k.shape[:2]
-                                   or self.k.shape[3] != k.shape[3]):
+        self.k, self.v = self.joined(k, v)
+        return self.k, self.v
+
+    def joined(self, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        """The cache's keys and values with ``k`` and ``v`` after them, not kept (a layer keeps
+        them once its call has run: a refused call leaves the cache as it was)."""
+        if self.k is None:
+            return k, v
+        if self.k.shape[:2] != k.shape[:2] or self.k.shape[3] != k.shape[3]:
             raise BindingError(f"this cache holds keys of shape {list(self.k.shape)} (N, Hkv, L, "
                                f"D); the call's keys are {list(k.shape)}: use one cache per "
                                "layer and batch")
-        self.k = k if self.k is None else torch.cat((self.k, k), dim=2)
-        self.v = v if self.v is None else torch.cat((self.v, v), dim=2)
-        return self.k, self.v
+        if (self.k.dtype, self.k.device) != (k.dtype, k.device):
+            raise BindingError(f"this cache holds {self.k.dtype} keys on {self.k.device}; the "
+                               f"call's are {k.dtype} on {k.device} (under autocast, the "
+                               "projections' dtype changes with it): call the layer in one "
+                               "dtype, or use a cache per dtype")
+        return torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
 
 
 class MultiheadAttention(nn.Module):
@@ -142,7 +152,7 @@ class MultiheadAttention(nn.Module):
                 raise SpecTypeError(f"cache must be a flexspec.KVCache, got "
                                     f"{type(cache).__name__}")
             seen = cache.length
-            k, v = cache.append(k, v)
+            k, v = cache.joined(k, v)
             q_offset = seen if q_offset is None else q_offset
         if key_padding_mask is None:
             out = self._unpadded._call(q, k, v, bindings=bindings,
@@ -151,6 +161,8 @@ class MultiheadAttention(nn.Module):
             out = self.attention(q, k, v, q_offset=q_offset,
                                  valid=self._valid(key_padding_mask, batch, k.shape[2]),
                                  **bindings)
+        if cache is not None:  # the call ran: its keys and values are kept
+            cache.k, cache.v = k, v
         out = self.out_proj(out.transpose(1, 2).reshape(batch, q_len, self.embed_dim))
         return (out if self.batch_first else out.transpose(0, 1)), None
 

@@ -38,13 +38,23 @@ class Step:
                  documents: str = "doc_ids", slots=None, new_tokens=None, **bindings):
         if cu_seqlens is not None:
             if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
-                    or cu_seqlens.dtype.is_floating_point or cu_seqlens.numel() < 2:
+                    or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex \
+                    or cu_seqlens.dtype == torch.bool or cu_seqlens.numel() < 2:
                 raise BindingTypeError("cu_seqlens must be a 1-D int tensor of n + 1 document "
                                        f"starts (0 first, the total last), got {cu_seqlens!r}")
+            if cu_seqlens.device.type == "meta":
+                raise BindingError("cu_seqlens is on the meta device, which holds no values: "
+                                   "give it on the device of q")
             if documents in bindings:
                 raise BindingError(f"give the documents once: as cu_seqlens or as {documents}")
-        if max_seqlen is not None and cu_seqlens is None:
-            raise BindingError("max_seqlen goes with cu_seqlens")
+        if max_seqlen is not None:
+            if cu_seqlens is None:
+                raise BindingError("max_seqlen goes with cu_seqlens")
+            if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 1:
+                raise BindingTypeError(f"max_seqlen must be a positive int (the longest "
+                                       f"document), got {max_seqlen!r}")
+        if cu_seqlens is not None and cu_seqlens.device.type == "cpu":
+            check_bounds(cu_seqlens.tolist(), max_seqlen)
         if slots is not None and (not isinstance(slots, torch.Tensor) or slots.dim() != 1
                                   or slots.dtype.is_floating_point
                                   or slots.dtype == torch.bool):
@@ -95,6 +105,10 @@ class Step:
 
     def _with_ids(self, batch: int, length: int) -> dict:
         bounds = self.cu_seqlens.to(torch.int64)
+        if bounds.device.type == "cpu" and int(bounds[-1]) != batch * length:
+            raise BindingError(f"cu_seqlens ends at {int(bounds[-1])}, but the step's calls lay "
+                               f"{batch} rows of {length} positions end to end "
+                               f"({batch * length}): the last entry is the total")
         positions = torch.arange(batch * length, device=bounds.device)
         ids = (torch.searchsorted(bounds, positions, right=True) - 1).reshape(batch, length)
         self._segments[id(ids)] = (ids, self._cumulative(batch, length))
@@ -103,7 +117,12 @@ class Step:
     def _cumulative(self, batch: int, length: int) -> tuple:
         cumulative = self.cu_seqlens.to(torch.int32)
         longest = self.max_seqlen
-        if longest is None:  # the one host read of the step
+        if longest is None and cumulative.device.type != "cpu":
+            # the one host read of the step, which checks the bounds too
+            read = cumulative.tolist()
+            check_bounds(read, None, batch * length)
+            longest = max(b - a for a, b in zip(read, read[1:]))
+        elif longest is None:
             longest = int((cumulative[1:] - cumulative[:-1]).max())
         return cumulative, longest
 
@@ -112,6 +131,25 @@ class Step:
         (FA4's variable-length arguments, with no look at the ids), or ``None``."""
         found = self._segments.get(id(ids))
         return found[1] if found is not None and found[0] is ids else None
+
+
+def check_bounds(bounds: list, max_seqlen: int | None, total: int | None = None) -> None:
+    """A :class:`BindingError` unless ``bounds`` (``cu_seqlens`` read on the host) start at 0,
+    never decrease and end at ``total`` (where known), and ``max_seqlen``, where given, is at
+    least the longest document."""
+    if bounds[0] != 0:
+        raise BindingError(f"cu_seqlens must start at 0 (the first document's start), got "
+                           f"{bounds[0]}")
+    steps = [b - a for a, b in zip(bounds, bounds[1:])]
+    if min(steps) < 0:
+        at = steps.index(min(steps))
+        raise BindingError(f"cu_seqlens must not decrease: {bounds[at]} then {bounds[at + 1]}")
+    if total is not None and bounds[-1] != total:
+        raise BindingError(f"cu_seqlens ends at {bounds[-1]}, but the step's calls lay {total} "
+                           "positions end to end: the last entry is the total")
+    if max_seqlen is not None and max_seqlen < max(steps):
+        raise BindingError(f"max_seqlen is {max_seqlen}, but a document of cu_seqlens holds "
+                           f"{max(steps)} positions: give the longest, or leave it out")
 
 
 def _capturing_now() -> bool:

@@ -181,6 +181,9 @@ def tune(plan, run, pin, candidates: list | None, repeats: int, device) -> "Tune
     call's plan anew); check each answer against the own options' answer, and pin the fastest
     (flexspec's own unless one is faster by more than :data:`MARGIN`)."""
     started = time.perf_counter()
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise BindingError(f"repeats must be a positive int (the timed rounds of each "
+                           f"candidate), got {repeats!r}")
     key = signature(plan.request)
     offered = plan.backend.tune_candidates(plan)
     if not offered:

@@ -208,6 +208,16 @@ def test_bad_plans_and_shards_are_refused_with_what_to_do(tmp_path):
         with pytest.raises(flexspec.BindingError, match="needs documents: the block count of "
                                                         "each document, 3 blocks in all"):
             ContextParallel(attn, 300, balance="per_document")
+        from flexspec.lang.library import load_text
+        sizes = load_text("mask first_half() = q < Q_LEN / 2\n"
+                          "score far(c: float = 1.0) = score - c * (KV_LEN - kv) / KV_LEN\n")
+        with pytest.raises(flexspec.SpecError, match=r"reads Q_LEN, which inside a rank is not "
+                                                     r"the sequence's \(300\): a rank runs"):
+            ContextParallel(flexspec.compile("causal & first_half", library=sizes), 300)
+        with pytest.raises(flexspec.SpecError, match=r"reads KV_LEN, .* padded to 384 "
+                                                     "positions, a multiple of 128"):
+            ContextParallel(flexspec.compile("causal + far", library=sizes), 300)
+        ContextParallel(flexspec.compile("causal + far", library=sizes), 256)  # not padded
         cp = ContextParallel(attn, 300)
         assert cp.padded == 384 and cp.rows.tolist() == list(range(384))
         with pytest.raises(flexspec.BindingError, match=r"whole sequence \(300 positions\)"):

@@ -440,3 +440,33 @@ def test_bindings_reach_the_spec_with_and_without_key_padding(padded):
         expected = reference_layer(layer, x, x, x, visible)
     assert visible.any(-1).all()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_refused_call_keeps_nothing_in_the_cache():
+    """A call the layer refuses after projecting (a key_padding_mask of the wrong length, a
+    missing binding) leaves the cache as it was, so the corrected retry runs on the cached keys
+    and its own (it ran on them twice: 12 keys instead of 6); keys of another dtype (a float32
+    prefill, then a step under bf16 autocast) are refused naming both, the cache unchanged."""
+    torch.manual_seed(0)
+    layer = flexspec.MultiheadAttention(16, 2, "causal", batch_first=True)
+    cache = flexspec.KVCache()
+    prompt, token = torch.randn(1, 5, 16), torch.randn(1, 1, 16)
+    with torch.no_grad():
+        layer(prompt, cache=cache)
+        before = (cache.k, cache.v)
+        with pytest.raises(flexspec.BindingError):
+            layer(token, cache=cache, key_padding_mask=torch.zeros(1, 3, dtype=torch.bool))
+        assert (cache.k, cache.v) == before and cache.length == 5
+        got, _ = layer(token, cache=cache)
+        whole, _ = layer(torch.cat([prompt, token], dim=1))
+        torch.testing.assert_close(got[0, 0], whole[0, 5], rtol=1e-5, atol=1e-5)
+        assert cache.length == 6
+        with pytest.raises(flexspec.BindingError, match="holds torch.float32 keys on cpu; the "
+                                                        "call's are torch.bfloat16"):
+            cache.joined(*(t.bfloat16() for t in (cache.k, cache.v)))
+        assert cache.length == 6
+    documents = flexspec.MultiheadAttention(16, 2, "causal & doc", batch_first=True)
+    kept = flexspec.KVCache()
+    with torch.no_grad(), pytest.raises(flexspec.BindingError, match="doc_ids"):
+        documents(prompt, cache=kept)
+    assert kept.length == 0

@@ -33,3 +33,43 @@ def test_a_nan_spoils_only_the_rows_that_read_it(text, backend):
         assert out[0][spoiled].isnan().all()
     torch.testing.assert_close(out[0][~spoiled].double(), expected[0][~spoiled],
                                rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["reference", "flex", "sdpa"])
+def test_a_nan_value_reaches_the_rows_the_docs_say(backend):
+    """A NaN in the values at key 150 of 300 (causal): on the reference only the rows that see
+    it (150..299) are NaN and every other row is exact (the weighted sum skips keys of weight
+    0: a matrix product spread it to every row); on FlexAttention's CPU kernel the rows of the
+    query tiles whose block mask lists its key tile (128..299), the rows before them exact; on
+    SDPA every row of the head, as docs/howto.md says."""
+    attn = flexspec.compile("causal", backend=backend)
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 1, 300, 16, generator=generator) for _ in range(3))
+    v[0, 0, 150, 3] = float("nan")
+    with torch.no_grad():
+        out = attn(q, k, v)
+    nan_rows = out[0, 0].isnan().any(-1)
+    first = {"reference": 150, "flex": 128, "sdpa": 0}[backend]
+    assert nan_rows[first:].all() and not nan_rows[:first].any()
+    clean = v.clone()
+    clean[0, 0, 150, 3] = 0.0
+    expected = attn.reference(q.double(), k.double(), clean.double())
+    torch.testing.assert_close(out[0, 0, :first].double(), expected[0, 0, :first], rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_an_infinite_value_reaches_the_rows_that_see_it_on_the_reference():
+    """+inf alone gives +inf, +inf and -inf in one column NaN, in exactly the rows that see
+    them (a window of 8): the reference's weighted sum, not a matrix product."""
+    attn = flexspec.compile("causal & window(8)", backend="reference")
+    generator = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 1, 64, 4, generator=generator) for _ in range(3))
+    v[0, 0, 20, 0], v[0, 0, 24, 0], v[0, 0, 24, 1] = float("inf"), float("-inf"), float("inf")
+    out = attn(q, k, v)[0, 0]
+    sees_20, sees_24 = torch.arange(64).sub(20).clamp(min=0).le(8) & (torch.arange(64) >= 20), \
+        (torch.arange(64) >= 24) & (torch.arange(64) <= 32)
+    assert torch.equal(out[:, 0].isnan(), sees_20 & sees_24)
+    assert torch.equal(out[:, 0] == float("inf"), sees_20 & ~sees_24)
+    assert torch.equal(out[:, 0] == float("-inf"), sees_24 & ~sees_20)
+    assert torch.equal(out[:, 1] == float("inf"), sees_24)
+    assert out[~(sees_20 | sees_24)].isfinite().all()

@@ -241,3 +241,34 @@ def test_a_step_keeps_launches_per_spec():
         q, k, v = Shape(1, 2, 2, 16, 16, 8).qkv(seed)
         torch.testing.assert_close(causal(q, k, v, step=step), causal.reference(q, k, v))
         torch.testing.assert_close(full(q, k, v, step=step), full.reference(q, k, v))
+
+
+def test_document_bounds_that_split_nothing_are_refused():
+    """cu_seqlens must start at 0, never decrease and end at the rows the calls lay end to end;
+    it is an int tensor (not bool) with values (not on the meta device); max_seqlen is a
+    positive int at least the longest document. Each refusal names the argument (they all made
+    up documents, or raised torch's own errors)."""
+    cases = [
+        ({"cu_seqlens": torch.tensor([1, 4, 8])}, "must start at 0"),
+        ({"cu_seqlens": torch.tensor([0, 6, 4, 8])}, "must not decrease: 6 then 4"),
+        ({"cu_seqlens": torch.tensor([True, False])}, "cu_seqlens must be a 1-D int tensor"),
+        ({"cu_seqlens": torch.zeros(3, dtype=torch.long, device="meta")}, "meta device"),
+        ({"cu_seqlens": torch.tensor([0, 4, 8]), "max_seqlen": 2.5}, "max_seqlen must be a "
+                                                                     "positive int"),
+        ({"cu_seqlens": torch.tensor([0, 4, 8]), "max_seqlen": -1}, "positive int"),
+        ({"cu_seqlens": torch.tensor([0, 4, 8]), "max_seqlen": "30"}, "positive int"),
+        ({"cu_seqlens": torch.tensor([0, 4, 8]), "max_seqlen": 3}, "max_seqlen is 3, but a "
+                                                                   "document"),
+    ]
+    for given, message in cases:
+        with pytest.raises(flexspec.BindingError, match=message):
+            flexspec.Step(**given)
+    attn = flexspec.compile("causal & doc")
+    q = torch.randn(1, 2, 8, 4)
+    for bounds in ([0, 4, 6], [0, 4, 10]):  # a total short of or past the 8 rows
+        with pytest.raises(flexspec.BindingError, match=r"cu_seqlens ends at \d+, but the "
+                                                        "step's calls lay 1 rows of 8"):
+            attn(q, q, q, step=flexspec.Step(cu_seqlens=torch.tensor(bounds)))
+    step = flexspec.Step(cu_seqlens=torch.tensor([0, 3, 8]), max_seqlen=5)
+    torch.testing.assert_close(attn(q, q, q, step=step), attn.reference(
+        q, q, q, doc_ids=torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])))

@@ -390,3 +390,20 @@ def test_default_candidates_are_distinct_options_the_kernels_take(q_len, grads):
         if grads:
             assert options["bwd_BLOCK_N1"] % options["bwd_BLOCK_M1"] == 0
             assert options["bwd_BLOCK_M2"] % options["bwd_BLOCK_N2"] == 0
+
+
+def test_repeats_that_are_not_a_positive_int_are_refused_naming_them():
+    """tune(repeats=0, -1, 1.5 or True) and a paged read's tune(repeats=0) raise a flexspec
+    error that names repeats (statistics' StatisticsError came out of the median of no round)."""
+    from flexspec.runtime.serving.cache import PagedKVCache
+    attn = flexspec.compile("causal")
+    q = torch.randn(1, 2, 8, 16)
+    for repeats in (0, -1, 1.5, True):
+        with pytest.raises(flexspec.BindingError, match=r"repeats must be a positive int"):
+            attn.tune(q, q, q, repeats=repeats)
+    cache = PagedKVCache(pages=2, page_size=16, kv_heads=2, head_dim=16, slots=1, max_pages=2)
+    cache.append(torch.tensor([0]), q, q)
+    with torch.no_grad():
+        read = attn.paged_read(q[:, :, :1], cache, torch.tensor([0]), read="auto")
+        with pytest.raises(flexspec.BindingError, match=r"repeats must be a positive int"):
+            read.tune(q[:, :, :1], repeats=0)

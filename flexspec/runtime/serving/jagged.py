@@ -26,6 +26,27 @@ def is_jagged(value) -> bool:
         and value.layout == torch.jagged
 
 
+def jagged_batch(q, k, v, what: str = "a call") -> bool:
+    """Whether q, k and v are a jagged batch (all nested tensors of the jagged layout); a
+    :class:`BindingError` that says what to give where they mix layouts or a nested tensor is
+    strided. ``what`` names the entry point in the message."""
+    nested = [isinstance(t, torch.Tensor) and t.is_nested for t in (q, k, v)]
+    if not any(nested):
+        return False
+    for name, tensor in zip("qkv", (q, k, v)):
+        if isinstance(tensor, torch.Tensor) and tensor.is_nested \
+                and tensor.layout != torch.jagged:
+            raise BindingError(f"{name} is a nested tensor of the strided layout: {what} takes "
+                               "nested tensors of the jagged layout (torch.nested.nested_tensor"
+                               "(..., layout=torch.jagged))")
+    if not all(nested):
+        dense = [name for name, found in zip("qkv", nested) if not found]
+        jagged = [name for name, found in zip("qkv", nested) if found]
+        raise BindingTypeError(f"{dense[0]} must be a nested tensor of layout torch.jagged like "
+                               f"{' and '.join(jagged)}, or q, k and v all dense tensors")
+    return True
+
+
 def why_not_packed(spec: ir.AttentionIR) -> str | None:
     """Why a spec cannot run over a jagged batch, or ``None``."""
     for tensor in spec.tensors():

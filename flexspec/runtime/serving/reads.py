@@ -194,6 +194,12 @@ def paged_read(calls, q, cache, slots, *, scale=None, q_offset=None, return_lse:
     checked_cache(cache)
     read = checked_read_mode(read)
     slots = cache._slots(slots)
+    if not slots.numel():
+        raise BindingError("slots is empty: a paged call reads at least one slot")
+    if isinstance(q, torch.Tensor) and q.is_nested:
+        raise BindingError("q is a nested tensor: a paged call takes dense q [B, Hq, Q_LEN, D] "
+                           "with a row per slot (for rows of different lengths, pad q to the "
+                           "longest and give new_tokens)")
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != slots.shape[0]:
         raise BindingError(f"q must be [B, Hq, Q_LEN, D] with a row per slot (B = "
                            f"{slots.shape[0]}), got "

@@ -146,3 +146,36 @@ def test_the_packed_spec_reads_each_sequence_s_own_positions_and_lengths():
     assert "jagged_q_sequence[q] == jagged_kv_sequence[kv]" in text
     assert "jagged_q_position[q] + (jagged_kv_length[q] - jagged_q_length[q])" in text
     assert "alibi_slopes(H)[h]" in text  # a table sized by H keeps its shape
+
+
+def test_layouts_that_mix_or_are_strided_are_refused_saying_which():
+    """Dense q with jagged k and v, nested tensors of the strided layout, and a jagged batch
+    given to explain, reference or a paged call are flexspec errors that say what to give
+    (torch's own errors came out: 'relation is indeterminate', a missing 'add')."""
+    attn = flexspec.compile("causal")
+    jagged = torch.nested.nested_tensor([torch.randn(3, 4, 16), torch.randn(5, 4, 16)],
+                                        layout=torch.jagged).transpose(1, 2)
+    dense = torch.randn(2, 4, 5, 16)
+    with pytest.raises(flexspec.BindingTypeError, match="q must be a nested tensor of layout "
+                                                        "torch.jagged like k and v, or q, k and "
+                                                        "v all dense tensors"):
+        attn(dense, jagged, jagged)
+    with pytest.raises(flexspec.BindingTypeError, match="k must be a nested tensor of layout "
+                                                        "torch.jagged like q, or"):
+        attn(jagged, dense, dense)
+    with pytest.warns(UserWarning):  # torch's own, about the strided layout
+        strided = torch.nested.nested_tensor([torch.randn(3, 4, 16), torch.randn(5, 4, 16)])
+    with pytest.raises(flexspec.BindingError, match="q is a nested tensor of the strided "
+                                                    "layout: a call takes .* layout=torch.jagged"):
+        attn(strided, strided, strided)
+    with pytest.raises(flexspec.BindingError, match="explain takes dense q, k, v"):
+        attn.explain(jagged, jagged, jagged)
+    with pytest.raises(flexspec.BindingError, match="reference takes dense q, k, v"):
+        attn.reference(jagged, jagged, jagged)
+    cache = flexspec.PagedKVCache(pages=2, page_size=16, kv_heads=4, head_dim=16, slots=2,
+                                  max_pages=1)
+    with pytest.raises(flexspec.BindingError, match="q is a nested tensor: a paged call takes "
+                                                    "dense q"):
+        attn.paged(jagged, cache, torch.tensor([0, 1]))
+    with pytest.raises(flexspec.BindingError, match="slots is empty"):
+        attn.paged(dense[:0], cache, torch.zeros(0, dtype=torch.long))
