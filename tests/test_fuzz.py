@@ -343,3 +343,25 @@ def test_the_fuzzer_takes_every_spec_of_a_clean_file_through_the_stages(monkeypa
     assert fuzzer.run_one("file", text, random.Random(0), cli=False) == ("accepted", 6)
     library = fuzzer.load_text(text)
     assert staged == [str(library[name]) for name in library.specs]
+
+
+def test_the_serving_fuzzer_finds_nothing():
+    """A bounded run of ``python -m flexspec.testing.serving`` (random sequences of paged-cache
+    operations and reads against a model of the pool and the reference of each request alone;
+    its note has the run of 10^4 sequences)."""
+    from flexspec.testing.serving import fuzz_serving
+    report = fuzz_serving(max(40, int(200 * SCALE)), seed=2026, echo=lambda *a: None)
+    assert report.failures == [], report.failures[0][1]
+    assert report.reads > report.sequences // 2 and report.refused > 0, report.summary()
+
+
+def test_the_serving_fuzzer_reports_a_planted_bug(monkeypatch):
+    """The serving fuzzer can fail: an append that writes each token one position late (its
+    last into the next page) is caught by a read or by the model's books."""
+    from flexspec.runtime.serving.cache import PagedKVCache
+    from flexspec.testing.serving import fuzz_serving
+    physical = PagedKVCache.physical
+    monkeypatch.setattr(PagedKVCache, "physical",
+                        lambda self, slots, positions: physical(self, slots, positions + 1))
+    report = fuzz_serving(30, seed=3, echo=lambda *a: None)
+    assert report.failures, report.summary()

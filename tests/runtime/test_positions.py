@@ -834,3 +834,16 @@ def test_an_offset_out_of_range_is_refused_where_the_call_would_drop_its_positio
                 attn(q, k, k, q_offset=offset)
         torch.testing.assert_close(attn(q, k, k, q_offset=2**62 - 8),
                                    attn.reference(q, k, k, q_offset=2**62 - 8))
+
+
+def test_whether_rows_see_every_key_is_answered_per_query_length():
+    """A decoded row at position 4 of 5 keys under ``causal & window(4)`` sees every key, and
+    runs without the mask; two rows at the same offset do not (the second stands at 5, out of
+    the first key's window): kept without Q_LEN, the first answer ran them unmasked."""
+    attn = flexspec.compile("causal & window(4)")
+    generator = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(1, 2, 5, 8, generator=generator) for _ in range(2))
+    for q_len in (1, 2, 1):
+        q = torch.randn(1, 2, q_len, 8, generator=generator)
+        torch.testing.assert_close(attn(q, k, v, q_offset=4),
+                                   attn.reference(q, k, v, q_offset=4))

@@ -136,6 +136,9 @@ def test_what_a_jagged_batch_cannot_take_is_refused_with_the_reason():
         flexspec.compile("causal")(q, k, jagged([vs[1], vs[0]]))
     assert "batch size B" in why_not_packed(flexspec.loads(
         "mask m = kv < B * 4\nspec s = m")["s"].ir)
+    # a score that reads B counts as much as a mask: a batch laid end to end would see B = 1
+    assert "batch size B" in why_not_packed(flexspec.loads(
+        "score s(c: float = 1.0) = score + c * B\nspec t = causal + s")["t"].ir)
 
 
 def test_the_packed_spec_reads_each_sequence_s_own_positions_and_lengths():
