@@ -273,12 +273,10 @@ def _all_gather(tensor, dim: int, group):
 
 
 def _sizes_read(spec) -> set:
-    """The sizes (``Q_LEN``, ``KV_LEN``...) a spec's mask and score read, directly or in the
-    declared shapes of the tensors they read."""
-    found = ir.direct_vars(spec.mask) | ir.direct_vars(spec.score)
-    for tensor in spec.tensors():
-        found |= ir.free_vars(tensor)
-    return found
+    """The sizes (``Q_LEN``, ``KV_LEN``...) a spec's mask and score read in their expressions
+    (a binding declared ``[B, KV_LEN]`` is padded with the sequence, and read at the positions
+    the rows stand at: its size is no value the spec computes with)."""
+    return ir.direct_vars(spec.mask) | ir.direct_vars(spec.score)
 
 
 def _rows(blocks: torch.Tensor) -> torch.Tensor:

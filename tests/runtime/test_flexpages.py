@@ -209,3 +209,132 @@ def test_a_paged_decoding_plan_on_cuda_lists_every_page_where_its_spec_sees_ever
     assert state.every_page is listed and state.kernel.decoding
     assert state.kernel.options["num_stages"] == 3 and state.parts == 1
     assert flexpages.prepare(plan, plan.values(placed)).state.every_page is False  # the CPU
+
+
+def _paged_plan(text, q_len=1, page_size=16, heads=4, kv_heads=KV_HEADS, head_dim=DIM,
+                max_pages=4, extra=None, cuda=True, **compile_options):
+    """A paged plan planned on the CPU for read='in_place' (no veto), the request made a CUDA
+    one where ``cuda``, and the values of its bindings: ``(plan, values)``."""
+    import dataclasses
+    attn = flexspec.compile(text, **compile_options)
+    paged = flexspec.PagedKVCache(pages=3 * max_pages, page_size=page_size, kv_heads=kv_heads,
+                                  head_dim=head_dim, slots=3, max_pages=max_pages)
+    slots = torch.tensor([2, 0])
+    paged.append(slots, *(torch.randn(2, kv_heads, 20, head_dim) for _ in range(2)))
+    q = torch.randn(2, heads, q_len, head_dim)
+    plan, placed = attn._calls.paged_plan(q, paged.keys, paged.values, paged.tables(slots),
+                                          scale=None, bindings=extra or {}, q_offset=None,
+                                          return_lse=False, vetoes=False)
+    if cuda:
+        plan = dataclasses.replace(plan, request=dataclasses.replace(plan.request,
+                                                                     device_type="cuda"))
+    return plan, plan.values(placed)
+
+
+def test_a_paged_plan_s_state_says_how_its_reads_run():
+    """flexpages.prepare on synthetic CUDA requests (planned on the CPU): a decoded token on the
+    decoding kernel with its three stages; a chunk of fewer than 128 rows whose query heads per
+    key head are not a power of two on the main kernel, asked for by name; pages narrower than
+    128 read in tiles of the widest power of two dividing them, pages of 128 in the kernel's
+    own; options given to compile over flexspec's, in an entry of their own; a score reading no
+    binding made once; the CPU's reads compiled with static shapes."""
+    from flexspec.runtime import flexpages
+    plan, values = _paged_plan("causal + alibi")
+    state = flexpages.prepare(plan, values).state
+    assert state.kernel.decoding and state.kernel.options == {"num_stages": 3, "BLOCK_N": 16}
+    assert not state.static and state.parts == 1 and state.score_reads_kv and \
+        state.score_reads_h  # alibi's slopes are per head
+    plan, values = _paged_plan("causal + alibi", heads=6)  # three query heads a key head
+    state = flexpages.prepare(plan, values).state
+    assert not state.kernel.decoding
+    assert state.kernel.options == {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_N": 16}
+    plan, values = _paged_plan("causal", page_size=48, q_len=130, max_pages=3)
+    assert flexpages.prepare(plan, values).state.kernel.options == {"BLOCK_N": 16}
+    plan, values = _paged_plan("causal", page_size=128, q_len=130, max_pages=2)
+    assert flexpages.prepare(plan, values).state.kernel.options is None
+    plan, values = _paged_plan("causal", kernel_options={"BLOCK_N": 16, "num_warps": 2})
+    state = flexpages.prepare(plan, values).state
+    assert state.kernel.options == {"num_stages": 3, "BLOCK_N": 16, "num_warps": 2}
+    own, _ = _paged_plan("causal")
+    assert state.kernel.entry is not flexpages.prepare(own, values).state.kernel.entry
+    assert state.kernel.entry is flexpages.prepare(plan, values).state.kernel.entry
+    fixed, values = _paged_plan("causal + softcap(10)")
+    state = flexpages.prepare(fixed, values).state
+    assert state.score_varies is False and state.score_mod is not None
+    assert not state.score_reads_kv
+    heads, values = _paged_plan("causal + head_bias", extra={"bias": torch.ones(4)})
+    state = flexpages.prepare(heads, values).state
+    assert state.score_varies is True and state.score_reads_h
+    cpu, values = _paged_plan("causal", cuda=False)
+    state = flexpages.prepare(cpu, values).state
+    assert state.static and not state.kernel.decoding and not state.every_page
+
+
+
+def test_a_wide_pool_is_read_a_group_of_kv_heads_at_a_time_and_explain_says_so(monkeypatch):
+    """A pool inductor would index in int64 (the width rule lowered here to one KV head's
+    slice) decodes in groups of KV heads where the mask has one head, on the main kernel where
+    no group is narrow enough, and explain's kernel line says how the pool is read."""
+    from flexspec.runtime import flexattention, flexpages
+    plan, values = _paged_plan("causal")
+    one_head = plan.request.pages.positions * DIM
+
+    def wide(positions, dim, v_dim):
+        return positions * max(dim, v_dim) > one_head
+    for module in (flexpages, flexattention):
+        monkeypatch.setattr(module, "wide_keys", wide)
+    state = flexpages.prepare(plan, values).state
+    assert state.parts == KV_HEADS and state.kernel.decoding
+    explained = flexpages.kernel(dataclasses_replace_state(plan, state))
+    assert explained == (
+        "FlexAttention's decoding kernel over the pool in place, key tiles within pages of 16 "
+        "positions, one call per group of 1 KV heads (the pool holds 2**31 elements or more; "
+        "flexspec.workarounds: flex-decoding-wide-indices), every page a row's slot holds "
+        "listed (no exact mask built at each step; a decoded row sees every key it holds)")
+    for module in (flexpages, flexattention):  # no group narrow enough
+        monkeypatch.setattr(module, "wide_keys", lambda *args: True)
+    state = flexpages.prepare(plan, values).state
+    assert state.parts == 1 and not state.kernel.decoding
+    assert flexpages.kernel(dataclasses_replace_state(plan, state)) == (
+        "FlexAttention's main kernel over the pool in place, key tiles within pages of 16 "
+        "positions, every page a row's slot holds listed (no exact mask built at each step; "
+        "a decoded row sees every key it holds)")
+
+
+def dataclasses_replace_state(plan, state):
+    import dataclasses
+    return dataclasses.replace(plan, state=state)
+
+
+def test_what_flexattention_refuses_of_a_paged_call_in_full():
+    """flexpages.why_not and auto_veto on synthetic requests, their messages whole."""
+    import dataclasses
+
+    from flexspec.runtime import flexpages
+    plan, _ = _paged_plan("causal", head_dim=16)
+    request = plan.request
+    assert flexpages.why_not(request) is None and flexpages.auto_veto(request) is None
+    assert flexpages.why_not(dataclasses.replace(request, grads=True)) == (
+        "the pool is read in place for inference only (no backward pass); use read='gather' "
+        "to train through a paged cache")
+    small = dataclasses.replace(request, head_dim=8, v_head_dim=16)
+    assert flexpages.why_not(small) == ("FlexAttention's GPU kernels take heads of at least 16 "
+                                        "dimensions")
+    assert flexpages.why_not(dataclasses.replace(small, device_type="cpu")) is None
+    pages = dataclasses.replace(request, pages=dataclasses.replace(request.pages, page_size=24))
+    assert flexpages.why_not(pages) == (
+        "the pool is read in place in key tiles of a multiple of 16 positions, and its pages "
+        "hold 24: use pages of 16, 32, 64 or 128 positions, or read='gather'")
+    assert flexpages.auto_veto(dataclasses.replace(request, device_type="mps")) == (
+        "on mps, copying the sequences out of their pages costs less than compiling the "
+        "pool's read (read='in_place' reads in place)")
+    with pytest.raises(flexspec.BindingError) as caught:
+        flexpages.given_options({"BLOCK_N": 64}, 32)
+    assert str(caught.value) == (
+        "kernel_options BLOCK_N=64 is not a key tile that divides the cache's pages of 32 "
+        "positions (a key tile may not span two pages, and FlexAttention's are powers of two "
+        "from 16 to 128): give one of [16, 32], or leave BLOCK_N out (for other calls that "
+        "need it, compile the spec once more without it for the paged reads)")
+    with pytest.raises(flexspec.BindingError):
+        flexpages.given_options({"BLOCK_N": True}, 32)
+    assert flexpages.given_options(None, 32) == {}
