@@ -224,12 +224,18 @@ def paged(calls, q, cache, slots, *, scale=None, q_offset=None, return_lse: bool
         return paged_read(calls, q, cache, slots, scale=scale, q_offset=q_offset,
                           return_lse=return_lse, read=read, new_tokens=new_tokens,
                           bindings=bindings)(q)
+    if not isinstance(step, Step):
+        raise BindingTypeError(f"step must be a flexspec.Step, got {type(step).__name__}")
     if slots is not None or new_tokens is not None or q_offset is not None:
         raise BindingError("a paged call with a step takes slots, new_tokens and q_offset from "
                            "the step: give them to flexspec.Step(...)")
     if step.slots is None:
         raise BindingError("a paged call's step names the slots its rows read: "
                            "flexspec.Step(slots=...)")
+    twice = sorted(set(step.bindings) & set(bindings))
+    if twice:
+        raise BindingError(f"{', '.join(twice)} given to the call and to its step: give them "
+                           "once")
     if bindings:  # the layer's own bindings: a read of its own
         return paged_read(calls, q, cache, step.slots, scale=scale, q_offset=step.q_offset,
                           return_lse=return_lse, read=read, new_tokens=step.new_tokens,

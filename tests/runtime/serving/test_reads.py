@@ -622,6 +622,13 @@ def test_a_paged_step_s_refusals_say_what_to_do():
         flexspec.Step(slots=slots, kv_lengths=torch.tensor([3]))
     with pytest.raises(flexspec.BindingTypeError, match="cache must be a flexspec.PagedKVCache"):
         attn.paged(q, {}, step=step)
+    with pytest.raises(flexspec.BindingTypeError, match="step must be a flexspec.Step, got dict"):
+        attn.paged(q, paged, step={"slots": slots})
+    documents = flexspec.compile("causal & doc")
+    ids = torch.zeros(1, 32, dtype=torch.long)
+    with pytest.raises(flexspec.BindingError, match="doc_ids given to the call and to its "
+                                                    "step: give them once"):
+        documents.paged(q, paged, step=flexspec.Step(slots=slots, doc_ids=ids), doc_ids=ids)
 
 
 def test_explain_says_how_a_paged_call_reads_its_pages():
