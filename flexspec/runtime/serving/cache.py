@@ -238,7 +238,8 @@ class PagedKVCache:
         page = self.page_size
         flat, flat_giving = pages.reshape(-1).long(), giving.reshape(-1)
         any_given = flat_giving.any()
-        first = flat[flat_giving.to(torch.int8).argmax()]
+        # gathered by an index tensor: indexing by a 0-d tensor would read it on the host
+        first = flat.index_select(0, flat_giving.to(torch.int8).argmax().view(1)).squeeze(0)
         spare_free = self.free_count[0] > 0
         target = torch.where(flat_giving, flat, torch.where(
             any_given, first, torch.where(spare_free, self.free[0].long(), 0)))
