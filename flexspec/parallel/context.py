@@ -52,6 +52,15 @@ class ContextParallel:
             raise SpecError(f"'{attn.spec}' aligns its queries at the end of the keys, which a "
                             "shard of rows does not see: write it aligned at the start (causal "
                             "instead of causal_bottom_right) for context parallelism")
+        # torch.distributed.new_group gives the processes outside the group a sentinel
+        outside = group is dist.GroupMember.NON_GROUP_MEMBER
+        if not outside and group is not None and not isinstance(group, dist.ProcessGroup):
+            raise BindingTypeError(f"group must be a torch.distributed process group (or None "
+                                   f"for the default one), got {type(group).__name__}")
+        if outside or dist.get_rank(group) < 0:
+            raise BindingError("this process is not a rank of the group given: make the plan "
+                               "on the group's ranks only (torch.distributed.new_group(ranks) "
+                               "names them)")
         self.attn, self.group, self.seq_len = attn, group, seq_len
         self.ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
         # head-tail cuts the blocks into 2 x ranks runs

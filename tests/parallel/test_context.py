@@ -205,6 +205,13 @@ def test_bad_plans_and_shards_are_refused_with_what_to_do(tmp_path):
             ContextParallel(flexspec.compile("causal_bottom_right"), 300)
         with pytest.raises(flexspec.BindingError, match="seq_len must be a positive int"):
             ContextParallel(attn, 0)
+        with pytest.raises(flexspec.BindingTypeError, match="group must be a torch.distributed "
+                                                            "process group .* got str"):
+            ContextParallel(attn, 300, group="world")
+        # what torch.distributed.new_group gives a process outside the group
+        with pytest.raises(flexspec.BindingError, match="this process is not a rank of the "
+                                                        "group given"):
+            ContextParallel(attn, 300, group=dist.GroupMember.NON_GROUP_MEMBER)
         with pytest.raises(flexspec.BindingError, match="needs documents: the block count of "
                                                         "each document, 3 blocks in all"):
             ContextParallel(attn, 300, balance="per_document")
