@@ -272,3 +272,21 @@ def test_document_bounds_that_split_nothing_are_refused():
     step = flexspec.Step(cu_seqlens=torch.tensor([0, 3, 8]), max_seqlen=5)
     torch.testing.assert_close(attn(q, q, q, step=step), attn.reference(
         q, q, q, doc_ids=torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])))
+
+
+@pytest.mark.slow
+def test_a_warm_step_launch_checks_its_lookups_once_for_the_step():
+    """A later step's launch of a warm plan still checks the lookups of the step's tensors
+    (once, for every layer): document ids read at q + q_offset past their end are a flexspec
+    error that says so, not torch's IndexError (which a launch that skipped the check raised
+    on the CPU, and an out-of-bounds read on a GPU)."""
+    attn = flexspec.compile("causal & doc", backend="flex")
+    q, k, v = Shape(1, 2, 2, 130, 200, 8).qkv(0)
+    ids = torch.arange(200).unsqueeze(0) // 50
+    for offset in (0, 70):  # two steps: the plan is warm
+        step = flexspec.Step(q_offset=torch.tensor([offset]), doc_ids=ids)
+        torch.testing.assert_close(attn(q, k, v, step=step), attn.reference(
+            q, k, v, q_offset=offset, doc_ids=ids), rtol=1e-4, atol=1e-4)
+    step = flexspec.Step(q_offset=torch.tensor([71]), doc_ids=ids)  # row 129 reads ids[200]
+    with pytest.raises(flexspec.BindingError, match="doc_ids"):
+        attn(q, k, v, step=step)
