@@ -902,3 +902,19 @@ def test_a_partial_only_handle_lists_every_visible_tile_as_partial_cached_apart(
     # cached apart from the full form: asked for again, each handle finds its own
     assert partial.get(values, cpu) is listed and bound.get(values, cpu) is full
     assert block_masks.get(spec, sizes, values, cpu, partial.key) is listed
+
+
+def test_the_tables_listing_every_tile_are_kept_per_count_of_key_tiles():
+    """MaskCache.every_tile keeps its tables per grid: one cache asked at two key lengths with
+    the same query rows (16 and 70 keys in tiles of 16: one and five key tiles) lists each
+    length's own tiles. Kept without the count of key tiles, the second length would read the
+    first one's tables and leave keys out."""
+    cpu = torch.device("cpu")
+    block_masks = MaskCache("exact", (16, 16))
+    spec = spec_of("causal")
+    for kv_len, tiles in ((16, 1), (70, 5), (16, 1)):
+        sizes = {"B": 1, "H": 1, "Q_LEN": 3, "KV_LEN": kv_len}
+        every = block_masks.bind(spec, sizes, cpu, partial=True).every_tile({}, cpu)
+        assert every.kv_num_blocks.flatten().tolist() == [tiles]
+        assert every.kv_indices.shape[-1] == tiles
+        assert every.kv_indices[0, 0, 0, :tiles].tolist() == list(range(tiles))

@@ -290,3 +290,21 @@ def test_a_warm_step_launch_checks_its_lookups_once_for_the_step():
     step = flexspec.Step(q_offset=torch.tensor([71]), doc_ids=ids)  # row 129 reads ids[200]
     with pytest.raises(flexspec.BindingError, match="doc_ids"):
         attn(q, k, v, step=step)
+
+
+def test_a_launch_signature_tells_the_grad_modes_and_gradients_apart():
+    """A step's layers share a launch only where dynamo would run the same code: a no-grad
+    layer's launch is not reused under grad (as activation checkpointing recomputes a layer),
+    nor for inputs that require gradients, nor under inference mode."""
+    from flexspec.runtime.step import launch_signature
+    q = torch.randn(1, 2, 4, 8)
+    with torch.no_grad():
+        quiet = launch_signature(q, q, q, None, False)
+    loud = launch_signature(q, q, q, None, False)
+    with torch.inference_mode():
+        inferred = launch_signature(q, q, q, None, False)
+    needing = launch_signature(q.requires_grad_(), q, q, None, False)
+    assert len({quiet, loud, inferred, needing}) == 4
+    assert launch_signature(q, q, q, 0.5, False) != launch_signature(q, q, q, None, False)
+    assert launch_signature(q, q, q, None, True) != needing
+    assert launch_signature("q", q, q, None, False) is None
