@@ -235,6 +235,12 @@ def test_bad_plans_and_shards_are_refused_with_what_to_do(tmp_path):
             cp(cp.shard(q), k, cp.shard(v))
         torch.testing.assert_close(cp.unshard(cp(*(cp.shard(t) for t in (q, k, v)))),
                                    attn(q, k, v), rtol=1e-5, atol=1e-5)
+        # the padded keys' lengths are kept per batch size: a call of one row, then of two
+        # again (kept per device alone, the second size read the first one's lengths)
+        for rows in (slice(0, 1), slice(0, 2)):
+            torch.testing.assert_close(
+                cp.unshard(cp(*(cp.shard(t[rows]) for t in (q, k, v)))), attn(
+                    q[rows], k[rows], v[rows]), rtol=1e-5, atol=1e-5)
     finally:
         dist.destroy_process_group()
 
