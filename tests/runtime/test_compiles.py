@@ -345,3 +345,19 @@ def test_a_mask_reading_rows_of_keys_compiles_for_new_lengths_on_the_cpu_or_runs
         expected = auto.reference(q, cache_k[:, :, :n], cache_v[:, :, :n], q_offset=n - 128,
                                   valid=valid[:, :n])
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_second_plan_of_a_compiled_shape_with_more_keys_than_rows_compiles_nothing():
+    """A compiled entry remembers the (Q_LEN, KV_LEN) it first compiled for, and a new plan of
+    that very shape (a second model of the spec, a chunk of 130 rows over 200 keys) must not
+    mark its lengths dynamic: remembered the other way round, it compiled again."""
+    q, k, v = Shape(1, 2, 2, 130, 200, 16).qkv(0)
+    before = graphs()
+    with torch.no_grad():
+        for _ in range(2):
+            attn = flexspec.compile("causal & window(64)")
+            torch.testing.assert_close(attn(q, k, v, q_offset=70),
+                                       attn.reference(q, k, v, q_offset=70),
+                                       rtol=1e-4, atol=1e-4)
+    assert graphs() - before == 1
