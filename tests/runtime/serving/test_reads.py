@@ -460,7 +460,9 @@ def test_a_pool_too_wide_for_one_decoding_call_is_read_a_group_of_kv_heads_at_a_
     with torch.no_grad():
         read = attn.paged_read(q, paged, torch.tensor(slots), return_lse=True, **extra)
         out, lse = read(q)
+        alone = attn.paged_read(q, paged, torch.tensor(slots), **extra)(q)  # no log-sum-exp
     assert read._plan.state.parts == KV_HEADS
+    torch.testing.assert_close(alone, out)
     for row, length in enumerate(lengths):
         alone = {name: value[row:row + 1, :length] for name, value in extra.items()}
         expected, expected_lse = attn.reference(
